@@ -1,0 +1,73 @@
+// The attention API: forward and backward over a slice mask, dispatched by device and backend.
+//
+// Layout is packed "thd" (SPEC section 1): q [Tq, Hq, D], k/v [Tk, Hkv, D], out [Tq, Hq, D], lse [Tq, Hq].
+// Callers own every output buffer; the library never allocates them, so the same call can later run
+// asynchronously on a GPU stream.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string_view>
+
+#include "magi/mask.hpp"
+#include "magi/tensor.hpp"
+
+namespace magi {
+
+enum class SinkLayout : int32_t {
+  None,
+  SH,   // sink [S, Hq], shared by every row
+  SSH,  // sink [Tq, S, Hq], one set per row
+};
+std::string_view to_string(SinkLayout layout);
+SinkLayout parse_sink_layout(std::string_view text, std::string_view what = "sink layout");
+
+enum class Backend : int32_t {
+  Auto,       // CUDA for device tensors, CPU engine for host tensors; env MAGI_ATTENTION_KERNEL_BACKEND
+  Cpu,        // blocked flash engine on the CPU
+  Cuda,       // GPU kernels
+  Reference,  // exact engine: fp64 accumulation (CPU for host tensors)
+};
+std::string_view to_string(Backend backend);
+Backend parse_backend(std::string_view text, std::string_view what = "backend");
+
+struct AttentionOptions {
+  std::optional<double> softmax_scale;  // default D^-0.5
+  double softcap = 0.0;                 // > 0 enables s = softcap * tanh(s / softcap)
+  SinkLayout sink_layout = SinkLayout::None;
+  Backend backend = Backend::Auto;
+  std::optional<bool> deterministic;    // default: MAGI_ATTENTION_DETERMINISTIC_MODE
+  int32_t num_threads = 0;              // CPU engine: 0 = all cores
+};
+
+// Opaque stream handle (cudaStream_t for the CUDA backend; ignored on the CPU).
+using StreamHandle = void*;
+
+struct ForwardArgs {
+  TensorView q, k, v;    // bf16 | fp16 | fp32 | fp64, all the same dtype
+  TensorView sink;       // optional, fp32: [S, Hq] (sh) or [Tq, S, Hq] (ssh)
+  TensorView out;        // [Tq, Hq, D], dtype of q or fp32
+  TensorView lse;        // [Tq, Hq], fp32 (fp64 allowed for fp64 inputs)
+  TensorView max_logits; // optional [Hq] fp32: max of s over each head's kept cells (-inf if none)
+};
+
+struct BackwardArgs {
+  TensorView q, k, v;
+  TensorView out, lse;   // as returned by forward (lse includes the sink)
+  TensorView dout;       // like out
+  TensorView sink;       // optional, as in forward
+  TensorView dq, dk, dv; // like q, k, v (fp32 also accepted)
+  TensorView dsink;      // required iff sink is given: like sink, fp32
+};
+
+// Validates arguments (throws InvalidArgument naming the argument), then computes.
+void forward(const Mask& mask, const ForwardArgs& args, const AttentionOptions& options = {},
+             StreamHandle stream = nullptr);
+void backward(const Mask& mask, const BackwardArgs& args, const AttentionOptions& options = {},
+              StreamHandle stream = nullptr);
+
+// The backend `forward` would use for these tensors and options (after env overrides).
+Backend resolve_backend(const AttentionOptions& options, Device device);
+
+}  // namespace magi

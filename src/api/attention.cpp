@@ -1,0 +1,282 @@
+// The API edge: validate every argument (naming it), resolve options and backend, fetch the cached plan,
+// dispatch. Engines behind this file trust their inputs.
+#include "magi/attention.hpp"
+
+#include <cmath>
+#include <list>
+#include <mutex>
+#include <sstream>
+#include <string>
+
+#include "cpu/engine.hpp"
+#include "magi/env.hpp"
+#include "magi/error.hpp"
+
+namespace magi {
+
+std::string_view to_string(SinkLayout layout) {
+  switch (layout) {
+    case SinkLayout::None: return "none";
+    case SinkLayout::SH: return "sh";
+    case SinkLayout::SSH: return "ssh";
+  }
+  return "?";
+}
+
+SinkLayout parse_sink_layout(std::string_view text, std::string_view what) {
+  if (text == "none") return SinkLayout::None;
+  if (text == "sh") return SinkLayout::SH;
+  if (text == "ssh") return SinkLayout::SSH;
+  throw InvalidArgument(std::string(what) + ": unknown sink layout '" + std::string(text) +
+                        "' (allowed: sh, ssh, none)");
+}
+
+std::string_view to_string(Backend backend) {
+  switch (backend) {
+    case Backend::Auto: return "auto";
+    case Backend::Cpu: return "cpu";
+    case Backend::Cuda: return "cuda";
+    case Backend::Reference: return "reference";
+  }
+  return "?";
+}
+
+Backend parse_backend(std::string_view text, std::string_view what) {
+  if (text == "auto") return Backend::Auto;
+  if (text == "cpu") return Backend::Cpu;
+  if (text == "cuda") return Backend::Cuda;
+  if (text == "reference") return Backend::Reference;
+  throw InvalidArgument(std::string(what) + ": unknown backend '" + std::string(text) +
+                        "' (allowed: auto, cpu, cuda, reference)");
+}
+
+Backend resolve_backend(const AttentionOptions& options, Device device) {
+  env::ensure_validated();
+  Backend backend = options.backend;
+  if (backend == Backend::Auto) {
+    const bool exact = env::get_bool("MAGI_ATTENTION_SDPA_BACKEND") ||
+                       env::get_string("MAGI_ATTENTION_KERNEL_BACKEND") == "sdpa";
+    if (exact) backend = Backend::Reference;
+    else backend = device.type == DeviceType::CUDA ? Backend::Cuda : Backend::Cpu;
+  }
+  if (backend == Backend::Cpu && device.type != DeviceType::CPU)
+    throw InvalidArgument("backend cpu needs host tensors, but the tensors are on a CUDA device");
+  if (backend == Backend::Cuda && device.type != DeviceType::CUDA)
+    throw InvalidArgument("backend cuda needs CUDA device tensors, but the tensors are on the CPU");
+  if (device.type == DeviceType::CUDA)
+    throw NotAvailable("CUDA tensors given, but this build has no CUDA backend yet (allowed: CPU tensors)");
+  return backend;
+}
+
+namespace {
+
+// ---- argument validation ----
+
+struct Shapes {
+  int64_t tq = 0, tk = 0, hq = 0, hkv = 0, d = 0;
+};
+
+std::string describe(const TensorView& t) {
+  return std::string(to_string(t.dtype)) + " " + shape_string(t);
+}
+
+void require_defined(const TensorView& t, const char* name) {
+  if (t.ndim == 0) throw InvalidArgument(std::string(name) + " is required but was not given");
+  for (int i = 0; i < t.ndim; ++i)
+    if (t.shape[i] < 0) throw InvalidArgument(std::string(name) + ": negative dimension in " + shape_string(t));
+  if (t.data == nullptr && t.numel() > 0) throw InvalidArgument(std::string(name) + ": null data pointer");
+}
+
+void require_shape(const TensorView& t, const char* name, std::initializer_list<int64_t> dims,
+                   const char* expected) {
+  require_defined(t, name);
+  bool ok = t.ndim == static_cast<int>(dims.size());
+  int i = 0;
+  for (int64_t d : dims) ok = ok && t.shape[i++] == d;
+  if (!ok)
+    throw InvalidArgument(std::string(name) + ": expected shape " + expected + " = " +
+                          shape_string(TensorView(nullptr, t.dtype, dims)) + ", got " + shape_string(t));
+}
+
+void require_dtype(const TensorView& t, const char* name, std::initializer_list<DType> allowed) {
+  for (DType d : allowed)
+    if (t.dtype == d) return;
+  std::string list;
+  for (DType d : allowed) list += (list.empty() ? "" : ", ") + std::string(to_string(d));
+  throw InvalidArgument(std::string(name) + ": dtype " + std::string(to_string(t.dtype)) +
+                        " is not allowed here (allowed: " + list + ")");
+}
+
+void require_device(const TensorView& t, const char* name, Device device) {
+  if (!(t.device == device))
+    throw InvalidArgument(std::string(name) + ": all tensors must be on the same device as q");
+}
+
+Shapes check_qkv(const Mask& mask, const TensorView& q, const TensorView& k, const TensorView& v) {
+  require_defined(q, "q");
+  require_defined(k, "k");
+  require_defined(v, "v");
+  if (q.ndim != 3) throw InvalidArgument("q: expected shape [Tq, Hq, D], got " + shape_string(q));
+  if (k.ndim != 3) throw InvalidArgument("k: expected shape [Tk, Hkv, D], got " + shape_string(k));
+  Shapes s{q.shape[0], k.shape[0], q.shape[1], k.shape[1], q.shape[2]};
+  require_dtype(q, "q", {DType::BF16, DType::F16, DType::F32, DType::F64});
+  if (k.dtype != q.dtype || v.dtype != q.dtype)
+    throw InvalidArgument("k, v: dtype must equal q's (" + std::string(to_string(q.dtype)) + "), got k " +
+                          describe(k) + ", v " + describe(v));
+  require_shape(k, "k", {s.tk, s.hkv, s.d}, "[Tk, Hkv, D]");
+  require_shape(v, "v", {s.tk, s.hkv, s.d}, "[Tk, Hkv, D] (same as k)");
+  require_device(k, "k", q.device);
+  require_device(v, "v", q.device);
+  if (s.hq <= 0 || s.hkv <= 0) throw InvalidArgument("q, k: head counts must be positive, got Hq=" +
+                                                     std::to_string(s.hq) + ", Hkv=" + std::to_string(s.hkv));
+  if (s.hq % s.hkv != 0)
+    throw InvalidArgument("q, k: Hq (" + std::to_string(s.hq) + ") must be a multiple of Hkv (" +
+                          std::to_string(s.hkv) + ")");
+  if (s.d <= 0 || s.d % 8 != 0)
+    throw InvalidArgument("q: head dim D must be a positive multiple of 8, got " + std::to_string(s.d));
+  if (s.tq > INT32_MAX || s.tk > INT32_MAX) throw InvalidArgument("q, k: token counts must fit in int32");
+  if (mask.total_q != s.tq || mask.total_k != s.tk)
+    throw InvalidArgument("mask: total_q x total_k is " + std::to_string(mask.total_q) + " x " +
+                          std::to_string(mask.total_k) + " but q and k have " + std::to_string(s.tq) + " x " +
+                          std::to_string(s.tk) + " tokens");
+  return s;
+}
+
+void check_sink(const TensorView& sink, const char* name, SinkLayout layout, const Shapes& s, Device device) {
+  if (layout == SinkLayout::None) {
+    if (sink.ndim != 0) throw InvalidArgument(std::string(name) + " given but options.sink_layout is none (allowed: sh, ssh)");
+    return;
+  }
+  require_defined(sink, name);
+  require_dtype(sink, name, {DType::F32});
+  require_device(sink, name, device);
+  const int64_t n_sink = layout == SinkLayout::SH ? sink.shape[0] : sink.shape[1];
+  if (layout == SinkLayout::SH) require_shape(sink, name, {n_sink, s.hq}, "[S, Hq] (layout sh)");
+  else require_shape(sink, name, {s.tq, sink.ndim > 1 ? sink.shape[1] : 0, s.hq}, "[Tq, S, Hq] (layout ssh)");
+  if (n_sink < 1) throw InvalidArgument(std::string(name) + ": the number of sink tokens S must be >= 1");
+}
+
+cpu::EngineOptions engine_options(const AttentionOptions& o, const Shapes& s, DType dtype, Backend backend) {
+  if (o.softmax_scale && !std::isfinite(*o.softmax_scale))
+    throw InvalidArgument("softmax_scale must be finite, got " + std::to_string(*o.softmax_scale));
+  if (!std::isfinite(o.softcap) || o.softcap < 0)
+    throw InvalidArgument("softcap must be finite and >= 0 (0 = off), got " + std::to_string(o.softcap));
+  if (o.num_threads < 0) throw InvalidArgument("num_threads must be >= 0 (0 = all cores)");
+  cpu::EngineOptions e;
+  e.softmax_scale = o.softmax_scale.value_or(1.0 / std::sqrt(static_cast<double>(s.d)));
+  e.softcap = o.softcap;
+  e.sink_layout = o.sink_layout;
+  e.accumulate_fp64 = backend == Backend::Reference || dtype == DType::F64;
+  e.num_threads = o.num_threads;
+  return e;
+}
+
+// ---- plan cache: plans are keyed by the full mask and shapes (compared exactly, not only hashed) ----
+
+struct PlanKey {
+  std::vector<Slice> slices;
+  int32_t total_q, total_k, hq, hkv, d;
+  bool operator==(const PlanKey&) const = default;
+};
+
+class PlanCache {
+ public:
+  std::shared_ptr<const cpu::Plan> get(const Mask& mask, const Shapes& s) {
+    PlanKey key{mask.slices, mask.total_q, mask.total_k, static_cast<int32_t>(s.hq),
+                static_cast<int32_t>(s.hkv), static_cast<int32_t>(s.d)};
+    {
+      std::lock_guard lock(mutex_);
+      for (auto it = entries_.begin(); it != entries_.end(); ++it) {
+        if (it->first == key) {
+          entries_.splice(entries_.begin(), entries_, it);  // most recently used first
+          return it->second;
+        }
+      }
+    }
+    validate(mask);  // full check (incl. overlap) once per distinct mask
+    auto plan = cpu::make_plan(mask, key.hq, key.hkv, key.d);
+    std::lock_guard lock(mutex_);
+    entries_.emplace_front(std::move(key), plan);
+    if (entries_.size() > kCapacity) entries_.pop_back();
+    return plan;
+  }
+
+ private:
+  static constexpr size_t kCapacity = 16;
+  std::mutex mutex_;
+  std::list<std::pair<PlanKey, std::shared_ptr<const cpu::Plan>>> entries_;
+};
+
+PlanCache& plan_cache() {
+  static PlanCache cache;
+  return cache;
+}
+
+std::shared_ptr<const cpu::Plan> plan_for(const Mask& mask, const Shapes& s) {
+  validate_bounds(mask);  // cheap; protects memory even when the overlap check is cached
+  if (env::get_bool("MAGI_ATTENTION_SANITY_CHECK")) validate(mask);
+  return plan_cache().get(mask, s);
+}
+
+}  // namespace
+
+void forward(const Mask& mask, const ForwardArgs& a, const AttentionOptions& options, StreamHandle /*stream*/) {
+  env::ensure_validated();
+  const Shapes s = check_qkv(mask, a.q, a.k, a.v);
+  const Backend backend = resolve_backend(options, a.q.device);
+  require_shape(a.out, "out", {s.tq, s.hq, s.d}, "[Tq, Hq, D]");
+  require_dtype(a.out, "out", {a.q.dtype, DType::F32});
+  require_device(a.out, "out", a.q.device);
+  require_shape(a.lse, "lse", {s.tq, s.hq}, "[Tq, Hq]");
+  if (a.q.dtype == DType::F64) require_dtype(a.lse, "lse", {DType::F32, DType::F64});
+  else require_dtype(a.lse, "lse", {DType::F32});
+  require_device(a.lse, "lse", a.q.device);
+  check_sink(a.sink, "sink", options.sink_layout, s, a.q.device);
+  if (a.max_logits.ndim != 0) {
+    require_shape(a.max_logits, "max_logits", {s.hq}, "[Hq]");
+    require_dtype(a.max_logits, "max_logits", {DType::F32});
+    require_device(a.max_logits, "max_logits", a.q.device);
+  }
+  const cpu::EngineOptions eo = engine_options(options, s, a.q.dtype, backend);
+  const auto plan = plan_for(mask, s);
+  cpu::forward(*plan, a, eo);
+}
+
+void backward(const Mask& mask, const BackwardArgs& a, const AttentionOptions& options, StreamHandle /*stream*/) {
+  env::ensure_validated();
+  const Shapes s = check_qkv(mask, a.q, a.k, a.v);
+  const Backend backend = resolve_backend(options, a.q.device);
+  const DType dt = a.q.dtype;
+  require_shape(a.out, "out", {s.tq, s.hq, s.d}, "[Tq, Hq, D]");
+  require_dtype(a.out, "out", {dt, DType::F32});
+  require_shape(a.dout, "dout", {s.tq, s.hq, s.d}, "[Tq, Hq, D]");
+  require_dtype(a.dout, "dout", {dt, DType::F32});
+  require_shape(a.lse, "lse", {s.tq, s.hq}, "[Tq, Hq]");
+  if (dt == DType::F64) require_dtype(a.lse, "lse", {DType::F32, DType::F64});
+  else require_dtype(a.lse, "lse", {DType::F32});
+  require_shape(a.dq, "dq", {s.tq, s.hq, s.d}, "[Tq, Hq, D] (like q)");
+  require_dtype(a.dq, "dq", {dt, DType::F32});
+  require_shape(a.dk, "dk", {s.tk, s.hkv, s.d}, "[Tk, Hkv, D] (like k)");
+  require_dtype(a.dk, "dk", {dt, DType::F32});
+  require_shape(a.dv, "dv", {s.tk, s.hkv, s.d}, "[Tk, Hkv, D] (like v)");
+  require_dtype(a.dv, "dv", {dt, DType::F32});
+  for (auto [t, name] : {std::pair{&a.out, "out"}, {&a.dout, "dout"}, {&a.lse, "lse"}, {&a.dq, "dq"},
+                         {&a.dk, "dk"}, {&a.dv, "dv"}})
+    require_device(*t, name, a.q.device);
+  check_sink(a.sink, "sink", options.sink_layout, s, a.q.device);
+  if (options.sink_layout != SinkLayout::None) {
+    require_dtype(a.dsink, "dsink", {DType::F32});
+    if (a.dsink.ndim != a.sink.ndim || a.dsink.shape != a.sink.shape)
+      throw InvalidArgument("dsink: expected the shape of sink " + shape_string(a.sink) + ", got " +
+                            shape_string(a.dsink));
+    require_defined(a.dsink, "dsink");
+    require_device(a.dsink, "dsink", a.q.device);
+  } else if (a.dsink.ndim != 0) {
+    throw InvalidArgument("dsink given but options.sink_layout is none (allowed: sh, ssh)");
+  }
+  const cpu::EngineOptions eo = engine_options(options, s, dt, backend);
+  const auto plan = plan_for(mask, s);
+  cpu::backward(*plan, a, eo);
+}
+
+}  // namespace magi

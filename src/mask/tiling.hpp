@@ -1,0 +1,40 @@
+// Block classification shared by every backend (CPU engine now, GPU planners later): which rectangles
+// of which slices a tile of rows (or of keys) must visit, and whether a rectangle needs element masking.
+// Tiles that no slice touches get no work, so cost follows the mask area.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "magi/mask.hpp"
+
+namespace magi::tiling {
+
+// Rows `q` of slice `slice` against keys `k`. Every kept cell of the slice inside q x k is covered;
+// needs_mask is false only when every cell of q x k is kept (no per-element test needed).
+struct TileWork {
+  int32_t slice = 0;
+  Range q;
+  Range k;
+  bool needs_mask = true;
+};
+
+// CSR lists: the work of major tile t is items[offsets[t] .. offsets[t + 1]).
+struct TileLists {
+  int32_t tile_major = 0;  // rows per tile along the major axis (q for by_q_tile, k for by_k_tile)
+  int32_t tile_minor = 0;  // max extent of one item along the other axis
+  std::vector<int64_t> offsets;
+  std::vector<TileWork> items;
+
+  int64_t num_tiles() const { return offsets.empty() ? 0 : static_cast<int64_t>(offsets.size()) - 1; }
+};
+
+// Major axis q: tile t covers rows [t * tile_q, min((t+1) * tile_q, total_q)). For each slice touching the
+// tile (in slice-index order), the tile's rows in the slice and the union of their kept keys, cut into
+// chunks of at most tile_k keys (ascending). Items with no kept cell are omitted. Deterministic.
+TileLists by_q_tile(const Mask& mask, int32_t tile_q, int32_t tile_k);
+
+// Major axis k: the transpose (tile over keys, chunks of at most tile_q rows), for dk/dv accumulation.
+TileLists by_k_tile(const Mask& mask, int32_t tile_k, int32_t tile_q);
+
+}  // namespace magi::tiling
