@@ -16,9 +16,9 @@ enum class MaskType : int32_t {
   BiCausal = 3,   // both
 };
 
-// "full" | "causal" | "inv_causal" | "bi_causal"
+// "full" | "causal" | "inv_causal" | "bi_causal". Throws InvalidArgument for an id outside 0..3.
 std::string_view to_string(MaskType type);
-// Accepts the names above and the ids "0".."3". Throws InvalidArgument naming `what`.
+// Accepts the names above (any letter case) and the ids "0".."3". Throws InvalidArgument naming `what`.
 MaskType parse_mask_type(std::string_view text, std::string_view what = "mask type");
 
 // Half-open [start, end) over token indices.
@@ -81,44 +81,63 @@ struct Mask {
   double density() const;         // area / (total_q * total_k), 0 for an empty grid
 };
 
-// Full validation (SPEC section 2): ranges inside [0, total), start <= end, known types, and no two
-// slices whose kept areas overlap. Throws InvalidArgument naming the offending slice index(es).
+// Full validation (SPEC section 2): total_q/total_k >= 0, known types, 0 <= start <= end <= total for
+// every range, and no two slices whose kept areas overlap (exact, decided per pair from the kept
+// intervals; bounding boxes may overlap). Empty slices are legal. Throws InvalidArgument naming the
+// offending slice index(es), e.g. "slices 2 and 7 overlap at (q=5, k=3)". O(N log N + candidate pairs),
+// where candidates are pairs whose kept bounding boxes intersect.
 void validate(const Mask& mask);
-// Same without the overlap check (O(N log N) instead of the area sweep); used when sanity checks are off.
+// Same without the overlap check (O(N)); used when sanity checks are off.
 void validate_bounds(const Mask& mask);
 
-// ---- builders (each returns a valid mask) ----
+// ---- builders (each returns a valid mask; exact kept sets below, q and k global indices) ----
+// Arguments are checked: sizes >= 0, results must fit int32, cu_seqlens start at 0 and never decrease.
+// Builders over documents emit a fixed structure (listed per builder) even where a slice is empty.
 namespace masks {
 
+// Every (q, k) with q < total_q, k < total_k. One FULL slice.
 Mask full(int32_t total_q, int32_t total_k);
-Mask causal(int32_t total_q, int32_t total_k);  // bottom-right aligned
-// cu_seqlens: prefix sums starting at 0, one entry more than documents.
+// k <= q + (total_k - total_q) (bottom-right aligned). One CAUSAL slice.
+Mask causal(int32_t total_q, int32_t total_k);
+// cu_seqlens: prefix sums starting at 0, one entry more than documents; q and k lists must have the same
+// number of entries. Document d pairs q [cu_q[d], cu_q[d+1]) with k [cu_k[d], cu_k[d+1]); slice d is
+// document d (FULL, or CAUSAL bottom-right aligned inside the document). total_q/k = last entries.
 Mask varlen_full(const std::vector<int32_t>& cu_seqlens_q, const std::vector<int32_t>& cu_seqlens_k);
 Mask varlen_causal(const std::vector<int32_t>& cu_seqlens_q, const std::vector<int32_t>& cu_seqlens_k);
 Mask varlen_full(const std::vector<int32_t>& cu_seqlens);    // self-attention: q and k share lengths
 Mask varlen_causal(const std::vector<int32_t>& cu_seqlens);
-// Each query q sees keys k with q - left <= k <= q + right (self-attention over total tokens), decomposed
-// into FULL / CAUSAL / INV_CAUSAL / BI_CAUSAL slices. left/right < 0 mean unbounded.
+// Self-attention over `total` tokens: q keeps k with q - left <= k <= q + right (and 0 <= k < total).
+// left/right < 0 mean unbounded. Decomposed into at most 3 non-empty slices over consecutive row bands
+// (FULL / CAUSAL / INV_CAUSAL / BI_CAUSAL depending on which window edges are clipped by the sequence).
 Mask sliding_window(int32_t total, int32_t left, int32_t right);
-// Varlen sliding window: the window applies inside each document.
+// The same window inside each document of cu_seqlens (never across documents); slices in document order.
 Mask varlen_sliding_window(const std::vector<int32_t>& cu_seqlens, int32_t left, int32_t right);
-// Blocks of `block` tokens: a query sees every key of its own block and of all earlier blocks.
+// Blocks [b*block, min((b+1)*block, total)): a query keeps every key k < end of its own block.
+// One FULL slice per block (q block x k prefix). block > 0.
 Mask block_causal(int32_t total, int32_t block);
-// Block-causal inside each document.
+// Block-causal inside each document: blocks start at the document start; a query keeps keys from the
+// document start to the end of its own block. One FULL slice per block, documents in order.
 Mask varlen_block_causal(const std::vector<int32_t>& cu_seqlens, int32_t block);
-// A shared prefix of `question` tokens followed by answers of the given lengths: the question is causal,
-// each answer sees the question (full) and itself (causal), never another answer.
+// Tokens: the question [0, question), then answer a at [s_a, e_a) (lengths `answers`, in order).
+// Question rows keep k <= q (causal). Answer rows keep the whole question and k in [s_a, q]; never another
+// answer. Slices: CAUSAL question, then per answer FULL (answer x question) and CAUSAL (answer x itself).
 Mask shared_question(int32_t question, const std::vector<int32_t>& answers);
-// The first `global` tokens are seen by every query and see every key (causally: k <= q); every other
-// query also sees a causal window of `window` keys before it.
+// Rows q < global keep k <= q. Rows q >= global keep every k < global plus max(global, q - window) <= k <= q
+// (themselves and the `window` tokens before them, excluding the global ones already kept).
+// Slices: CAUSAL global x global, FULL rest x global, then the sliding window (left = window, right = 0)
+// on the rest. 0 <= global <= total, window >= 0.
 Mask global_sliding_window(int32_t total, int32_t global, int32_t window);
 
 }  // namespace masks
 
 // ---- JSON form ----
 // {"q_ranges": [[s,e],...], "k_ranges": [[s,e],...], "attn_type_map": [0 | "causal", ...],
-//  "total_q": N?, "total_k": N?}   (totals default to the max range end)
+//  "total_q": N?, "total_k": N?}
+// All three lists are required and have one entry per slice; types are ids 0..3 or names (to_string).
+// Totals default to the largest range end (0 without slices). Other keys are rejected. The result is
+// validate()d; every error is an InvalidArgument naming the key and the entry index.
 Mask mask_from_json(std::string_view json_text);
+// Compact one-line JSON with integer type ids and explicit totals; mask_from_json reads it back equal.
 std::string mask_to_json(const Mask& mask);
 
 }  // namespace magi

@@ -54,9 +54,7 @@ Backend resolve_backend(const AttentionOptions& options, Device device) {
   env::ensure_validated();
   Backend backend = options.backend;
   if (backend == Backend::Auto) {
-    const bool exact = env::get_bool("MAGI_ATTENTION_SDPA_BACKEND") ||
-                       env::get_string("MAGI_ATTENTION_KERNEL_BACKEND") == "sdpa";
-    if (exact) backend = Backend::Reference;
+    if (env::kernel_backend() == env::KernelBackend::Sdpa) backend = Backend::Reference;
     else backend = device.type == DeviceType::CUDA ? Backend::Cuda : Backend::Cpu;
   }
   if (backend == Backend::Cpu && device.type != DeviceType::CPU)

@@ -28,12 +28,13 @@ std::string Options::allowed_list() const {
 }
 
 void Options::parse(std::span<const std::string> args) {
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& arg = args[i];
+  for (const std::string& arg : args)
     if (arg == "--help" || arg == "-h") {
       help_requested_ = true;
       return;
     }
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& arg = args[i];
     if (arg.size() < 3 || arg.compare(0, 2, "--") != 0)
       throw InvalidArgument(command_ + ": unexpected argument '" + arg + "' (options are --name value; allowed: " +
                             allowed_list() + ")");
@@ -49,7 +50,7 @@ void Options::parse(std::span<const std::string> args) {
     if (values_.count(name)) throw InvalidArgument(command_ + ": option --" + name + " given twice");
     if (spec->value_name.empty()) {
       if (inline_value) throw InvalidArgument(command_ + ": option --" + name + " takes no value");
-      values_[name] = "1";
+      values_.emplace(name, std::string(1, '1'));
       continue;
     }
     if (inline_value) {

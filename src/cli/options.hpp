@@ -23,8 +23,8 @@ class Options {
   // `command` is used in messages ("magi-attn run"); `synopsis` and `description` head the help text.
   Options(std::string command, std::string synopsis, std::string description, std::vector<OptionSpec> specs);
 
-  // Parses the arguments that follow the subcommand name. `--help` / `-h` sets help_requested() and
-  // stops parsing, so a help request is honoured even next to a bad option.
+  // Parses the arguments that follow the subcommand name. `--help` / `-h` anywhere sets
+  // help_requested() and nothing else is parsed, so help is honoured even next to a bad option.
   void parse(std::span<const std::string> args);
 
   bool help_requested() const { return help_requested_; }

@@ -31,10 +31,13 @@ struct TileLists {
 
 // Major axis q: tile t covers rows [t * tile_q, min((t+1) * tile_q, total_q)). For each slice touching the
 // tile (in slice-index order), the tile's rows in the slice and the union of their kept keys, cut into
-// chunks of at most tile_k keys (ascending). Items with no kept cell are omitted. Deterministic.
+// chunks of at most tile_k keys (ascending) at multiples of tile_k, so each item lies inside one k tile;
+// each item's rows are trimmed to those keeping a key of its chunk. Items with no kept cell are omitted.
+// Deterministic.
 TileLists by_q_tile(const Mask& mask, int32_t tile_q, int32_t tile_k);
 
-// Major axis k: the transpose (tile over keys, chunks of at most tile_q rows), for dk/dv accumulation.
+// Major axis k: the transpose (tile over keys, chunks of at most tile_q rows cut at multiples of tile_q,
+// keys trimmed likewise), for dk/dv accumulation.
 TileLists by_k_tile(const Mask& mask, int32_t tile_k, int32_t tile_q);
 
 }  // namespace magi::tiling

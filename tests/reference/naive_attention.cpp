@@ -140,6 +140,7 @@ ReferenceGrads reference_backward(const ReferenceProblem& p, const std::vector<d
   g.dk.assign(p.k.size(), 0.0);
   g.dv.assign(p.v.size(), 0.0);
   g.dsink.assign(p.sink.size(), 0.0);
+  g.dsink_magnitude.assign(p.sink.size(), 0.0);
   for (int32_t t = 0; t < tq; ++t) {
     for (int32_t h = 0; h < hq; ++h) {
       const RowState r = ev.row(t, h);
@@ -184,8 +185,11 @@ ReferenceGrads reference_backward(const ReferenceProblem& p, const std::vector<d
       const std::vector<double> sink = ev.sinks(t, h);
       for (int32_t s = 0; s < p.sink_len; ++s) {
         const double ds = -std::exp(sink[s] - r.lse) * delta;
-        if (p.sink_layout == SinkLayout::SH) g.dsink[static_cast<std::size_t>(s) * hq + h] += ds;
-        if (p.sink_layout == SinkLayout::SSH) g.dsink[(static_cast<std::size_t>(t) * p.sink_len + s) * hq + h] += ds;
+        const std::size_t at = p.sink_layout == SinkLayout::SH
+                                   ? static_cast<std::size_t>(s) * hq + h
+                                   : (static_cast<std::size_t>(t) * p.sink_len + s) * hq + h;
+        g.dsink[at] += ds;
+        g.dsink_magnitude[at] += std::fabs(ds);
       }
     }
   }

@@ -46,6 +46,9 @@ struct ReferenceForward {
 struct ReferenceGrads {
   std::vector<double> dq, dk, dv;  // like q, k, v
   std::vector<double> dsink;       // like sink (empty without sink)
+  // Like dsink, with the absolute values of the per-row terms summed: dsink may cancel to far below
+  // the size of its terms, so errors are judged against this.
+  std::vector<double> dsink_magnitude;
 };
 
 ReferenceForward reference_forward(const ReferenceProblem& problem);

@@ -1,0 +1,236 @@
+// Throughput of the portable CUDA backend (SPEC section 6): TFLOP/s of forward and backward, CUDA events
+// around each run, median of `reps` runs after warm-up. Prints CSV rows and writes the masks it used
+// (document lengths etc.) as JSON so that scripts/bench_peers.py measures the peers on the same masks.
+//
+// usage: flash_bench [--cases out.json] [--reps N] [--quick] [--only MASK] [--dims 64,128]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cuda/backend.hpp"
+#include "magi/flops.hpp"
+#include "magi/mask.hpp"
+
+namespace {
+
+#define CHECK(expr)                                                                          \
+  do {                                                                                       \
+    const cudaError_t err_ = (expr);                                                         \
+    if (err_ != cudaSuccess) {                                                               \
+      std::fprintf(stderr, "%s failed: %s\n", #expr, cudaGetErrorString(err_));             \
+      std::exit(1);                                                                          \
+    }                                                                                        \
+  } while (0)
+
+struct Case {
+  std::string name;
+  std::vector<int32_t> cu_seqlens;  // documents (for the peers' masks)
+  int32_t window = 0;               // sliding window (left), 0 = none
+  int32_t block = 0;                // block-causal block size
+  int32_t question = 0;             // shared question length
+  magi::Mask mask;
+};
+
+// Long-tailed document lengths (Pareto-like), fixed seed, summing exactly to `total`.
+std::vector<int32_t> long_tailed_docs(int32_t total, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  std::vector<int32_t> lengths;
+  int32_t left = total;
+  while (left > 0) {
+    const double x = 256.0 / std::pow(1.0 - u(rng), 1.0 / 1.2);  // Pareto(alpha 1.2, min 256)
+    int32_t len = static_cast<int32_t>(std::min<double>(x, 8192.0));
+    len = std::max(64, len / 64 * 64);
+    len = std::min(len, left);
+    lengths.push_back(len);
+    left -= len;
+  }
+  return lengths;
+}
+
+std::vector<int32_t> prefix(const std::vector<int32_t>& lengths) {
+  std::vector<int32_t> cu{0};
+  for (int32_t l : lengths) cu.push_back(cu.back() + l);
+  return cu;
+}
+
+std::vector<Case> make_cases(int32_t seq, int32_t batch) {
+  using namespace magi;
+  const int32_t total = seq * batch;
+  const std::vector<int32_t> batch_cu = prefix(std::vector<int32_t>(static_cast<size_t>(batch), seq));
+  const std::vector<int32_t> docs = prefix(long_tailed_docs(total, 42));
+  std::vector<Case> cases;
+  cases.push_back({"full", batch_cu, 0, 0, 0, masks::varlen_full(batch_cu)});
+  cases.push_back({"causal", batch_cu, 0, 0, 0, masks::varlen_causal(batch_cu)});
+  cases.push_back({"varlen_full", docs, 0, 0, 0, masks::varlen_full(docs)});
+  cases.push_back({"varlen_causal", docs, 0, 0, 0, masks::varlen_causal(docs)});
+  cases.push_back({"sliding_window_1024", batch_cu, 1024, 0, 0, masks::varlen_sliding_window(batch_cu, 1024, 0)});
+  cases.push_back({"varlen_block_causal_512", docs, 0, 512, 0, masks::varlen_block_causal(docs, 512)});
+  std::vector<int32_t> answers(6, (total - total / 4) / 6);
+  const int32_t question = total - 6 * answers[0];
+  std::vector<int32_t> sq_lengths{question};
+  sq_lengths.insert(sq_lengths.end(), answers.begin(), answers.end());
+  cases.push_back({"shared_question", prefix(sq_lengths), 0, 0, question, masks::shared_question(question, answers)});
+  return cases;
+}
+
+// Random 16-bit normal-ish values (bf16 bits), generated on the host once per size.
+std::vector<uint16_t> random_bf16(size_t n, uint64_t seed) {
+  std::vector<uint16_t> out(n);
+  uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (size_t i = 0; i < n; ++i) {
+    s ^= s << 13;
+    s ^= s >> 7;
+    s ^= s << 17;
+    // Sum of 4 uniforms ~ roughly normal, std ~ 0.58 * 2.
+    float x = 0;
+    for (int j = 0; j < 4; ++j) x += static_cast<float>((s >> (16 * j)) & 0xffff) / 65535.0f - 0.5f;
+    x *= 1.7f;
+    uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    out[i] = static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+  }
+  return out;
+}
+
+double median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+
+template <class F>
+double time_ms(F&& fn, int reps, cudaStream_t stream) {
+  for (int i = 0; i < 3; ++i) fn();
+  CHECK(cudaStreamSynchronize(stream));
+  std::vector<float> times;
+  cudaEvent_t start, stop;
+  CHECK(cudaEventCreate(&start));
+  CHECK(cudaEventCreate(&stop));
+  for (int i = 0; i < reps; ++i) {
+    CHECK(cudaEventRecord(start, stream));
+    fn();
+    CHECK(cudaEventRecord(stop, stream));
+    CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    CHECK(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms);
+  }
+  CHECK(cudaEventDestroy(start));
+  CHECK(cudaEventDestroy(stop));
+  return median(times);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string cases_path;
+  int reps = 30;
+  bool quick = false;
+  std::string only, dims_arg;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--cases") && i + 1 < argc) cases_path = argv[++i];
+    else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--quick")) quick = true;
+    else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
+    else if (!std::strcmp(argv[i], "--dims") && i + 1 < argc) dims_arg = argv[++i];
+  }
+  const int32_t seq = 8192, batch = 2, heads = 16;
+  const std::vector<Case> cases = make_cases(seq, batch);
+  const int32_t total = seq * batch;
+  std::vector<int32_t> dims = quick ? std::vector<int32_t>{128} : std::vector<int32_t>{64, 128};
+  if (!dims_arg.empty()) {
+    dims.clear();
+    std::stringstream ss(dims_arg);
+    for (std::string item; std::getline(ss, item, ',');) dims.push_back(std::stoi(item));
+  }
+
+  if (!cases_path.empty()) {
+    std::ofstream js(cases_path);
+    js << "{\"seq\": " << seq << ", \"batch\": " << batch << ", \"heads\": " << heads << ", \"dims\": [";
+    for (size_t i = 0; i < dims.size(); ++i) js << (i ? ", " : "") << dims[i];
+    js << "], \"cases\": [";
+    for (size_t c = 0; c < cases.size(); ++c) {
+      const Case& k = cases[c];
+      js << (c ? ", " : "") << "{\"name\": \"" << k.name << "\", \"window\": " << k.window << ", \"block\": " << k.block
+         << ", \"question\": " << k.question << ", \"area\": " << k.mask.area() << ", \"cu_seqlens\": [";
+      for (size_t i = 0; i < k.cu_seqlens.size(); ++i) js << (i ? ", " : "") << k.cu_seqlens[i];
+      js << "]}";
+    }
+    js << "]}\n";
+  }
+
+  cudaStream_t stream;
+  CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::printf("impl,mask,tokens,head_dim,fwd_tflops,bwd_tflops,fwd_ms,bwd_ms\n");
+  for (int32_t d : dims) {
+    const size_t n = static_cast<size_t>(total) * heads * d;
+    std::vector<void*> buffers;
+    auto device_copy = [&](const std::vector<uint16_t>& host) {
+      void* p = nullptr;
+      CHECK(cudaMalloc(&p, host.size() * 2));
+      CHECK(cudaMemcpy(p, host.data(), host.size() * 2, cudaMemcpyHostToDevice));
+      buffers.push_back(p);
+      return p;
+    };
+    auto device_alloc = [&](size_t bytes) {
+      void* p = nullptr;
+      CHECK(cudaMalloc(&p, bytes));
+      CHECK(cudaMemset(p, 0, bytes));
+      buffers.push_back(p);
+      return p;
+    };
+    void* q = device_copy(random_bf16(n, 1 + d));
+    void* k = device_copy(random_bf16(n, 2 + d));
+    void* v = device_copy(random_bf16(n, 3 + d));
+    void* dout = device_copy(random_bf16(n, 4 + d));
+    void* out = device_alloc(n * 2);
+    void* lse = device_alloc(static_cast<size_t>(total) * heads * 4);
+    void* dq = device_alloc(n * 2);
+    void* dk = device_alloc(n * 2);
+    void* dv = device_alloc(n * 2);
+    const magi::Device dev{magi::DeviceType::CUDA, 0};
+    auto view3 = [&](void* p) { return magi::TensorView(p, magi::DType::BF16, {total, heads, d}, dev); };
+    magi::ForwardArgs fa;
+    fa.q = view3(q);
+    fa.k = view3(k);
+    fa.v = view3(v);
+    fa.out = view3(out);
+    fa.lse = magi::TensorView(lse, magi::DType::F32, {total, heads}, dev);
+    magi::BackwardArgs ba;
+    ba.q = fa.q;
+    ba.k = fa.k;
+    ba.v = fa.v;
+    ba.out = fa.out;
+    ba.lse = fa.lse;
+    ba.dout = view3(dout);
+    ba.dq = view3(dq);
+    ba.dk = view3(dk);
+    ba.dv = view3(dv);
+    magi::cuda::Options options;
+    options.softmax_scale = 1.0 / std::sqrt(static_cast<double>(d));
+
+    for (const Case& c : cases) {
+      if (!only.empty() && c.name != only) continue;
+      auto plan = magi::cuda::make_plan(c.mask, heads, heads, d, 0);
+      const double fwd_ms = time_ms([&] { magi::cuda::forward(*plan, fa, options, stream); }, reps, stream);
+      const double bwd_ms = time_ms([&] { magi::cuda::backward(*plan, ba, options, stream); }, reps, stream);
+      const int64_t area = c.mask.area();
+      const double fwd_tf = magi::flops_forward(area, heads, d) / (fwd_ms * 1e-3) / 1e12;
+      const double bwd_tf = magi::flops_backward(area, heads, d) / (bwd_ms * 1e-3) / 1e12;
+      std::printf("magi,%s,%d,%d,%.1f,%.1f,%.3f,%.3f\n", c.name.c_str(), total, d, fwd_tf, bwd_tf, fwd_ms, bwd_ms);
+      std::fflush(stdout);
+    }
+    for (void* p : buffers) CHECK(cudaFree(p));
+  }
+  CHECK(cudaStreamDestroy(stream));
+  return 0;
+}

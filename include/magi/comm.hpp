@@ -1,0 +1,93 @@
+// Communicators for context parallelism: a small abstract interface (all-to-all-v over bytes, allgather,
+// barrier) with one engine per memory kind. The MPI engine moves host memory; a NCCL engine for device
+// memory implements the same interface. Group collectives (src/comm) and distributed attention
+// (magi/dist.hpp) only see this interface.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "magi/error.hpp"
+#include "magi/tensor.hpp"
+
+namespace magi::comm {
+
+// A collective failed or did not finish within the communicator's timeout. Thrown on the calling rank;
+// the communicator must not be used afterwards.
+class CommError : public Error {
+ public:
+  using Error::Error;
+};
+
+// An operation in flight. Its buffers must stay valid until wait() returns. Destroying an unfinished
+// request waits for it (errors are swallowed there; call wait() to see them).
+class Request {
+ public:
+  virtual ~Request() = default;
+  virtual void wait() = 0;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int32_t rank() const = 0;
+  virtual int32_t size() const = 0;
+  // Where buffers handed to this communicator must live.
+  virtual Device device() const = 0;
+  // A short name of the engine and group ("mpi:4"), for messages and summaries.
+  virtual std::string describe() const = 0;
+  // Ranks per node when every node holds the same number of consecutive ranks (what hierarchical comm
+  // needs), else 0. The default says: one node.
+  virtual int32_t ranks_per_node() const { return size(); }
+
+  // Every rank calls the collectives below in the same order. Counts and displacements are in bytes,
+  // one entry per rank; recv_counts[r] must equal what rank r sends here.
+  virtual std::unique_ptr<Request> start_all_to_all_v(const void* send, std::span<const int64_t> send_counts,
+                                                      std::span<const int64_t> send_displs, void* recv,
+                                                      std::span<const int64_t> recv_counts,
+                                                      std::span<const int64_t> recv_displs) = 0;
+  void all_to_all_v(const void* send, std::span<const int64_t> send_counts, std::span<const int64_t> send_displs,
+                    void* recv, std::span<const int64_t> recv_counts, std::span<const int64_t> recv_displs) {
+    start_all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs)->wait();
+  }
+  // Every rank contributes `bytes` bytes; `recv` receives size() * bytes, in rank order.
+  virtual void allgather(const void* send, int64_t bytes, void* recv) = 0;
+  virtual void barrier() = 0;
+
+  // Seconds any collective may take before it fails with CommError (a rank that diverged or died must
+  // not hang the others forever). Must be > 0.
+  void set_timeout(double seconds);
+  double timeout() const { return timeout_seconds_; }
+
+ private:
+  double timeout_seconds_ = 300.0;
+};
+
+// Throws InvalidArgument on every rank when ranks disagree on `fingerprint` (e.g. a hash of mask and
+// config); `what` names the thing compared. One allgather, so it cannot hang on a mismatch.
+void require_same_on_all_ranks(Communicator& comm, uint64_t fingerprint, std::string_view what);
+
+// ---- MPI engine (host memory). Available when the library was built with MPI. ----
+
+// Initialises MPI (thread level SERIALIZED, so the communicator can drive progress from a helper thread
+// while the caller computes) unless already initialised, and finalises it on destruction if it did.
+class MpiEnvironment {
+ public:
+  MpiEnvironment(int* argc, char*** argv);
+  ~MpiEnvironment();
+  MpiEnvironment(const MpiEnvironment&) = delete;
+  MpiEnvironment& operator=(const MpiEnvironment&) = delete;
+
+ private:
+  bool owns_ = false;
+};
+
+// A communicator over a duplicate of MPI_COMM_WORLD (errors return instead of aborting).
+std::shared_ptr<Communicator> mpi_world();
+// A communicator over a duplicate of `mpi_comm`, which points to an MPI_Comm handle.
+std::shared_ptr<Communicator> mpi_communicator(const void* mpi_comm);
+
+}  // namespace magi::comm

@@ -1,0 +1,109 @@
+// Distributed (context parallel) attention, SPEC section 4.
+//
+// Every rank of a communicator holds a share of one long sequence. make_runtime_key plans once per
+// (mask, shapes, communicator, config) (cached in an LRU of MAGI_ATTENTION_DIST_ATTN_RUNTIME_DICT_SIZE
+// entries) and checks that all ranks agree. Then:
+//   dispatch(global) -> local shard, calc_attn(local q, k, v) -> local out/lse (equal to the matching rows
+//   of the single-device result), calc_attn_backward -> local dq/dk/dv, undispatch(local) -> global.
+// Local tensors use the thd layout of magi/attention.hpp with local_q_tokens / local_k_tokens rows.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "magi/attention.hpp"
+#include "magi/comm.hpp"
+#include "magi/mask.hpp"
+#include "magi/tensor.hpp"
+
+namespace magi::dist {
+
+enum class DispatchAlgorithm : int32_t {
+  Greedy,      // largest chunk first to the least loaded rank (the reference heuristic)
+  GreedySwap,  // greedy, then local search on the most loaded rank: pairwise swaps, and an exact
+               // re-split with another rank when the pair holds <= 16 chunks
+};
+std::string_view to_string(DispatchAlgorithm algorithm);
+
+enum class DsinkReduceOp : int32_t { None, Sum, Avg };  // MAGI_ATTENTION_DSINK_ALL_REDUCE_OP
+
+struct DistConfig {
+  int32_t chunk_size = 512;
+  int32_t overlap_degree = 1;  // remote stages; 0 = one stage fetched before any compute (no overlap)
+  DispatchAlgorithm algorithm = DispatchAlgorithm::GreedySwap;
+  AttentionOptions attention;  // per-stage kernel options (scale, softcap, sink layout, backend, threads)
+  // Unset = environment (MAGI_ATTENTION_BACKWARD_HIGH_PRECISION_REDUCE, MAGI_ATTENTION_DSINK_ALL_REDUCE_OP).
+  std::optional<bool> backward_high_precision_reduce;  // fp32 partial dk/dv on the wire instead of the input dtype
+  std::optional<DsinkReduceOp> dsink_reduce_op;        // across ranks, for the shared (sh) sink only
+  double comm_timeout_seconds = 300.0;                 // any collective taking longer fails with comm::CommError
+  // Hierarchical comm (unset = MAGI_ATTENTION_HIERARCHICAL_COMM): the cp group as nodes x ranks_per_node
+  // consecutive ranks. Remote kv crosses to a node once (to the rank with the owner's intra-node index)
+  // and fans out there; partial dk/dv are summed there before crossing back.
+  std::optional<bool> hierarchical_comm;
+  int32_t ranks_per_node = 0;  // 0 = Communicator::ranks_per_node()
+};
+
+struct HeadShape {
+  int32_t heads_q = 1;
+  int32_t heads_kv = 1;
+  int32_t head_dim = 64;
+};
+
+// Per-rank balance and communication of a plan, for summaries (`magi-attn dist-run`) and benchmarks.
+struct PlanSummary {
+  int32_t cp = 1;
+  int32_t chunk_size = 0;
+  int32_t local_q_tokens = 0, local_k_tokens = 0;
+  std::vector<int64_t> rank_area;       // kept cells computed by each rank
+  int64_t area_lower_bound = 0;         // max(ceil(total / cp), largest chunk)
+  std::vector<int64_t> fetched_kv_rows; // [rank] remote kv rows each rank fetches (k and v each)
+  int64_t ring_kv_rows = 0;             // what ring attention moves: cp * (cp - 1) * local_k_tokens
+  int64_t kv_row_elements = 0;          // heads_kv * head_dim: one row of k (or v); bytes = this * dtype size
+  double imbalance() const;             // max rank area / mean rank area (1 = perfect)
+  std::string to_text() const;
+};
+
+class DistAttnRuntime;  // the plan and its caches (src/dist)
+
+class RuntimeKey {
+ public:
+  RuntimeKey() = default;
+  explicit RuntimeKey(std::shared_ptr<const DistAttnRuntime> runtime) : runtime_(std::move(runtime)) {}
+  const DistAttnRuntime& runtime() const;
+  int32_t local_q_tokens() const;
+  int32_t local_k_tokens() const;
+  PlanSummary summary() const;
+
+ private:
+  std::shared_ptr<const DistAttnRuntime> runtime_;
+};
+
+// Collective: every rank calls it with the same mask, shapes and config, else InvalidArgument on every rank.
+RuntimeKey make_runtime_key(const Mask& mask, const HeadShape& heads, std::shared_ptr<comm::Communicator> comm,
+                            const DistConfig& config = {});
+
+enum class Axis : int32_t { Q, K };  // q/out/lse/dout/ssh-sink rows, or k/v rows
+
+// Copies this rank's rows of `global` [T, ...] (T = mask.total_q or total_k) into `local`
+// [local tokens, ...]; padding rows become zero. Same dtype and trailing shape. Local, no communication.
+void dispatch(const RuntimeKey& key, Axis axis, const TensorView& global, const TensorView& local);
+// Collective inverse: every rank receives the whole global tensor (padding dropped).
+void undispatch(const RuntimeKey& key, Axis axis, const TensorView& local, const TensorView& global);
+// Global token index of each local row (>= the real length for padding), e.g. for RoPE.
+std::vector<int32_t> position_ids(const RuntimeKey& key, Axis axis = Axis::Q);
+
+// Collective. Local tensors: q [Lq, Hq, D], k/v [Lk, Hkv, D], out [Lq, Hq, D], lse [Lq, Hq],
+// sink sh [S, Hq] (the same on every rank) or ssh [Lq, S, Hq] (dispatched), max_logits [Hq] (global max).
+void calc_attn(const RuntimeKey& key, const ForwardArgs& local);
+// Collective. out/lse as returned by calc_attn; dq/dk/dv local; dsink partial per rank unless reduced.
+void calc_attn_backward(const RuntimeKey& key, const BackwardArgs& local);
+
+// The LRU of runtimes (tests, memory control).
+size_t runtime_cache_size();
+void clear_runtime_cache();
+
+}  // namespace magi::dist

@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""Peers for bench/cuda/flash_bench, on the same GPU in the same run: torch SDPA (cuDNN and flash backends)
+where the mask is batch full/causal, and compiled FlexAttention for the document masks.
+
+Reads the cases JSON written by flash_bench (--cases) and prints CSV rows in flash_bench's format.
+FLOPs use the same accounting (SPEC section 6): fwd = 4 * area * H * D, bwd = 2.5 * fwd, where area is
+the mask's kept-cell count from the JSON.
+"""
+import argparse
+import json
+import sys
+
+import torch
+
+
+def median_ms(fn, reps):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    times.sort()
+    n = len(times)
+    return times[n // 2] if n % 2 else 0.5 * (times[n // 2 - 1] + times[n // 2])
+
+
+def measure(fwd, reps):
+    """fwd() -> (out, inputs); returns (fwd_ms, bwd_ms)."""
+    fwd_ms = median_ms(lambda: fwd(), reps)
+    out, inputs = fwd()
+    dout = torch.randn_like(out)
+
+    def bwd():
+        torch.autograd.grad(out, inputs, dout, retain_graph=True)
+
+    return fwd_ms, median_ms(bwd, reps)
+
+
+def row(impl, name, tokens, d, area, heads, fwd_ms, bwd_ms):
+    flops = 4.0 * area * heads * d
+    print(f"{impl},{name},{tokens},{d},{flops / fwd_ms / 1e9:.1f},{2.5 * flops / bwd_ms / 1e9:.1f},"
+          f"{fwd_ms:.3f},{bwd_ms:.3f}", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("cases")
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--no-flex", action="store_true")
+    parser.add_argument("--skip-all", action="store_true", help="print only the CSV header")
+    parser.add_argument("--flex-dims", default="128")
+    args = parser.parse_args()
+    print("impl,mask,tokens,head_dim,fwd_tflops,bwd_tflops,fwd_ms,bwd_ms", flush=True)
+    if args.skip_all:
+        return
+    spec = json.load(open(args.cases))
+    seq, batch, heads = spec["seq"], spec["batch"], spec["heads"]
+    total = seq * batch
+    dev = "cuda"
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    flex = None
+    if not args.no_flex:
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+            import torch._dynamo
+            torch._dynamo.config.cache_size_limit = 64
+            flex = torch.compile(flex_attention, dynamic=False)
+        except Exception as e:  # noqa: BLE001
+            print(f"# flex unavailable: {e}", file=sys.stderr)
+    flex_dims = {int(x) for x in args.flex_dims.split(",") if x}
+
+    for d in spec["dims"]:
+        for case in spec["cases"]:
+            name, area = case["name"], case["area"]
+            if name in ("full", "causal"):
+                causal = name == "causal"
+                q, k, v = (torch.randn(batch, heads, seq, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+                           for _ in range(3))
+                for label, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+                    try:
+                        def fwd():
+                            with sdpa_kernel([backend]):
+                                return F.scaled_dot_product_attention(q, k, v, is_causal=causal), (q, k, v)
+                        row(label, name, total, d, area, heads, *measure(fwd, args.reps))
+                    except Exception as e:  # noqa: BLE001
+                        print(f"# {label} {name} D{d}: {e}", file=sys.stderr)
+            if flex is None or d not in flex_dims or name == "full":
+                continue
+            cu = torch.tensor(case["cu_seqlens"], device=dev, dtype=torch.int32)
+            lengths = cu[1:] - cu[:-1]
+            doc = torch.repeat_interleave(torch.arange(len(lengths), device=dev, dtype=torch.int32), lengths)
+            pos = torch.arange(total, device=dev, dtype=torch.int32) - cu[:-1][doc.long()]
+            window, block = case["window"], case["block"]
+            if name == "causal" or name == "varlen_causal":
+                def mask_mod(b, h, qi, ki):
+                    return (doc[qi] == doc[ki]) & (ki <= qi)
+            elif name == "varlen_full":
+                def mask_mod(b, h, qi, ki):
+                    return doc[qi] == doc[ki]
+            elif name.startswith("sliding_window"):
+                def mask_mod(b, h, qi, ki):
+                    return (doc[qi] == doc[ki]) & (ki <= qi) & (qi - ki <= window)
+            elif name.startswith("varlen_block_causal"):
+                def mask_mod(b, h, qi, ki):
+                    return (doc[qi] == doc[ki]) & (pos[ki] // block <= pos[qi] // block)
+            elif name == "shared_question":
+                def mask_mod(b, h, qi, ki):
+                    return (ki <= qi) & ((doc[ki] == 0) | (doc[ki] == doc[qi]))
+            else:
+                continue
+            try:
+                block_mask = create_block_mask(mask_mod, 1, None, total, total, device=dev)
+                q, k, v = (torch.randn(1, heads, total, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+                           for _ in range(3))
+
+                def fwd():
+                    return flex(q, k, v, block_mask=block_mask), (q, k, v)
+                row("flex", name, total, d, area, heads, *measure(fwd, args.reps))
+            except Exception as e:  # noqa: BLE001
+                print(f"# flex {name} D{d}: {e}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

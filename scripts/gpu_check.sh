@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# The GPU evidence in one call (issue 3): build with every core, run the GPU tests, compute-sanitizer
+# (memcheck + racecheck) on small forward/backward cases, then the benchmark with the torch peers measured
+# in the same run; a short table is printed last.
+#
+# usage: scripts/gpu_check.sh [--arch "80;90a"] [--skip-tests] [--skip-sanitizer] [--skip-bench] [--skip-peers] [--quick]
+#   --quick: D=128 only in the benchmark, FlexAttention only on varlen causal.
+# Env: BUILD_DIR (default build-gpu), OUT (logs/CSV; default $BUILD_DIR/out), GTEST_FILTER for the tests.
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+BUILD=${BUILD_DIR:-$ROOT/build-gpu}
+LOGS=${OUT:-$BUILD/out}
+ARCH="80;90a"
+RUN_TESTS=1 RUN_SANITIZER=1 RUN_BENCH=1 RUN_PEERS=1 QUICK=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --arch) ARCH="$2"; shift ;;
+    --skip-tests) RUN_TESTS=0 ;;
+    --skip-sanitizer) RUN_SANITIZER=0 ;;
+    --skip-bench) RUN_BENCH=0 ;;
+    --skip-peers) RUN_PEERS=0 ;;
+    --quick) QUICK=1 ;;
+    *) echo "gpu_check.sh: unknown argument '$1' (allowed: --arch A, --skip-tests, --skip-sanitizer, --skip-bench, --skip-peers, --quick)" >&2; exit 2 ;;
+  esac
+  shift
+done
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+mkdir -p "$LOGS"
+SUMMARY=()
+note() { SUMMARY+=("$1"); echo "== $1"; }
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$LOGS/gpu.txt"
+nvcc --version | tail -1
+
+# Build dependencies (GoogleTest, Google Benchmark, nlohmann_json) may travel as a prefix in build-deps/.
+PREFIX_ARGS=()
+[ -d "$ROOT/build-deps/usr" ] && PREFIX_ARGS=(-DCMAKE_PREFIX_PATH="$ROOT/build-deps/usr")
+GEN=()
+command -v ninja >/dev/null && GEN=(-G Ninja)
+t0=$(date +%s)
+cmake -S "$ROOT" -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DMAGI_ATTN_CUDA=ON \
+  -DCMAKE_CUDA_ARCHITECTURES="$ARCH" "${PREFIX_ARGS[@]}" > "$LOGS/configure.log" 2>&1 \
+  || { tail -30 "$LOGS/configure.log"; echo "configure FAILED"; exit 1; }
+cmake --build "$BUILD" -j"$(nproc)" --target flash_attention_test flash_bench > "$LOGS/build.log" 2>&1 \
+  || { grep -E "error|Error" "$LOGS/build.log" | head -40; echo "build FAILED"; exit 1; }
+grep -E "spill|ptxas warning" "$LOGS/build.log" | sort -u | head -20
+note "build ($ARCH): $(( $(date +%s) - t0 )) s"
+
+TEST_BIN="$BUILD/tests/cuda/flash_attention_test"
+if [ $RUN_TESTS = 1 ]; then
+  t0=$(date +%s)
+  (cd "$BUILD" && ctest -L gpu -j"$(nproc)" --output-on-failure ${GTEST_FILTER:+-R "$GTEST_FILTER"}) > "$LOGS/tests.log" 2>&1
+  rc=$?
+  grep -E "non-finite|must be exactly|\) > [0-9.e+-]+ |= [0-9.e+-]+ > [0-9.e+-]+|threw|differ" "$LOGS/tests.log" | cut -c1-420 | sort -u | head -30
+  grep -E "\*\*\*Failed|Timeout" "$LOGS/tests.log" | head -30
+  note "gpu tests: $(grep -E 'tests passed' "$LOGS/tests.log" | tail -1) (rc $rc, $(( $(date +%s) - t0 )) s)"
+fi
+
+if [ $RUN_SANITIZER = 1 ]; then
+  t0=$(date +%s)
+  small='CudaBackend.EmptyMaskGivesZerosAndMinusInf:All/Features.MatchReference/d40_bf16:All/Features.MatchReference/sink_sh'
+  compute-sanitizer --tool memcheck --error-exitcode 9 "$TEST_BIN" --gtest_filter="$small:All/Features.MatchReference/d256_fp16" \
+    > "$LOGS/memcheck.log" 2>&1
+  note "memcheck: rc $? ($(grep -E 'ERROR SUMMARY' "$LOGS/memcheck.log" | tail -1))"
+  compute-sanitizer --tool racecheck --error-exitcode 9 "$TEST_BIN" --gtest_filter="$small" > "$LOGS/racecheck.log" 2>&1
+  note "racecheck: rc $? ($(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$LOGS/racecheck.log" | tail -1)) $(( $(date +%s) - t0 )) s"
+fi
+
+if [ $RUN_BENCH = 1 ]; then
+  t0=$(date +%s)
+  BENCH_ARGS=()
+  PEER_ARGS=()
+  [ $QUICK = 1 ] && BENCH_ARGS=(--quick)
+  "$BUILD/bench/cuda/flash_bench" --cases "$LOGS/cases.json" "${BENCH_ARGS[@]}" > "$LOGS/bench_magi.csv" 2> "$LOGS/bench_magi.err"
+  note "flash_bench rc $? ($(( $(date +%s) - t0 )) s)"
+  [ $RUN_PEERS = 1 ] || PEER_ARGS=(--skip-all)
+  python3 "$ROOT/scripts/bench_peers.py" "$LOGS/cases.json" "${PEER_ARGS[@]}" > "$LOGS/bench_peers.csv" 2> "$LOGS/bench_peers.err"
+  note "peers rc $? ($(( $(date +%s) - t0 )) s); $(grep -c '^#' "$LOGS/bench_peers.err") peer errors"
+  python3 - "$LOGS/bench_magi.csv" "$LOGS/bench_peers.csv" <<'PY'
+import csv, sys
+rows = {}
+order = []
+for path in sys.argv[1:]:
+    for r in csv.DictReader(l for l in open(path) if not l.startswith("#")):
+        key = (r["mask"], int(r["head_dim"]))
+        if key not in rows: rows[key] = {}; order.append(key)
+        rows[key][r["impl"]] = (float(r["fwd_tflops"]), float(r["bwd_tflops"]))
+impls = ["magi", "sdpa_cudnn", "sdpa_flash", "flex"]
+print("\nTFLOP/s fwd/bwd (bf16, 16 heads, 2x8k tokens), same GPU, same run")
+print(f"{'mask':26s} {'D':>4s} " + " ".join(f"{i:>13s}" for i in impls))
+for key in order:
+    cells = []
+    for i in impls:
+        v = rows[key].get(i)
+        cells.append(f"{v[0]:6.0f}/{v[1]:<6.0f}" if v else f"{'-':>13s}")
+    print(f"{key[0]:26s} {key[1]:4d} " + " ".join(cells))
+PY
+fi
+echo
+for s in "${SUMMARY[@]}"; do echo "$s"; done

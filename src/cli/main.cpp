@@ -1,0 +1,77 @@
+// magi-attn: flexible-mask attention from the command line.
+#include <cstdio>
+#include <exception>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "cli/commands.hpp"
+#include "magi/env.hpp"
+#include "magi/error.hpp"
+
+namespace {
+
+constexpr const char* kUsage =
+    "usage: magi-attn <command> [options]   (magi-attn <command> --help for details)\n"
+    "\n"
+    "Flexible-mask attention: masks are lists of (q_range, k_range, type) slices.\n"
+    "\n"
+    "commands:\n"
+    "  demo   packed-documents attention, forward + backward, timed and checked against the reference\n"
+    "  run    forward (and backward with --do) on .npy inputs and a mask JSON; writes .npy outputs\n"
+    "  mask   validate and describe a mask (JSON file or preset): slices, area, density, picture, PNG\n"
+    "  env    the MAGI_ATTENTION_* configuration variables with their current values\n"
+    "\n"
+    "  --version   print the version\n"
+    "  --help      show this help\n"
+    "\n"
+    "Errors print one line 'magi-attn: error: ...' and exit with status 2.\n";
+
+// Exactly one line on stderr, whatever the message contains.
+void print_error(const std::string& message) {
+  std::string line = message;
+  for (char& c : line)
+    if (c == '\n' || c == '\r') c = ' ';
+  std::cerr << "magi-attn: error: " << line << std::endl;
+}
+
+int dispatch(const std::vector<std::string>& args) {
+  if (args.empty()) throw magi::InvalidArgument("missing command (allowed: demo, run, mask, env; see magi-attn --help)");
+  const std::string& command = args[0];
+  if (command == "--help" || command == "-h" || command == "help") {
+    std::cout << kUsage;
+    return 0;
+  }
+  if (command == "--version") {
+    std::cout << "magi-attn " << MAGI_ATTN_VERSION << "\n";
+    return 0;
+  }
+  const std::span<const std::string> rest(args.data() + 1, args.size() - 1);
+  using Command = int (*)(std::span<const std::string>);
+  Command run = nullptr;
+  if (command == "run") run = magi::cli::run_command;
+  else if (command == "mask") run = magi::cli::mask_command;
+  else if (command == "demo") run = magi::cli::demo_command;
+  else if (command == "env") run = magi::cli::env_command;
+  else throw magi::InvalidArgument("unknown command '" + command + "' (allowed: demo, run, mask, env, --help, --version)");
+
+  bool help_only = false;
+  for (const std::string& arg : rest) help_only = help_only || arg == "--help" || arg == "-h";
+  // A bad MAGI_ATTENTION_* value stops every command before it does anything. Help still works, and so
+  // does `env`, whose table shows each problem next to the variable.
+  if (!help_only && command != "env") magi::env::ensure_validated();
+  return run(rest);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return dispatch(std::vector<std::string>(argv + 1, argv + argc));
+  } catch (const std::exception& e) {
+    print_error(e.what());
+  } catch (...) {
+    print_error("unknown exception");
+  }
+  return 2;
+}

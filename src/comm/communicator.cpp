@@ -1,0 +1,28 @@
+// Engine-independent parts of the communicator interface.
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "magi/comm.hpp"
+
+namespace magi::comm {
+
+void Communicator::set_timeout(double seconds) {
+  if (!(seconds > 0) || !std::isfinite(seconds))
+    throw InvalidArgument("communicator timeout must be a finite number of seconds > 0, got " +
+                          std::to_string(seconds));
+  timeout_seconds_ = seconds;
+}
+
+void require_same_on_all_ranks(Communicator& comm, uint64_t fingerprint, std::string_view what) {
+  std::vector<uint64_t> all(static_cast<size_t>(comm.size()));
+  comm.allgather(&fingerprint, sizeof(fingerprint), all.data());
+  std::string differing;
+  for (size_t r = 0; r < all.size(); ++r)
+    if (all[r] != all[0]) differing += (differing.empty() ? "" : ", ") + std::to_string(r);
+  if (!differing.empty())
+    throw InvalidArgument(std::string(what) + " differs between ranks: ranks " + differing +
+                          " disagree with rank 0 (every rank must pass the same value)");
+}
+
+}  // namespace magi::comm

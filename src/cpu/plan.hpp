@@ -1,0 +1,33 @@
+// The CPU engine's plan: tile work lists for (mask, shapes), built once by make_plan and cached by the
+// API layer; forward and backward only read it.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "magi/mask.hpp"
+#include "mask/tiling.hpp"
+
+namespace magi::cpu {
+
+// Tile sizes, the one place they are chosen. Both are multiples of the widest vector (8 floats).
+struct TileConfig {
+  int32_t tile_q;  // rows per q tile (forward and dq tasks; q chunk of dk/dv items)
+  int32_t tile_k;  // keys per k tile (dk/dv tasks; k chunk of forward and dq items)
+};
+constexpr TileConfig tile_config(int32_t /*head_dim*/) { return {64, 64}; }
+
+struct Plan {
+  Mask mask;  // slices are needed for element masking of partial items
+  int32_t heads_q = 0;
+  int32_t heads_kv = 0;
+  int32_t head_dim = 0;
+  TileConfig tiles{};
+  tiling::TileLists by_q;  // forward and dq: items of each q tile
+  tiling::TileLists by_k;  // dk/dv: items of each k tile
+  // Tiles in decreasing order of work (cells of their items), so dynamic scheduling balances load.
+  std::vector<int32_t> q_tile_order;
+  std::vector<int32_t> k_tile_order;
+};
+
+}  // namespace magi::cpu

@@ -1,0 +1,414 @@
+#include "cuda/backend.hpp"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "cuda/launch.hpp"
+#include "cuda/params.hpp"
+#include "magi/error.hpp"
+#include "mask/tiling.hpp"
+
+namespace magi::cuda {
+
+using detail::DeviceList;
+using detail::WorkItem;
+
+namespace {
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) throw Error(std::string("CUDA ") + what + " failed: " + cudaGetErrorString(err));
+}
+
+// Makes `device` current for the scope and restores the caller's device.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    check(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceGuard() {
+    int current = previous_;
+    if (cudaGetDevice(&current) == cudaSuccess && current != previous_) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+constexpr int kCompiledTiles[] = {
+#if MAGI_CUDA_HEAD_DIM_64
+    64,
+#endif
+#if MAGI_CUDA_HEAD_DIM_128
+    128,
+#endif
+#if MAGI_CUDA_HEAD_DIM_256
+    256,
+#endif
+    0};
+
+int padded_head_dim(int32_t d) {
+  for (int tile : kCompiledTiles)
+    if (tile != 0 && d <= tile) return tile;
+  return 0;
+}
+
+// Host form of one list before upload.
+struct HostList {
+  std::vector<int32_t> order, offsets;
+  std::vector<WorkItem> items;
+};
+
+// Converts a tiling list; `q_major` says whether the major axis is q. A rectangle is unmasked only when
+// it covers its whole tile x tile block and every cell is kept.
+HostList convert(const Mask& mask, const tiling::TileLists& lists, bool q_major) {
+  HostList out;
+  const int64_t tiles = lists.num_tiles();
+  out.offsets.resize(static_cast<size_t>(tiles) + 1);
+  for (int64_t t = 0; t <= tiles; ++t) out.offsets[t] = static_cast<int32_t>(lists.offsets[t]);
+  out.items.reserve(lists.items.size());
+  for (int64_t t = 0; t < tiles; ++t) {
+    for (int64_t i = lists.offsets[t]; i < lists.offsets[t + 1]; ++i) {
+      const tiling::TileWork& w = lists.items[static_cast<size_t>(i)];
+      const Slice& s = mask.slices[static_cast<size_t>(w.slice)];
+      WorkItem item{};
+      item.q0 = w.q.start;
+      item.q1 = w.q.end;
+      item.k0 = w.k.start;
+      item.k1 = w.k.end;
+      item.causal_offset = s.k.end - s.q.end;
+      item.inv_offset = s.k.start - s.q.start;
+      if (s.type == MaskType::Causal || s.type == MaskType::BiCausal) item.flags |= detail::kWorkCausal;
+      if (s.type == MaskType::InvCausal || s.type == MaskType::BiCausal) item.flags |= detail::kWorkInv;
+      const int32_t major = lists.tile_major;
+      const int32_t minor = lists.tile_minor;
+      const Range mj = q_major ? w.q : w.k;
+      const Range mn = q_major ? w.k : w.q;
+      const int64_t mj0 = t * major;
+      const int64_t mn0 = int64_t{mn.start} / minor * minor;
+      const bool covers = mj.start == mj0 && mj.end == mj0 + major && mn.start == mn0 && mn.end == mn0 + minor;
+      if (w.needs_mask || !covers) item.flags |= detail::kWorkMasked;
+      out.items.push_back(item);
+    }
+  }
+  // Heaviest tiles first so that the long ones start early; ties keep index order (deterministic).
+  out.order.resize(static_cast<size_t>(tiles));
+  std::iota(out.order.begin(), out.order.end(), 0);
+  std::stable_sort(out.order.begin(), out.order.end(), [&](int32_t a, int32_t b) {
+    return out.offsets[a + 1] - out.offsets[a] > out.offsets[b + 1] - out.offsets[b];
+  });
+  return out;
+}
+
+size_t align_up(size_t n) { return (n + 255) / 256 * 256; }
+
+}  // namespace
+
+struct Plan {
+  int32_t tq = 0, tk = 0, hq = 0, hkv = 0, d = 0, padded_d = 0, device = 0;
+  DeviceList fwd, dkdv, dq;
+  int64_t fwd_items = 0, dkdv_items = 0, dq_items = 0;
+  void* arena = nullptr;
+  size_t arena_bytes = 0;
+  int32_t tq_pad = 0;
+  float* delta = nullptr;  // [Hq][tq_pad]
+  float* lse2 = nullptr;   // [Hq][tq_pad]
+
+  // fp32 dout is converted to 16 bits here; sized on first use (the only lazy allocation).
+  mutable std::mutex dout16_mutex;
+  mutable void* dout16 = nullptr;
+
+  Plan() = default;
+  Plan(const Plan&) = delete;
+  Plan& operator=(const Plan&) = delete;
+  ~Plan() {
+    if (arena != nullptr || dout16 != nullptr) {
+      int previous = 0;
+      cudaGetDevice(&previous);
+      cudaSetDevice(device);
+      cudaFree(arena);
+      cudaFree(dout16);
+      cudaSetDevice(previous);
+    }
+  }
+
+  void* dout16_buffer() const {
+    std::lock_guard lock(dout16_mutex);
+    if (dout16 == nullptr)
+      check(cudaMalloc(&dout16, static_cast<size_t>(tq) * hq * d * 2 + 16), "cudaMalloc (dout conversion)");
+    return dout16;
+  }
+};
+
+bool head_dim_supported(int32_t head_dim) {
+  return head_dim > 0 && head_dim % 8 == 0 && padded_head_dim(head_dim) != 0;
+}
+
+std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads_kv, int32_t head_dim,
+                                int32_t device) {
+  if (!head_dim_supported(head_dim)) {
+    std::string tiles;
+    for (int t : kCompiledTiles)
+      if (t != 0) tiles += (tiles.empty() ? "" : ", ") + std::to_string(t);
+    throw NotAvailable("cuda backend: head dim " + std::to_string(head_dim) +
+                       " has no compiled kernel (this build: multiples of 8 up to the tiles " + tiles +
+                       "; see MAGI_ATTN_CUDA_HEAD_DIMS)");
+  }
+  auto plan = std::make_shared<Plan>();
+  plan->tq = mask.total_q;
+  plan->tk = mask.total_k;
+  plan->hq = heads_q;
+  plan->hkv = heads_kv;
+  plan->d = head_dim;
+  plan->padded_d = padded_head_dim(head_dim);
+  plan->device = device;
+
+  const int fwd_q = detail::fwd_tile_q(plan->padded_d);
+  const int fwd_k = detail::fwd_tile_k(plan->padded_d);
+  const HostList fwd = convert(mask, tiling::by_q_tile(mask, fwd_q, fwd_k), true);
+  const HostList dkdv = convert(mask, tiling::by_k_tile(mask, detail::kDkdvTileK, detail::kDkdvTileQ), false);
+  const int dq_k = detail::dq_tile_k(plan->padded_d);
+  const bool dq_shared = dq_k == fwd_k && detail::kDqTileQ == fwd_q;
+  HostList dq_own;
+  if (!dq_shared) dq_own = convert(mask, tiling::by_q_tile(mask, detail::kDqTileQ, dq_k), true);
+  const HostList& dq = dq_shared ? fwd : dq_own;
+
+  // One upload: [lists...][delta].
+  std::vector<unsigned char> staging;
+  auto append = [&](const void* data, size_t bytes) {
+    const size_t at = align_up(staging.size());
+    staging.resize(at + bytes);
+    if (bytes) std::memcpy(staging.data() + at, data, bytes);
+    return at;
+  };
+  struct Offsets {
+    size_t order, offsets, items;
+  };
+  auto append_list = [&](const HostList& l) {
+    return Offsets{append(l.order.data(), l.order.size() * 4), append(l.offsets.data(), l.offsets.size() * 4),
+                   append(l.items.data(), l.items.size() * sizeof(WorkItem))};
+  };
+  const Offsets o_fwd = append_list(fwd);
+  const Offsets o_dkdv = append_list(dkdv);
+  const Offsets o_dq = dq_shared ? o_fwd : append_list(dq_own);
+  const size_t delta_at = align_up(staging.size());
+  plan->tq_pad = (plan->tq + 63) / 64 * 64 + 64;
+  const size_t stats_bytes = static_cast<size_t>(plan->tq_pad) * plan->hq * sizeof(float);
+  const size_t total = delta_at + 2 * align_up(stats_bytes);
+
+  DeviceGuard guard(device);
+  check(cudaMalloc(&plan->arena, total), "cudaMalloc (plan)");
+  plan->arena_bytes = total;
+  check(cudaMemcpy(plan->arena, staging.data(), staging.size(), cudaMemcpyHostToDevice), "cudaMemcpy (plan)");
+  // Padding rows of the row statistics are read (whole chunks) but never kept: keep them finite.
+  check(cudaMemset(static_cast<unsigned char*>(plan->arena) + delta_at, 0, total - delta_at), "cudaMemset (plan)");
+  auto* base = static_cast<unsigned char*>(plan->arena);
+  auto make_list = [&](const HostList& l, const Offsets& o) {
+    DeviceList d;
+    d.order = reinterpret_cast<const int32_t*>(base + o.order);
+    d.offsets = reinterpret_cast<const int32_t*>(base + o.offsets);
+    d.items = reinterpret_cast<const WorkItem*>(base + o.items);
+    d.num_tiles = static_cast<int32_t>(l.order.size());
+    return d;
+  };
+  plan->fwd = make_list(fwd, o_fwd);
+  plan->dkdv = make_list(dkdv, o_dkdv);
+  plan->dq = make_list(dq, o_dq);
+  plan->fwd_items = static_cast<int64_t>(fwd.items.size());
+  plan->dkdv_items = static_cast<int64_t>(dkdv.items.size());
+  plan->dq_items = static_cast<int64_t>(dq.items.size());
+  plan->delta = reinterpret_cast<float*>(base + delta_at);
+  plan->lse2 = reinterpret_cast<float*>(base + delta_at + align_up(stats_bytes));
+  return plan;
+}
+
+PlanStats stats(const Plan& plan) {
+  PlanStats s;
+  s.padded_head_dim = plan.padded_d;
+  s.forward_items = plan.fwd_items;
+  s.dkdv_items = plan.dkdv_items;
+  s.dq_items = plan.dq_items;
+  s.forward_tiles = plan.fwd.num_tiles;
+  s.dkdv_tiles = plan.dkdv.num_tiles;
+  s.dq_tiles = plan.dq.num_tiles;
+  s.device_bytes = static_cast<int64_t>(plan.arena_bytes);
+  return s;
+}
+
+namespace {
+
+int dtype_tag(DType dtype) {
+  if (dtype == DType::BF16) return detail::kBf16;
+  if (dtype == DType::F16) return detail::kFp16;
+  throw NotAvailable("cuda backend: dtype " + std::string(to_string(dtype)) +
+                     " is not supported by the portable kernels (allowed: bf16, fp16)");
+}
+
+template <int kDtype>
+void run_forward(int padded, const detail::FwdParams& p, int blocks, cudaStream_t stream) {
+  switch (padded) {
+#if MAGI_CUDA_HEAD_DIM_64
+    case 64: return detail::launch_forward<kDtype, 64>(p, blocks, stream);
+#endif
+#if MAGI_CUDA_HEAD_DIM_128
+    case 128: return detail::launch_forward<kDtype, 128>(p, blocks, stream);
+#endif
+#if MAGI_CUDA_HEAD_DIM_256
+    case 256: return detail::launch_forward<kDtype, 256>(p, blocks, stream);
+#endif
+    default: throw NotAvailable("cuda backend: no forward kernel for head-dim tile " + std::to_string(padded));
+  }
+}
+
+template <int kDtype>
+void run_backward(int padded, const detail::BwdParams& dkdv, int dkdv_blocks, const detail::BwdParams& dq,
+                  int dq_blocks, cudaStream_t stream) {
+  switch (padded) {
+#if MAGI_CUDA_HEAD_DIM_64
+    case 64: return detail::launch_backward<kDtype, 64>(dkdv, dkdv_blocks, dq, dq_blocks, stream);
+#endif
+#if MAGI_CUDA_HEAD_DIM_128
+    case 128: return detail::launch_backward<kDtype, 128>(dkdv, dkdv_blocks, dq, dq_blocks, stream);
+#endif
+#if MAGI_CUDA_HEAD_DIM_256
+    case 256: return detail::launch_backward<kDtype, 256>(dkdv, dkdv_blocks, dq, dq_blocks, stream);
+#endif
+    default: throw NotAvailable("cuda backend: no backward kernel for head-dim tile " + std::to_string(padded));
+  }
+}
+
+int32_t sink_kind(SinkLayout layout) {
+  switch (layout) {
+    case SinkLayout::SH: return detail::kSinkSH;
+    case SinkLayout::SSH: return detail::kSinkSSH;
+    default: return detail::kSinkNone;
+  }
+}
+
+int32_t sink_len(const TensorView& sink, SinkLayout layout) {
+  if (layout == SinkLayout::SH) return static_cast<int32_t>(sink.shape[0]);
+  if (layout == SinkLayout::SSH) return static_cast<int32_t>(sink.shape[1]);
+  return 0;
+}
+
+struct ScaleTerms {
+  float scale_log2, softmax_scale, softcap, softcap_pre, softcap_post;
+};
+ScaleTerms scale_terms(const Options& o) {
+  constexpr double kLog2e = 1.4426950408889634;
+  ScaleTerms t{};
+  t.softmax_scale = static_cast<float>(o.softmax_scale);
+  t.scale_log2 = static_cast<float>(o.softmax_scale * kLog2e);
+  if (o.softcap > 0.0) {
+    t.softcap = static_cast<float>(o.softcap);
+    t.softcap_pre = static_cast<float>(o.softmax_scale / o.softcap);
+    t.softcap_post = static_cast<float>(o.softcap * kLog2e);
+  }
+  return t;
+}
+
+}  // namespace
+
+void forward(const Plan& plan, const ForwardArgs& a, const Options& o, cudaStream_t stream) {
+  DeviceGuard guard(plan.device);
+  const int tag = dtype_tag(a.q.dtype);
+  const ScaleTerms t = scale_terms(o);
+  detail::FwdParams p{};
+  p.q = a.q.data;
+  p.k = a.k.data;
+  p.v = a.v.data;
+  p.out = a.out.data;
+  p.lse = static_cast<float*>(a.lse.data);
+  p.max_logits = a.max_logits.ndim != 0 ? static_cast<float*>(a.max_logits.data) : nullptr;
+  p.sink = o.sink_layout != SinkLayout::None ? static_cast<const float*>(a.sink.data) : nullptr;
+  p.tq = plan.tq;
+  p.tk = plan.tk;
+  p.hq = plan.hq;
+  p.hkv = plan.hkv;
+  p.d = plan.d;
+  p.sink_kind = sink_kind(o.sink_layout);
+  p.sink_len = sink_len(a.sink, o.sink_layout);
+  p.scale_log2 = t.scale_log2;
+  p.softcap = t.softcap;
+  p.softcap_pre = t.softcap_pre;
+  p.softcap_post = t.softcap_post;
+  p.out_fp32 = a.out.dtype == DType::F32;
+  p.list = plan.fwd;
+  if (p.max_logits != nullptr) detail::launch_fill(p.max_logits, plan.hq, -INFINITY, stream);
+  const int blocks = plan.fwd.num_tiles * plan.hq;
+  if (tag == detail::kBf16) run_forward<detail::kBf16>(plan.padded_d, p, blocks, stream);
+  else run_forward<detail::kFp16>(plan.padded_d, p, blocks, stream);
+}
+
+void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStream_t stream) {
+  DeviceGuard guard(plan.device);
+  const int tag = dtype_tag(a.q.dtype);
+  const ScaleTerms t = scale_terms(o);
+  const bool dout_fp32 = a.dout.dtype == DType::F32;
+
+  detail::PreprocessArgs pre{};
+  pre.out = a.out.data;
+  pre.out_fp32 = a.out.dtype == DType::F32;
+  pre.dout = a.dout.data;
+  pre.dout_fp32 = dout_fp32;
+  pre.dout16 = dout_fp32 ? plan.dout16_buffer() : nullptr;
+  pre.lse = static_cast<const float*>(a.lse.data);
+  pre.delta = plan.delta;
+  pre.lse2 = plan.lse2;
+  pre.tq_pad = plan.tq_pad;
+  pre.sink = o.sink_layout != SinkLayout::None ? static_cast<const float*>(a.sink.data) : nullptr;
+  pre.dsink = o.sink_layout != SinkLayout::None ? static_cast<float*>(a.dsink.data) : nullptr;
+  pre.sink_kind = sink_kind(o.sink_layout);
+  pre.sink_len = sink_len(a.sink, o.sink_layout);
+  pre.tq = plan.tq;
+  pre.hq = plan.hq;
+  pre.d = plan.d;
+  detail::launch_preprocess(tag, pre, stream);
+  if (o.sink_layout == SinkLayout::SH)
+    detail::launch_dsink_sh(pre.sink, pre.lse, plan.delta, plan.tq_pad, pre.dsink, pre.sink_len, plan.tq, plan.hq,
+                            stream);
+
+  detail::BwdParams p{};
+  p.q = a.q.data;
+  p.k = a.k.data;
+  p.v = a.v.data;
+  p.dout = dout_fp32 ? pre.dout16 : a.dout.data;
+  p.lse2 = plan.lse2;
+  p.delta = plan.delta;
+  p.tq_pad = plan.tq_pad;
+  p.dq = a.dq.data;
+  p.dk = a.dk.data;
+  p.dv = a.dv.data;
+  p.tq = plan.tq;
+  p.tk = plan.tk;
+  p.hq = plan.hq;
+  p.hkv = plan.hkv;
+  p.d = plan.d;
+  p.scale_log2 = t.scale_log2;
+  p.softmax_scale = t.softmax_scale;
+  p.softcap = t.softcap;
+  p.softcap_pre = t.softcap_pre;
+  p.softcap_post = t.softcap_post;
+  p.grad_fp32 = a.dq.dtype == DType::F32;
+  detail::BwdParams dkdv = p;
+  dkdv.list = plan.dkdv;
+  dkdv.grad_fp32 = a.dk.dtype == DType::F32;
+  dkdv.dv_fp32 = a.dv.dtype == DType::F32;
+  detail::BwdParams dq = p;
+  dq.list = plan.dq;
+  const int dkdv_blocks = plan.dkdv.num_tiles * plan.hkv;
+  const int dq_blocks = plan.dq.num_tiles * plan.hq;
+  if (tag == detail::kBf16) run_backward<detail::kBf16>(plan.padded_d, dkdv, dkdv_blocks, dq, dq_blocks, stream);
+  else run_backward<detail::kFp16>(plan.padded_d, dkdv, dkdv_blocks, dq, dq_blocks, stream);
+}
+
+}  // namespace magi::cuda

@@ -1,0 +1,51 @@
+// The portable CUDA backend (sm_80 instructions; runs on Ampere and Hopper): plans and execution.
+//
+// A plan turns a mask into the kernels' device work lists once and owns its device workspace. Execution
+// enqueues kernels on the caller's stream only: no host synchronisation, no allocation (except the first
+// backward call with fp32 dout, which sizes a conversion buffer), so forward + backward can be captured
+// in a CUDA graph. Results are deterministic by construction (no atomics on values; max_logits uses an
+// order-independent atomic max).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "magi/attention.hpp"
+#include "magi/mask.hpp"
+
+namespace magi::cuda {
+
+// Resolved options (defaults and env overrides applied by the API layer).
+struct Options {
+  double softmax_scale = 0.0;  // required: the API resolves the D^-0.5 default
+  double softcap = 0.0;        // > 0 enables softcapping
+  SinkLayout sink_layout = SinkLayout::None;
+};
+
+struct Plan;
+
+// Head dims this build can run: multiples of 8 up to the largest compiled tile (64 / 128 / 256).
+bool head_dim_supported(int32_t head_dim);
+
+// Builds the work lists on the host and uploads them to `device` (synchronous; done once per mask and
+// shapes). Throws NotAvailable when the head dim has no compiled kernel.
+std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads_kv, int32_t head_dim,
+                                int32_t device);
+
+// Device pointers in args; dtypes bf16 / fp16 (out and grads may be fp32). Arguments were validated by
+// the API layer (shapes match the plan).
+void forward(const Plan& plan, const ForwardArgs& args, const Options& options, cudaStream_t stream);
+void backward(const Plan& plan, const BackwardArgs& args, const Options& options, cudaStream_t stream);
+
+// What a plan holds, for tests and benchmarks.
+struct PlanStats {
+  int32_t padded_head_dim = 0;
+  int64_t forward_items = 0, dkdv_items = 0, dq_items = 0;
+  int64_t forward_tiles = 0, dkdv_tiles = 0, dq_tiles = 0;
+  int64_t device_bytes = 0;
+};
+PlanStats stats(const Plan& plan);
+
+}  // namespace magi::cuda

@@ -1,0 +1,401 @@
+// Backward flash kernels. Deterministic by construction (no atomics):
+//  - dk/dv: one block = one k tile (64 keys) of one kv head; it walks the by_k_tile items of its tile for
+//    every q head of the GQA group, recomputing P^T and dS^T (staged in shared memory), and accumulates
+//    dV += P^T dO, dK += dS^T Q in registers.
+//  - dq: one block = one q tile (64 rows) of one q head over the by_q_tile items, dQ += dS K.
+#pragma once
+
+#include <type_traits>
+
+#include "cuda/kernel_common.cuh"
+
+namespace magi::cuda::detail {
+
+// Elementwise part shared by both kernels: the probability and dS (w.r.t. q.k) of one cell.
+struct BwdCell {
+  float p, ds;
+};
+template <bool kSoftcap>
+__device__ __forceinline__ BwdCell bwd_cell(const BwdParams& prm, float qk, float dp, float lse2, float delta,
+                                            bool kept) {
+  float s2, dfactor;
+  if constexpr (kSoftcap) {
+    const float t = tanhf(qk * prm.softcap_pre);
+    s2 = prm.softcap_post * t;
+    dfactor = prm.softmax_scale * (1.0f - t * t);
+  } else {
+    s2 = qk * prm.scale_log2;
+    dfactor = prm.softmax_scale;
+  }
+  const float pr = kept ? fast_exp2(s2 - lse2) : 0.0f;
+  return {pr, pr * (dp - delta) * dfactor};
+}
+
+// Runs body(std::true_type / std::false_type) so that the softcap branch sits outside the element loops.
+template <class F>
+__device__ __forceinline__ void with_softcap(const BwdParams& prm, F&& body) {
+  if (prm.softcap > 0.0f) body(std::true_type{});
+  else body(std::false_type{});
+}
+
+// Row statistics from the preprocess kernel, head-major and padded: any row < tq_pad may be read.
+__device__ __forceinline__ float load_lse2(const BwdParams& prm, int row, int head) {
+  return prm.lse2[int64_t{head} * prm.tq_pad + row];
+}
+__device__ __forceinline__ float load_delta(const BwdParams& prm, int row, int head) {
+  return prm.delta[int64_t{head} * prm.tq_pad + row];
+}
+
+template <int kD>
+struct DkdvConfig {
+  static constexpr int kM = kDkdvTileQ;  // q rows per item chunk
+  static constexpr int kN = kDkdvTileK;  // keys per block
+  static constexpr int kWarps = 8;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kStages = kD <= 128 ? 2 : 1;  // double-buffered Q/dO where shared memory allows
+  static constexpr int kSmemBytes = (2 * kN * kD + kStages * 2 * kM * kD + 2 * kN * kM) * 2 + kStages * 2 * kM * 4;
+};
+
+template <class T, int kD>
+__global__ void __launch_bounds__(DkdvConfig<kD>::kThreads) dkdv_kernel(const BwdParams p) {
+  using Cfg = DkdvConfig<kD>;
+  constexpr int kM = Cfg::kM, kN = Cfg::kN, kThreads = Cfg::kThreads, kStages = Cfg::kStages;
+  constexpr int kDSteps = kD / 16;
+  constexpr int kHalfD = kD / 2;
+  using SD = Swizzled<kD>;
+  using SM = Swizzled<kM>;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t sK = smem_addr(smem);
+  const uint32_t sV = sK + kN * kD * 2;
+  const uint32_t sQ0 = sV + kN * kD * 2;                   // [stage][kM][kD]
+  const uint32_t sdO0 = sQ0 + kStages * kM * kD * 2;       // [stage][kM][kD]
+  const uint32_t sP = sdO0 + kStages * kM * kD * 2;        // [kN][kM]
+  const uint32_t sdS = sP + kN * kM * 2;                   // [kN][kM]
+  unsigned char* const row_stats = smem + (sdS + kN * kM * 2 - sK);
+  float* const sLse = reinterpret_cast<float*>(row_stats);            // [stage][kM]
+  float* const sDelta = sLse + kStages * kM;                          // [stage][kM]
+
+  const int linear = static_cast<int>(blockIdx.x);
+  const int tile = p.list.order[linear / p.hkv];
+  const int kv_head = linear % p.hkv;
+  const int group = p.hq / p.hkv;
+  const int k_base = tile * kN;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int warp = tid / 32, lane = tid % 32;
+  const int key_group = warp % 4;  // 16 keys
+  const int half = warp / 4;       // phase 1: q columns [half*32, +32); phase 2: d columns [half*kD/2, +kD/2)
+
+  const int64_t q_stride = int64_t{p.hq} * p.d;
+  const int64_t kv_stride = int64_t{p.hkv} * p.d;
+  const T* q_tensor = static_cast<const T*>(p.q);
+  const T* dout_tensor = static_cast<const T*>(p.dout);
+  const T* k_head = static_cast<const T*>(p.k) + int64_t{kv_head} * p.d;
+  const T* v_head = static_cast<const T*>(p.v) + int64_t{kv_head} * p.d;
+
+  load_tile_async<kN, kD, kThreads>(sK, k_head + k_base * kv_stride, kv_stride, p.tk - k_base, p.d, k_head);
+  load_tile_async<kN, kD, kThreads>(sV, v_head + k_base * kv_stride, kv_stride, p.tk - k_base, p.d, v_head);
+
+  const int first = p.list.offsets[tile];
+  const int count = p.list.offsets[tile + 1] - first;
+  const int total = count * group;
+
+  // Everything one iteration reads (Q, dO, lse2, Delta of a 64-row chunk of one head) as cp.async.
+  auto issue_loads = [&](const WorkItem& w, int iteration, int stage) {
+    const int head = kv_head * group + iteration / count;
+    const int q0 = (w.q0 / kM) * kM;
+    const int64_t offset = q0 * q_stride + int64_t{head} * p.d;
+    load_tile_async<kM, kD, kThreads>(sQ0 + stage * kM * kD * 2, q_tensor + offset, q_stride, p.tq - q0, p.d, q_tensor);
+    load_tile_async<kM, kD, kThreads>(sdO0 + stage * kM * kD * 2, dout_tensor + offset, q_stride, p.tq - q0, p.d,
+                                      dout_tensor);
+    if (tid < 2 * kM / 4) {  // 16-byte chunks: first lse2, then Delta
+      const bool is_lse = tid < kM / 4;
+      const int chunk = is_lse ? tid : tid - kM / 4;
+      const float* src = (is_lse ? p.lse2 : p.delta) + int64_t{head} * p.tq_pad + q0 + chunk * 4;
+      const float* dst = (is_lse ? sLse : sDelta) + stage * kM + chunk * 4;
+      cp_async16(smem_addr(dst), src, true);
+    }
+  };
+  // Items are fetched one iteration ahead so that their global loads never stall the pipeline.
+  auto item_at = [&](int iteration) { return p.list.items[first + iteration % count]; };
+  WorkItem current{}, next{};
+  if (total > 0) {
+    current = item_at(0);
+    next = total > 1 ? item_at(1) : current;
+    issue_loads(current, 0, 0);
+  }
+  cp_async_commit();
+
+  float dk[kHalfD / 8][4], dv[kHalfD / 8][4];
+#pragma unroll
+  for (int i = 0; i < kHalfD / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.0f;
+
+  const FragAddr<kD> kv_a(sK, key_group * 16 + (lane % 16), lane / 16);              // A: K, V rows
+  const FragAddr<kD> qo_b(sQ0, half * 32 + (lane % 8) + (lane / 16) * 8, (lane / 8) % 2);  // B: Q, dO rows
+  const FragAddr<kM> pds_a(sP, key_group * 16 + (lane % 16), lane / 16);             // A: P^T, dS^T
+  const FragAddr<kD> qo_t(sQ0, (lane % 8) + ((lane / 8) % 2) * 8, half * (kHalfD / 8) + lane / 16);  // B^T
+  constexpr uint32_t kKV = kN * kD * 2;        // sV - sK
+  constexpr uint32_t kQO = kStages * kM * kD * 2;  // sdO - sQ
+  constexpr uint32_t kPdS = kN * kM * 2;       // sdS - sP
+
+  for (int it = 0; it < total; ++it) {
+    const int stage = kStages == 2 ? it & 1 : 0;
+    const WorkItem w = current;
+    const int q0 = (w.q0 / kM) * kM;
+    cp_async_wait<0>();
+    __syncthreads();
+    if (kStages == 2 && it + 1 < total) issue_loads(next, it + 1, (it + 1) & 1);
+    cp_async_commit();
+    const WorkItem after_next = it + 2 < total ? item_at(it + 2) : next;
+    const uint32_t stage_offset = stage * kM * kD * 2;
+
+    // Phase 1: S^T = K Q^T and dP^T = V dO^T for 16 keys x 32 rows per warp.
+    float st[4][4], dpt[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st[i][e] = dpt[i][e] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < kDSteps; ++ks) {
+      uint32_t ak[4], av[4];
+      const uint32_t a_addr = kv_a.at(0, ks);
+      ldmatrix_x4(ak, a_addr);
+      ldmatrix_x4(av, a_addr + kKV);
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb) {
+        const uint32_t b_addr = qo_b.at(nb * 16, ks) + stage_offset;
+        uint32_t bq[4], bo[4];
+        ldmatrix_x4(bq, b_addr);
+        ldmatrix_x4(bo, b_addr + kQO);
+        Mma<T>::run(st[2 * nb], ak, bq[0], bq[1]);
+        Mma<T>::run(st[2 * nb + 1], ak, bq[2], bq[3]);
+        Mma<T>::run(dpt[2 * nb], av, bo[0], bo[1]);
+        Mma<T>::run(dpt[2 * nb + 1], av, bo[2], bo[3]);
+      }
+    }
+    const bool masked = (w.flags & kWorkMasked) != 0;
+    with_softcap(p, [&](auto softcap) {
+#pragma unroll
+      for (int nb = 0; nb < 4; ++nb) {
+        // This thread's two q columns of the block: their kept key intervals, computed once.
+        const int col0 = half * 32 + nb * 8 + (lane % 4) * 2;
+        KeyInterval keys[2] = {{0, 1 << 30}, {0, 1 << 30}};
+        if (masked) keys[0] = item_keys(w, q0 + col0), keys[1] = item_keys(w, q0 + col0 + 1);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int key_local = key_group * 16 + lane / 4 + r * 8;
+          const int col = col0;
+          float pv[2], dsv[2];
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const bool kept = keys[j].contains(k_base + key_local);
+            const BwdCell c = bwd_cell<decltype(softcap)::value>(p, st[nb][2 * r + j], dpt[nb][2 * r + j],
+                                                                 sLse[stage * kM + col + j],
+                                                                 sDelta[stage * kM + col + j], kept);
+            pv[j] = c.p;
+            dsv[j] = c.ds;
+          }
+          const uint32_t off = SM::element(key_local, col);
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sP + off), "r"(Mma<T>::pack(pv[0], pv[1])));
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sdS + off), "r"(Mma<T>::pack(dsv[0], dsv[1])));
+        }
+      }
+    });
+    __syncthreads();
+
+    // Phase 2: dV += P^T dO, dK += dS^T Q for 16 keys x kD/2 columns per warp.
+#pragma unroll
+    for (int t = 0; t < kM / 16; ++t) {
+      uint32_t ap[4], ads[4];
+      const uint32_t a_addr = pds_a.at(0, t);
+      ldmatrix_x4(ap, a_addr);
+      ldmatrix_x4(ads, a_addr + kPdS);
+#pragma unroll
+      for (int dp = 0; dp < kHalfD / 16; ++dp) {
+        const uint32_t b_addr = qo_t.at(t * 16, dp) + stage_offset;
+        uint32_t bo[4], bq[4];
+        ldmatrix_x4_trans(bo, b_addr + kQO);
+        ldmatrix_x4_trans(bq, b_addr);
+        Mma<T>::run(dv[2 * dp], ap, bo[0], bo[1]);
+        Mma<T>::run(dv[2 * dp + 1], ap, bo[2], bo[3]);
+        Mma<T>::run(dk[2 * dp], ads, bq[0], bq[1]);
+        Mma<T>::run(dk[2 * dp + 1], ads, bq[2], bq[3]);
+      }
+    }
+    if (kStages == 1) {
+      __syncthreads();
+      if (it + 1 < total) issue_loads(next, it + 1, 0);
+      cp_async_commit();
+    }
+    current = next;
+    next = after_next;
+  }
+  cp_async_wait<0>();
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = k_base + key_group * 16 + lane / 4 + r * 8;
+    if (key >= p.tk) continue;
+    const int64_t base = key * kv_stride + int64_t{kv_head} * p.d;
+#pragma unroll
+    for (int i = 0; i < kHalfD / 8; ++i) {
+      const int col = half * kHalfD + i * 8 + (lane % 4) * 2;
+      if (col < p.d) {
+        store_pair<T>(p.dk, base + col, dk[i][2 * r], dk[i][2 * r + 1], p.grad_fp32);
+        store_pair<T>(p.dv, base + col, dv[i][2 * r], dv[i][2 * r + 1], p.dv_fp32);
+      }
+    }
+  }
+}
+
+template <int kD>
+struct DqConfig {
+  static constexpr int kM = kDqTileQ;
+  static constexpr int kN = dq_tile_k(kD);
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kSmemBytes = (2 * kM + 2 * kN) * kD * 2;
+};
+
+template <class T, int kD>
+__global__ void __launch_bounds__(DqConfig<kD>::kThreads) dq_kernel(const BwdParams p) {
+  using Cfg = DqConfig<kD>;
+  constexpr int kM = Cfg::kM, kN = Cfg::kN, kThreads = Cfg::kThreads;
+  constexpr int kDSteps = kD / 16;
+  constexpr int kNBlocks = kN / 8;
+  constexpr int kDBlocks = kD / 8;
+  using SD = Swizzled<kD>;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t sQ = smem_addr(smem);
+  const uint32_t sdO = sQ + kM * kD * 2;
+  const uint32_t sK = sdO + kM * kD * 2;
+  const uint32_t sV = sK + kN * kD * 2;
+
+  const int linear = static_cast<int>(blockIdx.x);
+  const int tile = p.list.order[linear / p.hq];
+  const int head = linear % p.hq;
+  const int kv_head = head / (p.hq / p.hkv);
+  const int q_base = tile * kM;
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int warp_row = warp * 16;
+  const int my_row0 = q_base + warp_row + lane / 4;
+
+  const int64_t q_stride = int64_t{p.hq} * p.d;
+  const int64_t kv_stride = int64_t{p.hkv} * p.d;
+  const T* q_tensor = static_cast<const T*>(p.q);
+  const T* dout_tensor = static_cast<const T*>(p.dout);
+  const T* k_head = static_cast<const T*>(p.k) + int64_t{kv_head} * p.d;
+  const T* v_head = static_cast<const T*>(p.v) + int64_t{kv_head} * p.d;
+
+  const int64_t q_offset = q_base * q_stride + int64_t{head} * p.d;
+  load_tile_async<kM, kD, kThreads>(sQ, q_tensor + q_offset, q_stride, p.tq - q_base, p.d, q_tensor);
+  load_tile_async<kM, kD, kThreads>(sdO, dout_tensor + q_offset, q_stride, p.tq - q_base, p.d, dout_tensor);
+  int item = p.list.offsets[tile];
+  const int item_end = p.list.offsets[tile + 1];
+  auto issue_kv = [&](int k0) {
+    load_tile_async<kN, kD, kThreads>(sK, k_head + k0 * kv_stride, kv_stride, p.tk - k0, p.d, k_head);
+    load_tile_async<kN, kD, kThreads>(sV, v_head + k0 * kv_stride, kv_stride, p.tk - k0, p.d, v_head);
+  };
+  if (item < item_end) issue_kv((p.list.items[item].k0 / kN) * kN);
+  cp_async_commit();
+
+  float lse2[2], delta[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    lse2[r] = load_lse2(p, my_row0 + r * 8, head);
+    delta[r] = load_delta(p, my_row0 + r * 8, head);
+  }
+  float acc[kDBlocks][4];
+#pragma unroll
+  for (int i = 0; i < kDBlocks; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+
+  const FragAddr<kD> qo_a(sQ, warp_row + (lane % 16), lane / 16);
+  const FragAddr<kD> kv_b(sK, (lane % 8) + (lane / 16) * 8, (lane / 8) % 2);
+  const FragAddr<kD> k_t(sK, (lane % 8) + ((lane / 8) % 2) * 8, lane / 16);
+  constexpr uint32_t kQO = kM * kD * 2;  // sdO - sQ
+  constexpr uint32_t kKV = kN * kD * 2;  // sV - sK
+
+  for (; item < item_end; ++item) {
+    const WorkItem w = p.list.items[item];
+    const int k0 = (w.k0 / kN) * kN;
+    const int next_k0 = item + 1 < item_end ? (p.list.items[item + 1].k0 / kN) * kN : 0;  // fetched early
+    cp_async_wait<0>();
+    __syncthreads();
+
+    float s[kNBlocks][4], dpv[kNBlocks][4];
+#pragma unroll
+    for (int i = 0; i < kNBlocks; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[i][e] = dpv[i][e] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < kDSteps; ++ks) {
+      uint32_t aq[4], ao[4];
+      const uint32_t a_addr = qo_a.at(0, ks);
+      ldmatrix_x4(aq, a_addr);
+      ldmatrix_x4(ao, a_addr + kQO);
+#pragma unroll
+      for (int nb = 0; nb < kN / 16; ++nb) {
+        const uint32_t b_addr = kv_b.at(nb * 16, ks);
+        uint32_t bk[4], bv[4];
+        ldmatrix_x4(bk, b_addr);
+        ldmatrix_x4(bv, b_addr + kKV);
+        Mma<T>::run(s[2 * nb], aq, bk[0], bk[1]);
+        Mma<T>::run(s[2 * nb + 1], aq, bk[2], bk[3]);
+        Mma<T>::run(dpv[2 * nb], ao, bv[0], bv[1]);
+        Mma<T>::run(dpv[2 * nb + 1], ao, bv[2], bv[3]);
+      }
+    }
+    const bool masked = (w.flags & kWorkMasked) != 0;
+    KeyInterval keys[2] = {{0, 1 << 30}, {0, 1 << 30}};
+    if (masked) keys[0] = item_keys(w, my_row0), keys[1] = item_keys(w, my_row0 + 8);
+    with_softcap(p, [&](auto softcap) {
+#pragma unroll
+      for (int nb = 0; nb < kNBlocks; ++nb) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e / 2;
+          const int col = k0 + nb * 8 + (lane % 4) * 2 + (e % 2);
+          const bool kept = keys[r].contains(col);
+          s[nb][e] = bwd_cell<decltype(softcap)::value>(p, s[nb][e], dpv[nb][e], lse2[r], delta[r], kept).ds;
+        }
+      }
+    });
+    // dQ += dS K.
+#pragma unroll
+    for (int t = 0; t < kN / 16; ++t) {
+      uint32_t a[4];
+      a[0] = Mma<T>::pack(s[2 * t][0], s[2 * t][1]);
+      a[1] = Mma<T>::pack(s[2 * t][2], s[2 * t][3]);
+      a[2] = Mma<T>::pack(s[2 * t + 1][0], s[2 * t + 1][1]);
+      a[3] = Mma<T>::pack(s[2 * t + 1][2], s[2 * t + 1][3]);
+#pragma unroll
+      for (int dp = 0; dp < kD / 16; ++dp) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, k_t.at(t * 16, dp));
+        Mma<T>::run(acc[2 * dp], a, b[0], b[1]);
+        Mma<T>::run(acc[2 * dp + 1], a, b[2], b[3]);
+      }
+    }
+    __syncthreads();
+    if (item + 1 < item_end) issue_kv(next_k0);
+    cp_async_commit();
+  }
+  cp_async_wait<0>();
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = my_row0 + r * 8;
+    if (row >= p.tq) continue;
+    const int64_t base = row * q_stride + int64_t{head} * p.d;
+#pragma unroll
+    for (int i = 0; i < kDBlocks; ++i) {
+      const int col = i * 8 + (lane % 4) * 2;
+      if (col < p.d) store_pair<T>(p.dq, base + col, acc[i][2 * r], acc[i][2 * r + 1], p.grad_fp32);
+    }
+  }
+}
+
+}  // namespace magi::cuda::detail

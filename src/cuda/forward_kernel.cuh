@@ -1,0 +1,254 @@
+// Forward flash kernel: one block = one q tile of one head; it walks every work item of its tile (all
+// slices touching it, so q-overlap merges inside one online softmax) and writes out/lse once.
+// 4 warps; each warp owns kMTiles 16-row m-tiles (rows mt*64 + warp*16), so every K/V fragment read from
+// shared memory feeds kMTiles independent MMAs. K then V of each item stream through shared memory with
+// cp.async: the V load overlaps Q K^T, the next K load overlaps softmax and P V.
+#pragma once
+
+#include <cfloat>
+
+#include "cuda/kernel_common.cuh"
+
+namespace magi::cuda::detail {
+
+template <int kD>
+struct FwdConfig {
+  static constexpr int kMTiles = fwd_tile_q(kD) / 64;
+  static constexpr int kM = fwd_tile_q(kD);
+  static constexpr int kN = fwd_tile_k(kD);
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kSmemBytes = (kM + 2 * kN) * kD * 2;
+};
+
+// Logits of one m-tile in log2 units (softcap or plain scale); the branch is hoisted out of the loops.
+template <int kNBlocks>
+__device__ __forceinline__ void scale_logits(float (&s)[kNBlocks][4], const FwdParams& p) {
+  if (p.softcap > 0.0f) {
+#pragma unroll
+    for (int nb = 0; nb < kNBlocks; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nb][e] = p.softcap_post * tanhf(s[nb][e] * p.softcap_pre);
+  } else {
+#pragma unroll
+    for (int nb = 0; nb < kNBlocks; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nb][e] *= p.scale_log2;
+  }
+}
+
+template <class T, int kD>
+__global__ void __launch_bounds__(FwdConfig<kD>::kThreads) forward_kernel(const FwdParams p) {
+  using Cfg = FwdConfig<kD>;
+  constexpr int kM = Cfg::kM, kN = Cfg::kN, kThreads = Cfg::kThreads, kMT = Cfg::kMTiles;
+  constexpr int kDSteps = kD / 16;  // k-steps of Q K^T
+  constexpr int kNBlocks = kN / 8;  // 8-wide column blocks of S
+  constexpr int kDBlocks = kD / 8;  // 8-wide column blocks of O
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t sQ = smem_addr(smem);
+  const uint32_t sK = sQ + kM * kD * 2;
+  const uint32_t sV = sK + kN * kD * 2;
+
+  const int linear = static_cast<int>(blockIdx.x);
+  const int tile = p.list.order[linear / p.hq];
+  const int head = linear % p.hq;
+  const int kv_head = head / (p.hq / p.hkv);
+  const int q_base = tile * kM;
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+
+  const int64_t q_stride = int64_t{p.hq} * p.d;
+  const int64_t kv_stride = int64_t{p.hkv} * p.d;
+  const T* q_tensor = static_cast<const T*>(p.q);
+  const T* k_head = static_cast<const T*>(p.k) + int64_t{kv_head} * p.d;
+  const T* v_head = static_cast<const T*>(p.v) + int64_t{kv_head} * p.d;
+
+  load_tile_async<kM, kD, kThreads>(sQ, q_tensor + q_base * q_stride + int64_t{head} * p.d, q_stride,
+                                    p.tq - q_base, p.d, q_tensor);
+  cp_async_commit();
+
+  int item = p.list.offsets[tile];
+  const int item_end = p.list.offsets[tile + 1];
+  auto tile_start = [](const WorkItem& w) { return (w.k0 / kN) * kN; };
+  if (item < item_end) {
+    const int k0 = tile_start(p.list.items[item]);
+    load_tile_async<kN, kD, kThreads>(sK, k_head + k0 * kv_stride, kv_stride, p.tk - k0, p.d, k_head);
+  }
+  cp_async_commit();
+
+  float acc[kMT][kDBlocks][4];
+  float row_max[kMT][2], row_sum[kMT][2];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+    for (int i = 0; i < kDBlocks; ++i) acc[mt][i][0] = acc[mt][i][1] = acc[mt][i][2] = acc[mt][i][3] = 0.0f;
+    row_max[mt][0] = row_max[mt][1] = -INFINITY;
+    row_sum[mt][0] = row_sum[mt][1] = 0.0f;
+  }
+  // Row of element e (0..3) of m-tile mt: my_row0 + mt * 64 + (e / 2) * 8.
+  const int my_row0 = q_base + warp * 16 + lane / 4;
+
+  const FragAddr<kD> q_addr(sQ, warp * 16 + (lane % 16), lane / 16);
+  const FragAddr<kD> k_addr(sK, (lane % 8) + (lane / 16) * 8, (lane / 8) % 2);
+  // V^T fragments use Q's pattern without the warp's row offset: same swizzle registers, another base.
+  FragAddr<kD> v_addr = q_addr;
+  v_addr.base = q_addr.base + (sV - sQ) - warp * 16 * kD * 2;
+
+  for (; item < item_end; ++item) {
+    const WorkItem w = p.list.items[item];
+    const int k0 = tile_start(w);
+    const int next_k0 = item + 1 < item_end ? tile_start(p.list.items[item + 1]) : 0;  // fetched early
+    cp_async_wait<0>();
+    __syncthreads();
+    load_tile_async<kN, kD, kThreads>(sV, v_head + k0 * kv_stride, kv_stride, p.tk - k0, p.d, v_head);
+    cp_async_commit();
+
+    // S = Q K^T for this warp's kMT m-tiles.
+    float s[kMT][kNBlocks][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int i = 0; i < kNBlocks; ++i) s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < kDSteps; ++ks) {
+      uint32_t a[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) ldmatrix_x4(a[mt], q_addr.at(mt * 64, ks));
+#pragma unroll
+      for (int nb = 0; nb < kN / 16; ++nb) {
+        uint32_t b[4];
+        ldmatrix_x4(b, k_addr.at(nb * 16, ks));
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          Mma<T>::run(s[mt][2 * nb], a[mt], b[0], b[1]);
+          Mma<T>::run(s[mt][2 * nb + 1], a[mt], b[2], b[3]);
+        }
+      }
+    }
+
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      scale_logits(s[mt], p);
+      if (w.flags & kWorkMasked) {
+        const KeyInterval keys[2] = {item_keys(w, my_row0 + mt * 64), item_keys(w, my_row0 + mt * 64 + 8)};
+#pragma unroll
+        for (int nb = 0; nb < kNBlocks; ++nb) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int col = k0 + nb * 8 + (lane % 4) * 2 + (e % 2);
+            if (!keys[e / 2].contains(col)) s[mt][nb][e] = -INFINITY;
+          }
+        }
+      }
+      // Online softmax: new row maxima, rescale what was accumulated so far.
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = row_max[mt][r];
+#pragma unroll
+        for (int nb = 0; nb < kNBlocks; ++nb) mx = fmaxf(mx, fmaxf(s[mt][nb][2 * r], s[mt][nb][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float base = mx == -INFINITY ? 0.0f : mx;
+        const float scale_old = fast_exp2(row_max[mt][r] - base);
+        row_max[mt][r] = mx;
+        float sum = 0.0f;
+#pragma unroll
+        for (int nb = 0; nb < kNBlocks; ++nb) {
+          s[mt][nb][2 * r] = fast_exp2(s[mt][nb][2 * r] - base);
+          s[mt][nb][2 * r + 1] = fast_exp2(s[mt][nb][2 * r + 1] - base);
+          sum += s[mt][nb][2 * r] + s[mt][nb][2 * r + 1];
+        }
+        row_sum[mt][r] = row_sum[mt][r] * scale_old + sum;
+#pragma unroll
+        for (int i = 0; i < kDBlocks; ++i) {
+          acc[mt][i][2 * r] *= scale_old;
+          acc[mt][i][2 * r + 1] *= scale_old;
+        }
+      }
+    }
+
+    // V ready; K is free: fetch the next item's K while P V runs.
+    cp_async_wait<0>();
+    __syncthreads();
+    if (item + 1 < item_end) {
+      load_tile_async<kN, kD, kThreads>(sK, k_head + next_k0 * kv_stride, kv_stride, p.tk - next_k0, p.d, k_head);
+    }
+    cp_async_commit();
+
+    // O += P V.
+#pragma unroll
+    for (int t = 0; t < kN / 16; ++t) {
+      uint32_t a[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        a[mt][0] = Mma<T>::pack(s[mt][2 * t][0], s[mt][2 * t][1]);
+        a[mt][1] = Mma<T>::pack(s[mt][2 * t][2], s[mt][2 * t][3]);
+        a[mt][2] = Mma<T>::pack(s[mt][2 * t + 1][0], s[mt][2 * t + 1][1]);
+        a[mt][3] = Mma<T>::pack(s[mt][2 * t + 1][2], s[mt][2 * t + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < kD / 16; ++dp) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, v_addr.at(t * 16, dp));
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          Mma<T>::run(acc[mt][2 * dp], a[mt], b[0], b[1]);
+          Mma<T>::run(acc[mt][2 * dp + 1], a[mt], b[2], b[3]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // Epilogue: normalise, fold in the sink, write out / lse, contribute to max_logits.
+  float block_max = -INFINITY;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float sum = row_sum[mt][r];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const int row = my_row0 + mt * 64 + r * 8;
+      const bool has_keys = sum > 0.0f;
+      block_max = fmaxf(block_max, row_max[mt][r]);
+      float lse2 = has_keys ? row_max[mt][r] + log2f(sum) : -INFINITY;  // log2 units
+      float factor = has_keys ? 1.0f / sum : 0.0f;
+      if (p.sink_kind != kSinkNone && row < p.tq) {
+        // lse~ = log(exp(lse) + sum_s exp(sink_s)), in log2 units here.
+        auto sink_at = [&](int si) {
+          const int64_t index = p.sink_kind == kSinkSH ? int64_t{si} * p.hq + head
+                                                        : (int64_t{row} * p.sink_len + si) * p.hq + head;
+          return p.sink[index] * kLog2e;
+        };
+        float hi = lse2;
+        for (int si = 0; si < p.sink_len; ++si) hi = fmaxf(hi, sink_at(si));
+        if (hi == -INFINITY) hi = 0.0f;  // no keys and every sink -inf: the row stays empty
+        float total = has_keys ? exp2f(lse2 - hi) : 0.0f;
+        for (int si = 0; si < p.sink_len; ++si) total += exp2f(sink_at(si) - hi);
+        const float merged = total > 0.0f ? hi + log2f(total) : -INFINITY;
+        if (has_keys) factor *= exp2f(lse2 - merged);
+        lse2 = merged;
+      }
+      if (row < p.tq) {
+        if (lane % 4 == 0) p.lse[int64_t{row} * p.hq + head] = lse2 * kLn2;
+        const int64_t base = int64_t{row} * q_stride + int64_t{head} * p.d;
+#pragma unroll
+        for (int i = 0; i < kDBlocks; ++i) {
+          const int col = i * 8 + (lane % 4) * 2;
+          if (col < p.d)
+            store_pair<T>(p.out, base + col, acc[mt][i][2 * r] * factor, acc[mt][i][2 * r + 1] * factor, p.out_fp32);
+        }
+      }
+    }
+  }
+  if (p.max_logits != nullptr) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2)
+      block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, offset));
+    if (lane == 0 && block_max > -INFINITY) atomic_max_float(p.max_logits + head, block_max * kLn2);
+  }
+}
+
+}  // namespace magi::cuda::detail

@@ -1,0 +1,171 @@
+// Warp-level building blocks of the portable kernels: sm_80 tensor-core instructions (mma.sync
+// m16n8k16, ldmatrix, cp.async) and the swizzled shared-memory tile layout they read.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/params.hpp"
+
+namespace magi::cuda::detail {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// 2^x in one MUFU instruction (flush-to-zero; 2^-inf = 0). The softmax terms never need denormals.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte asynchronous copy; `valid` false writes zeros (src-size 0, nothing is read).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  const int bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+template <class T>
+struct Mma;
+
+template <>
+struct Mma<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+};
+
+template <>
+struct Mma<__half> {
+  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+  static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+};
+
+// A tile of kRows x kCols 16-bit values, row-major, 16-byte chunks XOR-swizzled by (row % 8) so that the
+// 8 row addresses of one ldmatrix phase hit 8 different bank groups. kCols is a multiple of 64.
+template <int kCols>
+struct Swizzled {
+  static_assert(kCols % 64 == 0, "swizzle needs at least 8 chunks of 16 bytes per row");
+  static __device__ __forceinline__ uint32_t offset(int row, int col) {  // bytes; col multiple of 8
+    const int chunk = (col >> 3) ^ (row & 7);
+    return static_cast<uint32_t>(row * kCols * 2 + chunk * 16);
+  }
+  // Element offset (bytes) for any column.
+  static __device__ __forceinline__ uint32_t element(int row, int col) {
+    return offset(row, col & ~7) + (col & 7) * 2;
+  }
+};
+
+// Per-thread ldmatrix addresses into a Swizzled<kCols> tile, with the XOR folded into 4 registers so that
+// every fragment address is base + compile-time immediate + sw[k % 4] (no per-fragment index math, few
+// registers). The thread supplies the tile row it addresses (row % 8 == lane % 8 in every ldmatrix
+// pattern used here) and its first 16-byte chunk (even chunk + the pattern's chunk bit).
+template <int kCols>
+struct FragAddr {
+  uint32_t base;
+  uint32_t sw[4];
+  __device__ __forceinline__ FragAddr(uint32_t tile, int thread_row, int chunk0) {
+    base = tile + static_cast<uint32_t>(thread_row * kCols * 2);
+    const int r = thread_row & 7;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) sw[j] = static_cast<uint32_t>(((chunk0 + 2 * j) ^ r) * 16);
+  }
+  // Fragment for tile rows + row_offset (a multiple of 8, compile-time) and columns [16k, 16k + 16).
+  __device__ __forceinline__ uint32_t at(int row_offset, int k) const {
+    return base + row_offset * kCols * 2 + (k / 4) * 128 + sw[k % 4];
+  }
+};
+
+// Copies rows [0, kRows) x cols [0, kCols) of a strided global tile into a swizzled shared tile.
+// Rows >= rows_valid and columns >= cols_valid become zeros. `fallback` is any valid global address.
+template <int kRows, int kCols, int kThreads, class T>
+__device__ __forceinline__ void load_tile_async(uint32_t smem, const T* global, int64_t row_stride, int rows_valid,
+                                                int cols_valid, const T* fallback) {
+  constexpr int kChunksPerRow = kCols / 8;
+  constexpr int kTotal = kRows * kChunksPerRow;
+  static_assert(kTotal % kThreads == 0, "tile must divide evenly among threads");
+#pragma unroll
+  for (int i = 0; i < kTotal / kThreads; ++i) {
+    const int index = i * kThreads + static_cast<int>(threadIdx.x);
+    const int row = index / kChunksPerRow;
+    const int col = (index % kChunksPerRow) * 8;
+    const bool valid = row < rows_valid && col < cols_valid;
+    const T* src = valid ? global + row * row_stride + col : fallback;
+    cp_async16(smem + Swizzled<kCols>::offset(row, col), src, valid);
+  }
+}
+
+// Keys [lo, hi) that a work item keeps for row q (kept_keys restricted to the item's rectangle); an empty
+// interval for rows outside it. Computed once per row so that the per-element test is two compares.
+struct KeyInterval {
+  int lo, hi;
+  __device__ __forceinline__ bool contains(int k) const { return k >= lo && k < hi; }
+};
+__device__ __forceinline__ KeyInterval item_keys(const WorkItem& w, int q) {
+  int lo = w.k0, hi = w.k1;
+  if (w.flags & kWorkCausal) hi = min(hi, q + w.causal_offset + 1);
+  if (w.flags & kWorkInv) lo = max(lo, q + w.inv_offset);
+  if (q < w.q0 || q >= w.q1) hi = lo;
+  return {lo, hi};
+}
+
+// Float atomic max via the integer orderings of IEEE floats (init the target to -inf).
+__device__ __forceinline__ void atomic_max_float(float* address, float value) {
+  if (value >= 0.0f) atomicMax(reinterpret_cast<int*>(address), __float_as_int(value));
+  else atomicMin(reinterpret_cast<unsigned int*>(address), __float_as_uint(value));
+}
+
+template <class T>
+__device__ __forceinline__ void store_pair(void* base, int64_t index, float a, float b, bool fp32) {
+  if (fp32) {
+    *reinterpret_cast<float2*>(static_cast<float*>(base) + index) = make_float2(a, b);
+  } else {
+    *reinterpret_cast<uint32_t*>(static_cast<T*>(base) + index) = Mma<T>::pack(a, b);
+  }
+}
+
+}  // namespace magi::cuda::detail

@@ -1,0 +1,6 @@
+// backward kernels, fp16, head dims up to 256.
+#include "cuda/kernels/launch_impl.cuh"
+
+namespace magi::cuda::detail {
+template void launch_backward<kFp16, 256>(const BwdParams&, int, const BwdParams&, int, cudaStream_t);
+}  // namespace magi::cuda::detail

@@ -1,0 +1,6 @@
+// forward kernels, bf16, head dims up to 256.
+#include "cuda/kernels/launch_impl.cuh"
+
+namespace magi::cuda::detail {
+template void launch_forward<kBf16, 256>(const FwdParams&, int, cudaStream_t);
+}  // namespace magi::cuda::detail

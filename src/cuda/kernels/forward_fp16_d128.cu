@@ -1,0 +1,6 @@
+// forward kernels, fp16, head dims up to 128.
+#include "cuda/kernels/launch_impl.cuh"
+
+namespace magi::cuda::detail {
+template void launch_forward<kFp16, 128>(const FwdParams&, int, cudaStream_t);
+}  // namespace magi::cuda::detail

@@ -1,0 +1,45 @@
+// Kernel launchers, one explicit instantiation per (dtype, head-dim tile) in src/cuda/kernels/*.cu.
+// Host-only header: dtypes are tags so that plain C++ translation units can dispatch.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda/params.hpp"
+
+namespace magi::cuda::detail {
+
+enum DtypeTag : int { kBf16 = 0, kFp16 = 1 };
+
+template <int kDtype, int kD>
+void launch_forward(const FwdParams& params, int num_blocks, cudaStream_t stream);
+template <int kDtype, int kD>
+void launch_backward(const BwdParams& dkdv, int dkdv_blocks, const BwdParams& dq, int dq_blocks,
+                     cudaStream_t stream);
+
+// Small kernels (src/cuda/small_kernels.cu).
+void launch_fill(float* data, int64_t n, float value, cudaStream_t stream);
+// Delta = dout . out per (row, head); converts fp32 dout to 16-bit into dout16 when given; per-row dsink
+// for the ssh layout.
+struct PreprocessArgs {
+  const void* out;
+  int out_fp32;
+  const void* dout;
+  int dout_fp32;
+  void* dout16;  // null unless dout is fp32
+  const float* lse;  // [Tq, Hq], natural log
+  float* delta;      // out: [Hq][tq_pad]
+  float* lse2;       // out: [Hq][tq_pad], log2 units, empty rows 0
+  int tq_pad;
+  const float* sink;
+  float* dsink;
+  int sink_kind, sink_len;
+  int tq, hq, d;
+};
+void launch_preprocess(int dtype, const PreprocessArgs& args, cudaStream_t stream);
+// dsink for the sh layout: a fixed-order reduction over rows per (s, head).
+void launch_dsink_sh(const float* sink, const float* lse, const float* delta, int tq_pad, float* dsink, int sink_len,
+                     int tq, int hq, cudaStream_t stream);
+
+void check_launch(const char* what);  // throws magi::Error with the CUDA error string
+
+}  // namespace magi::cuda::detail

@@ -1,0 +1,84 @@
+// Plain structs shared by the host-side planner/dispatcher and the kernels (no CUDA types in here).
+#pragma once
+
+#include <cstdint>
+
+namespace magi::cuda::detail {
+
+// One rectangle of work: rows [q0, q1) of one slice against keys [k0, k1), both inside one tile of
+// each axis. The slice's diagonal offsets let the kernel apply kept_keys per element when `flags`
+// says the rectangle is not entirely kept.
+struct WorkItem {
+  int32_t q0, q1, k0, k1;
+  int32_t causal_offset;  // slice: k <= q + causal_offset   (ke - qe)
+  int32_t inv_offset;     // slice: k >= q + inv_offset      (ks - qs)
+  int32_t flags;
+  int32_t pad;
+};
+enum WorkFlags : int32_t {
+  kWorkCausal = 1,  // apply the causal bound
+  kWorkInv = 2,     // apply the inverse-causal bound
+  kWorkMasked = 4,  // some cell of the full tile x tile block is not kept: test every element
+};
+
+// A CSR work list on the device. Blocks take tiles in `order` (heaviest first).
+struct DeviceList {
+  const int32_t* order = nullptr;    // [num_tiles]
+  const int32_t* offsets = nullptr;  // [num_tiles + 1]
+  const WorkItem* items = nullptr;
+  int32_t num_tiles = 0;
+};
+
+// Tile shapes shared by the planner and the kernels.
+constexpr int fwd_tile_q(int padded_head_dim) { return padded_head_dim <= 128 ? 128 : 64; }
+#ifndef MAGI_FWD_TILE_K_D128  // experiment knob (must match between .cu and .cpp)
+#define MAGI_FWD_TILE_K_D128 64
+#endif
+constexpr int fwd_tile_k(int padded_head_dim) {
+  return padded_head_dim <= 64 ? 64 : padded_head_dim <= 128 ? MAGI_FWD_TILE_K_D128 : 32;
+}
+constexpr int kDkdvTileK = 64;
+constexpr int kDkdvTileQ = 64;
+constexpr int kDqTileQ = 64;
+constexpr int dq_tile_k(int padded_head_dim) { return padded_head_dim <= 128 ? 64 : 32; }
+
+enum SinkKind : int32_t { kSinkNone = 0, kSinkSH = 1, kSinkSSH = 2 };
+
+struct FwdParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* out;
+  float* lse;
+  float* max_logits;  // may be null
+  const float* sink;  // may be null
+  int32_t tq, tk, hq, hkv, d;
+  int32_t sink_len, sink_kind;
+  float scale_log2;       // softmax_scale * log2(e)
+  float softcap;          // 0 = off
+  float softcap_pre;      // softmax_scale / softcap
+  float softcap_post;     // softcap * log2(e)
+  int32_t out_fp32;
+  DeviceList list;
+};
+
+struct BwdParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* dout;   // 16-bit, input dtype (converted by the preprocess kernel when the caller's is fp32)
+  const float* lse2;   // [Hq][tq_pad]: lse (with the sink) in log2 units, 0 for empty rows
+  const float* delta;  // [Hq][tq_pad]: dout . out
+  int32_t tq_pad;      // >= Tq + 64, a multiple of 64 (whole 64-row chunks can be read)
+  void* dq;
+  void* dk;
+  void* dv;
+  int32_t tq, tk, hq, hkv, d;
+  float scale_log2, softmax_scale;
+  float softcap, softcap_pre, softcap_post;
+  int32_t grad_fp32;  // dq (dq kernel) or dk (dk/dv kernel) is fp32
+  int32_t dv_fp32;
+  DeviceList list;  // by_q_tile for dq, by_k_tile for dk/dv
+};
+
+}  // namespace magi::cuda::detail

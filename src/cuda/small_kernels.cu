@@ -1,0 +1,106 @@
+// Small helper kernels of the portable backend: fills, backward preprocessing, dsink reduction.
+#include <string>
+
+#include "cuda/kernel_common.cuh"
+#include "cuda/launch.hpp"
+#include "magi/error.hpp"
+
+namespace magi::cuda::detail {
+
+void check_launch(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess)
+    throw Error(std::string("CUDA launch of ") + what + " failed: " + cudaGetErrorString(err));
+}
+
+namespace {
+
+__global__ void fill_kernel(float* data, int64_t n, float value) {
+  const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (i < n) data[i] = value;
+}
+
+template <class T>
+__device__ __forceinline__ float load_as_float(const void* base, int64_t i, bool fp32) {
+  return fp32 ? static_cast<const float*>(base)[i] : Mma<T>::to_float(static_cast<const T*>(base)[i]);
+}
+
+// One warp per (row, head): Delta = dout . out (fp32), optional dout conversion, ssh dsink.
+template <class T>
+__global__ void preprocess_kernel(const PreprocessArgs a) {
+  const int warp = static_cast<int>((int64_t{blockIdx.x} * blockDim.x + threadIdx.x) / 32);
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  if (warp >= a.tq * a.hq) return;
+  const int row = warp / a.hq, head = warp % a.hq;
+  const int64_t base = int64_t{warp} * a.d;  // [Tq, Hq, D] contiguous: (row * hq + head) * d
+  float dot = 0.0f;
+  for (int c = lane; c < a.d; c += 32) {
+    const float g = load_as_float<T>(a.dout, base + c, a.dout_fp32);
+    dot += g * load_as_float<T>(a.out, base + c, a.out_fp32);
+    if (a.dout16 != nullptr) static_cast<T*>(a.dout16)[base + c] = Mma<T>::from_float(g);
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+  const float lse = a.lse[warp];
+  if (lse == -INFINITY) dot = 0.0f;
+  if (lane == 0) {
+    const int64_t hm = int64_t{head} * a.tq_pad + row;
+    a.delta[hm] = dot;
+    a.lse2[hm] = lse == -INFINITY ? 0.0f : lse * kLog2e;
+  }
+  if (a.sink_kind == kSinkSSH) {
+    for (int s = lane; s < a.sink_len; s += 32) {
+      const int64_t index = (int64_t{row} * a.sink_len + s) * a.hq + head;
+      a.dsink[index] = lse == -INFINITY ? 0.0f : -expf(a.sink[index] - lse) * dot;
+    }
+  }
+}
+
+constexpr int kReduceThreads = 256;
+
+__global__ void dsink_sh_kernel(const float* sink, const float* lse, const float* delta, int tq_pad, float* dsink,
+                                int tq, int hq) {
+  const int index = static_cast<int>(blockIdx.x);  // s * hq + head
+  const int head = index % hq;
+  const float value = sink[index];
+  double sum = 0.0;
+  for (int row = static_cast<int>(threadIdx.x); row < tq; row += kReduceThreads) {
+    const int64_t i = int64_t{row} * hq + head;
+    if (lse[i] != -INFINITY)
+      sum += static_cast<double>(expf(value - lse[i]) * delta[int64_t{head} * tq_pad + row]);
+  }
+  __shared__ double partial[kReduceThreads];
+  partial[threadIdx.x] = sum;
+  __syncthreads();
+  for (int width = kReduceThreads / 2; width > 0; width /= 2) {
+    if (static_cast<int>(threadIdx.x) < width) partial[threadIdx.x] += partial[threadIdx.x + width];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) dsink[index] = static_cast<float>(-partial[0]);
+}
+
+}  // namespace
+
+void launch_fill(float* data, int64_t n, float value, cudaStream_t stream) {
+  if (n == 0) return;
+  fill_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(data, n, value);
+  check_launch("fill_kernel");
+}
+
+void launch_preprocess(int dtype, const PreprocessArgs& args, cudaStream_t stream) {
+  const int64_t warps = int64_t{args.tq} * args.hq;
+  if (warps == 0) return;
+  const unsigned blocks = static_cast<unsigned>((warps + 7) / 8);
+  if (dtype == kBf16) preprocess_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(args);
+  else preprocess_kernel<__half><<<blocks, 256, 0, stream>>>(args);
+  check_launch("preprocess_kernel");
+}
+
+void launch_dsink_sh(const float* sink, const float* lse, const float* delta, int tq_pad, float* dsink, int sink_len,
+                     int tq, int hq, cudaStream_t stream) {
+  if (sink_len * hq == 0) return;
+  dsink_sh_kernel<<<sink_len * hq, kReduceThreads, 0, stream>>>(sink, lse, delta, tq_pad, dsink, tq, hq);
+  check_launch("dsink_sh_kernel");
+}
+
+}  // namespace magi::cuda::detail

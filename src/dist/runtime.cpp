@@ -1,0 +1,570 @@
+// Distributed attention on top of the single-device API: each stage is one magi::forward / magi::backward
+// call of the local q rows against a kv buffer (own rows, or rows fetched by group-cast), with the stage's
+// remapped mask. Partial results are combined in a fixed order (host stage, then remote stages in order,
+// sources in rank order), so results are bitwise reproducible.
+#include "dist/runtime.hpp"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <list>
+#include <mutex>
+#include <optional>
+#include <sstream>
+
+#include "comm/elements.hpp"
+#include "comm/group_collective.hpp"
+#include "common/lse_merge.hpp"
+#include "magi/env.hpp"
+
+namespace magi::dist {
+namespace {
+
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+
+// Host buffer of one dtype with a view helper.
+struct Buffer {
+  DType dtype = DType::F32;
+  std::vector<std::byte> bytes;
+
+  Buffer(DType dt, int64_t elements) : dtype(dt), bytes(static_cast<size_t>(elements * dtype_size(dt))) {}
+  TensorView view(std::initializer_list<int64_t> shape) { return TensorView(bytes.data(), dtype, shape); }
+  double at(int64_t i) const { return comm::load_element(dtype, bytes.data(), i); }
+};
+
+// Partial results are kept at fp32 (fp64 for fp64 inputs): the kernels accumulate at that precision anyway.
+DType partial_dtype(DType input) { return input == DType::F64 ? DType::F64 : DType::F32; }
+
+void require_rows(const TensorView& t, const char* name, int64_t rows, int32_t ndim) {
+  if (t.ndim != ndim || t.shape[0] != rows)
+    throw InvalidArgument(std::string(name) + ": expected " + std::to_string(ndim) + " dims with " +
+                          std::to_string(rows) + " local rows (the runtime key's local length), got " +
+                          shape_string(t));
+  if (t.device.type != DeviceType::CPU)
+    throw InvalidArgument(std::string(name) + ": the MPI engine needs host tensors (allowed: CPU)");
+}
+
+void store_all(const std::vector<double>& values, const TensorView& dst) {
+  for (int64_t i = 0; i < static_cast<int64_t>(values.size()); ++i) comm::store_element(dst.dtype, dst.data, i, values[i]);
+}
+
+void add_all(const Buffer& part, std::vector<double>& accum) {
+  for (int64_t i = 0; i < static_cast<int64_t>(accum.size()); ++i) accum[i] += part.at(i);
+}
+
+// The kv fetch of one stage: k and v travel as two group-casts. With hierarchical comm, hop 1 (across
+// nodes, overlapped with compute) fills the relay buffers and wait() fans them out inside the node.
+struct StageFetch {
+  const DistAttnRuntime& rt;
+  int32_t stage;
+  int64_t row_bytes;
+  Buffer k, v;              // the stage buffers: [buffer_rows, Hkv, D]
+  Buffer relay_k, relay_v;  // hop-1 receive buffers (hierarchical only)
+  std::optional<comm::GroupCast> k_cast, v_cast;
+
+  StageFetch(const DistAttnRuntime& runtime, int32_t stage_index, const TensorView& k_local, const TensorView& v_local)
+      : rt(runtime),
+        stage(stage_index),
+        row_bytes(int64_t{rt.heads().heads_kv} * rt.heads().head_dim * dtype_size(k_local.dtype)),
+        k(k_local.dtype, rows_of(rt.mine().stages[stage].buffer_rows)),
+        v(k_local.dtype, rows_of(rt.mine().stages[stage].buffer_rows)),
+        relay_k(k_local.dtype, rt.plan().hierarchical() ? rows_of(hop1().total_recv_rows()) : 0),
+        relay_v(k_local.dtype, rt.plan().hierarchical() ? rows_of(hop1().total_recv_rows()) : 0) {
+    const bool relayed = rt.plan().hierarchical();
+    k_cast.emplace(rt.comm(), hop1(), k_local.data, row_bytes, relayed ? relay_k.bytes.data() : k.bytes.data());
+    v_cast.emplace(rt.comm(), hop1(), v_local.data, row_bytes, relayed ? relay_v.bytes.data() : v.bytes.data());
+  }
+  void wait() {
+    k_cast->wait();
+    v_cast->wait();
+    if (!rt.plan().hierarchical()) return;
+    const auto& hop2 = rt.plan().relay_routes[rt.rank()][stage];
+    k_cast.emplace(rt.comm(), hop2, relay_k.bytes.data(), row_bytes, k.bytes.data());
+    v_cast.emplace(rt.comm(), hop2, relay_v.bytes.data(), row_bytes, v.bytes.data());
+    k_cast->wait();
+    v_cast->wait();
+  }
+
+ private:
+  const comm::RowRoutes& hop1() const { return rt.plan().routes[rt.rank()][stage]; }
+  int64_t rows_of(int64_t rows) const { return rows * rt.heads().heads_kv * rt.heads().head_dim; }
+};
+
+// Folds one stage's (out, lse) into the running result with the SPEC lse merge.
+void merge_into(const Buffer& out, const Buffer& lse, int32_t head_dim, std::vector<double>& acc_out,
+                std::vector<double>& acc_lse) {
+  for (int64_t row_head = 0; row_head < static_cast<int64_t>(acc_lse.size()); ++row_head) {
+    const auto w = merge_weights<double>(acc_lse[row_head], lse.at(row_head));
+    double* o = acc_out.data() + row_head * head_dim;
+    for (int32_t d = 0; d < head_dim; ++d) {
+      const double part = out.at(row_head * head_dim + d);
+      o[d] = (w.w1 == 0 ? 0.0 : w.w1 * o[d]) + (w.w2 == 0 ? 0.0 : w.w2 * part);
+    }
+    acc_lse[row_head] = w.lse;
+  }
+}
+
+}  // namespace
+
+std::string_view to_string(DispatchAlgorithm algorithm) {
+  return algorithm == DispatchAlgorithm::Greedy ? "greedy" : "greedy_swap";
+}
+
+DistAttnRuntime::DistAttnRuntime(const Mask& mask, const HeadShape& heads, std::shared_ptr<comm::Communicator> comm,
+                                 const DistConfig& config, bool backward_high_precision, DsinkReduceOp dsink_op,
+                                 int32_t ranks_per_node)
+    : heads_(heads),
+      comm_(std::move(comm)),
+      config_(config),
+      backward_high_precision_(backward_high_precision),
+      dsink_op_(dsink_op),
+      rank_(comm_->rank()),
+      dispatch_(make_dispatch(mask, comm_->size(), config.chunk_size, config.algorithm)),
+      plan_(make_comm_plan(mask, dispatch_, config.overlap_degree, ranks_per_node)) {}
+
+PlanSummary DistAttnRuntime::summary() const {
+  PlanSummary s;
+  s.cp = dispatch_.q.cp();
+  s.chunk_size = dispatch_.q.chunk_size;
+  s.local_q_tokens = dispatch_.q.local_tokens();
+  s.local_k_tokens = dispatch_.k.local_tokens();
+  s.rank_area = dispatch_.rank_area;
+  s.area_lower_bound = dispatch_.lower_bound();
+  for (const auto& rp : plan_.ranks) s.fetched_kv_rows.push_back(rp.fetched_rows());
+  s.ring_kv_rows = int64_t{s.cp} * (s.cp - 1) * s.local_k_tokens;
+  s.kv_row_elements = int64_t{heads_.heads_kv} * heads_.head_dim;
+  return s;
+}
+
+void DistAttnRuntime::forward(const ForwardArgs& a) const {
+  const int64_t lq = dispatch_.q.local_tokens(), lk = dispatch_.k.local_tokens();
+  const int32_t hq = heads_.heads_q, hkv = heads_.heads_kv, d = heads_.head_dim;
+  require_rows(a.q, "q", lq, 3);
+  require_rows(a.k, "k", lk, 3);
+  require_rows(a.v, "v", lk, 3);
+  require_rows(a.out, "out", lq, 3);
+  require_rows(a.lse, "lse", lq, 2);
+  if (a.q.shape[1] != hq || a.q.shape[2] != d || a.k.shape[1] != hkv || a.k.shape[2] != d)
+    throw InvalidArgument("q, k: heads and head dim must match the runtime key (Hq=" + std::to_string(hq) +
+                          ", Hkv=" + std::to_string(hkv) + ", D=" + std::to_string(d) + "), got q " +
+                          shape_string(a.q) + ", k " + shape_string(a.k));
+  if (a.k.dtype != a.q.dtype || a.v.dtype != a.q.dtype)
+    throw InvalidArgument("k, v: dtype must equal q's (" + std::string(to_string(a.q.dtype)) + ")");
+  const DType part = partial_dtype(a.q.dtype);
+  const bool want_max = a.max_logits.ndim != 0;
+  const int32_t num_stages = plan_.num_stages();
+
+  std::vector<double> acc_out(static_cast<size_t>(lq * hq * d), 0.0), acc_lse(static_cast<size_t>(lq * hq), kNegInf);
+  std::vector<float> max_logits(static_cast<size_t>(hq), -std::numeric_limits<float>::infinity());
+  Buffer stage_out(part, lq * hq * d), stage_lse(part, lq * hq), stage_max(DType::F32, hq);
+
+  const auto compute = [&](const Mask& mask, const TensorView& k, const TensorView& v, bool with_sink) {
+    if (mask.slices.empty() && !with_sink) return;
+    ForwardArgs s;
+    s.q = a.q;
+    s.k = k;
+    s.v = v;
+    if (with_sink) s.sink = a.sink;
+    s.out = stage_out.view({lq, hq, d});
+    s.lse = stage_lse.view({lq, hq});
+    if (want_max) s.max_logits = stage_max.view({hq});
+    AttentionOptions options = config_.attention;
+    if (!with_sink) options.sink_layout = SinkLayout::None;
+    magi::forward(mask, s, options);
+    merge_into(stage_out, stage_lse, d, acc_out, acc_lse);
+    if (want_max)
+      for (int32_t h = 0; h < hq; ++h) max_logits[h] = std::max(max_logits[h], static_cast<float>(stage_max.at(h)));
+  };
+
+  auto next = std::make_unique<StageFetch>(*this, 0, a.k, a.v);
+  if (config_.overlap_degree == 0) next->wait();
+  compute(mine().host_mask, a.k, a.v, config_.attention.sink_layout != SinkLayout::None);
+  for (int32_t stage = 0; stage < num_stages; ++stage) {
+    const auto current = std::move(next);
+    current->wait();
+    if (stage + 1 < num_stages) next = std::make_unique<StageFetch>(*this, stage + 1, a.k, a.v);
+    const int64_t rows = mine().stages[stage].buffer_rows;
+    compute(mine().stages[stage].mask, current->k.view({rows, hkv, d}), current->v.view({rows, hkv, d}), false);
+  }
+
+  store_all(acc_out, a.out);
+  store_all(acc_lse, a.lse);
+  if (want_max) {
+    std::vector<float> all(static_cast<size_t>(hq) * comm_->size());
+    comm_->allgather(max_logits.data(), hq * int64_t{4}, all.data());
+    for (int32_t h = 0; h < hq; ++h) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int32_t r = 0; r < comm_->size(); ++r) m = std::max(m, all[static_cast<size_t>(r) * hq + h]);
+      a.max_logits.as<float>()[h] = m;
+    }
+  }
+}
+
+void DistAttnRuntime::backward(const BackwardArgs& a) const {
+  const int64_t lq = dispatch_.q.local_tokens(), lk = dispatch_.k.local_tokens();
+  const int32_t hq = heads_.heads_q, hkv = heads_.heads_kv, d = heads_.head_dim;
+  for (auto [t, name] : {std::pair{&a.q, "q"}, {&a.out, "out"}, {&a.dout, "dout"}, {&a.dq, "dq"}})
+    require_rows(*t, name, lq, 3);
+  for (auto [t, name] : {std::pair{&a.k, "k"}, {&a.v, "v"}, {&a.dk, "dk"}, {&a.dv, "dv"}}) require_rows(*t, name, lk, 3);
+  require_rows(a.lse, "lse", lq, 2);
+  if (a.q.shape[1] != hq || a.q.shape[2] != d || a.k.shape[1] != hkv || a.k.shape[2] != d)
+    throw InvalidArgument("q, k: heads and head dim must match the runtime key");
+  if (a.k.dtype != a.q.dtype || a.v.dtype != a.q.dtype)
+    throw InvalidArgument("k, v: dtype must equal q's (" + std::string(to_string(a.q.dtype)) + ")");
+  const DType part = partial_dtype(a.q.dtype);
+  // Partial dk/dv cross the wire at the input precision unless high-precision reduce is on.
+  const DType wire = a.q.dtype == DType::F64 || backward_high_precision_ ? part : a.q.dtype;
+  const bool with_sink = config_.attention.sink_layout != SinkLayout::None;
+  const int32_t num_stages = plan_.num_stages();
+  const int64_t kv_row = int64_t{hkv} * d;
+
+  std::vector<double> acc_dq(static_cast<size_t>(lq * hq * d), 0.0);
+  std::vector<double> acc_dk(static_cast<size_t>(lk * kv_row), 0.0), acc_dv(acc_dk.size(), 0.0);
+  Buffer stage_dq(part, lq * hq * d);
+
+  // The first fetch runs while the host stage computes (after it, with overlap degree 0).
+  auto next = std::make_unique<StageFetch>(*this, 0, a.k, a.v);
+  if (config_.overlap_degree == 0) next->wait();
+  // Host stage: own kv, and the sink (whose gradient is computed exactly once, here).
+  if (!mine().host_mask.slices.empty() || with_sink) {
+    Buffer host_dk(part, lk * kv_row), host_dv(part, lk * kv_row);
+    BackwardArgs s = a;
+    s.dq = stage_dq.view({lq, hq, d});
+    s.dk = host_dk.view({lk, hkv, d});
+    s.dv = host_dv.view({lk, hkv, d});
+    magi::backward(mine().host_mask, s, config_.attention);
+    add_all(stage_dq, acc_dq);
+    add_all(host_dk, acc_dk);
+    add_all(host_dv, acc_dv);
+  }
+  AttentionOptions remote_options = config_.attention;
+  remote_options.sink_layout = SinkLayout::None;
+
+  // Remote stages: the fetch of stage i + 1 and the reductions of earlier stages run while stage i
+  // computes. Partial dk/dv go back along the fetch routes in reverse: flat, one hop to the owners;
+  // hierarchical, first to the node's relay (which sums them), then across nodes to the owners.
+  // Reductions finish in stage order, a fixed summation order on every owner.
+  struct Reduce {
+    Buffer dk, dv;
+    std::optional<comm::GroupReduce> k_reduce, v_reduce;
+    int32_t stage = 0;
+  };
+  const bool relayed = plan_.hierarchical();
+  std::list<Reduce> first_hop, second_hop;  // second_hop: hierarchical only (relay -> owner)
+  const auto start_reduce = [&](std::list<Reduce>& queue, const comm::RowRoutes& routes, Reduce r) {
+    Reduce& started = queue.emplace_back(std::move(r));
+    started.k_reduce.emplace(*comm_, routes, started.dk.bytes.data(), kv_row * dtype_size(wire));
+    started.v_reduce.emplace(*comm_, routes, started.dv.bytes.data(), kv_row * dtype_size(wire));
+  };
+  const auto finish_to_owner = [&] {
+    std::list<Reduce>& queue = relayed ? second_hop : first_hop;
+    queue.front().k_reduce->finish_sum(wire, kv_row, acc_dk.data());
+    queue.front().v_reduce->finish_sum(wire, kv_row, acc_dv.data());
+    queue.pop_front();
+  };
+  const auto finish_at_relay = [&] {  // sum the node's partials, then send them across nodes
+    Reduce& done = first_hop.front();
+    const comm::RowRoutes& hop1 = plan_.routes[rank_][done.stage];
+    const int64_t rows = hop1.total_recv_rows();
+    std::vector<double> sum_k(static_cast<size_t>(rows * kv_row), 0.0), sum_v(sum_k.size(), 0.0);
+    done.k_reduce->finish_sum(wire, kv_row, sum_k.data());
+    done.v_reduce->finish_sum(wire, kv_row, sum_v.data());
+    Reduce relay{Buffer(wire, rows * kv_row), Buffer(wire, rows * kv_row), {}, {}, done.stage};
+    store_all(sum_k, relay.dk.view({rows * kv_row}));
+    store_all(sum_v, relay.dv.view({rows * kv_row}));
+    first_hop.pop_front();
+    start_reduce(second_hop, hop1, std::move(relay));
+  };
+  for (int32_t stage = 0; stage < num_stages; ++stage) {
+    const auto current = std::move(next);
+    current->wait();
+    if (stage + 1 < num_stages) next = std::make_unique<StageFetch>(*this, stage + 1, a.k, a.v);
+    const StagePlan& sp = mine().stages[stage];
+    const int64_t rows = sp.buffer_rows;
+    Reduce partial{Buffer(wire, rows * kv_row), Buffer(wire, rows * kv_row), {}, {}, stage};
+    if (!sp.mask.slices.empty()) {
+      BackwardArgs s = a;
+      s.k = current->k.view({rows, hkv, d});
+      s.v = current->v.view({rows, hkv, d});
+      s.sink = {};
+      s.dsink = {};
+      s.dq = stage_dq.view({lq, hq, d});
+      s.dk = partial.dk.view({rows, hkv, d});
+      s.dv = partial.dv.view({rows, hkv, d});
+      magi::backward(sp.mask, s, remote_options);
+      add_all(stage_dq, acc_dq);
+    }
+    start_reduce(first_hop, relayed ? plan_.relay_routes[rank_][stage] : plan_.routes[rank_][stage], std::move(partial));
+    if (relayed) {
+      if (first_hop.size() > 1) finish_at_relay();
+      if (second_hop.size() > 1) finish_to_owner();
+    } else if (first_hop.size() > 1) {
+      finish_to_owner();
+    }
+  }
+  if (relayed)
+    while (!first_hop.empty()) finish_at_relay();
+  while (!(relayed ? second_hop : first_hop).empty()) finish_to_owner();
+
+  store_all(acc_dq, a.dq);
+  store_all(acc_dk, a.dk);
+  store_all(acc_dv, a.dv);
+
+  // A shared (sh) sink is replicated on every rank, so its gradient is partial per rank.
+  if (with_sink && config_.attention.sink_layout == SinkLayout::SH && dsink_op_ != DsinkReduceOp::None) {
+    const int64_t n = a.dsink.numel();
+    std::vector<float> all(static_cast<size_t>(n * comm_->size()));
+    comm_->allgather(a.dsink.data, n * 4, all.data());
+    for (int64_t i = 0; i < n; ++i) {
+      double sum = 0;
+      for (int32_t r = 0; r < comm_->size(); ++r) sum += all[static_cast<size_t>(r * n + i)];
+      if (dsink_op_ == DsinkReduceOp::Avg) sum /= comm_->size();
+      a.dsink.as<float>()[i] = static_cast<float>(sum);
+    }
+  }
+}
+
+// ---- public API ----
+
+namespace {
+
+uint64_t fnv1a(uint64_t hash, const void* data, size_t bytes) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < bytes; ++i) hash = (hash ^ p[i]) * 1099511628211ull;
+  return hash;
+}
+template <class T>
+uint64_t mix(uint64_t hash, const T& value) {
+  return fnv1a(hash, &value, sizeof(value));
+}
+
+// Everything that must agree between ranks and that identifies a cached runtime.
+struct RuntimeId {
+  std::vector<Slice> slices;
+  int32_t total_q = 0, total_k = 0;
+  int32_t heads_q = 0, heads_kv = 0, head_dim = 0;
+  int32_t chunk_size = 0, overlap_degree = 0;
+  DispatchAlgorithm algorithm{};
+  double softmax_scale = 0, softcap = 0;
+  SinkLayout sink_layout{};
+  Backend backend{};
+  int32_t deterministic = -1;
+  bool backward_high_precision = false;
+  DsinkReduceOp dsink_op{};
+  int32_t ranks_per_node = 0;  // hierarchical comm; 0 = flat
+  const comm::Communicator* comm = nullptr;
+  int32_t cp = 0;
+
+  bool operator==(const RuntimeId&) const = default;
+
+  // The communicator pointer differs between ranks by nature: left out of the fingerprint.
+  uint64_t fingerprint() const {
+    uint64_t h = 1469598103934665603ull;
+    for (const Slice& s : slices) h = mix(mix(mix(mix(mix(h, s.q.start), s.q.end), s.k.start), s.k.end), s.type);
+    for (int32_t v : {total_q, total_k, heads_q, heads_kv, head_dim, chunk_size, overlap_degree, cp, deterministic,
+                      ranks_per_node})
+      h = mix(h, v);
+    h = mix(mix(mix(mix(h, algorithm), softmax_scale), softcap), sink_layout);
+    return mix(mix(mix(h, backend), backward_high_precision), dsink_op);
+  }
+};
+
+class RuntimeCache {
+ public:
+  std::shared_ptr<const DistAttnRuntime> find(const RuntimeId& id) {
+    std::lock_guard lock(mutex_);
+    for (auto it = entries_.begin(); it != entries_.end(); ++it)
+      if (it->first == id) {
+        entries_.splice(entries_.begin(), entries_, it);
+        return it->second;
+      }
+    return nullptr;
+  }
+  void insert(RuntimeId id, std::shared_ptr<const DistAttnRuntime> runtime) {
+    const auto capacity = static_cast<size_t>(env::get_int("MAGI_ATTENTION_DIST_ATTN_RUNTIME_DICT_SIZE"));
+    std::lock_guard lock(mutex_);
+    entries_.emplace_front(std::move(id), std::move(runtime));
+    while (entries_.size() > capacity) entries_.pop_back();
+  }
+  size_t size() {
+    std::lock_guard lock(mutex_);
+    return entries_.size();
+  }
+  void clear() {
+    std::lock_guard lock(mutex_);
+    entries_.clear();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::list<std::pair<RuntimeId, std::shared_ptr<const DistAttnRuntime>>> entries_;
+};
+
+RuntimeCache& runtime_cache() {
+  static RuntimeCache cache;
+  return cache;
+}
+
+DsinkReduceOp env_dsink_op() {
+  const std::string op = env::get_string("MAGI_ATTENTION_DSINK_ALL_REDUCE_OP");
+  if (op == "sum") return DsinkReduceOp::Sum;
+  if (op == "avg") return DsinkReduceOp::Avg;
+  return DsinkReduceOp::None;
+}
+
+const Partition& partition(const RuntimeKey& key, Axis axis) {
+  return axis == Axis::Q ? key.runtime().dispatch().q : key.runtime().dispatch().k;
+}
+
+int64_t row_bytes_of(const TensorView& t, const char* name, int64_t rows) {
+  if (t.ndim < 1 || t.shape[0] != rows)
+    throw InvalidArgument(std::string(name) + ": expected " + std::to_string(rows) + " rows, got " + shape_string(t));
+  if (t.device.type != DeviceType::CPU) throw InvalidArgument(std::string(name) + ": host tensors only (allowed: CPU)");
+  if (t.data == nullptr && t.numel() > 0) throw InvalidArgument(std::string(name) + ": null data pointer");
+  return rows == 0 ? 0 : t.nbytes() / rows;
+}
+
+void require_same_row_shape(const TensorView& a, const TensorView& b) {
+  bool same = a.ndim == b.ndim && a.dtype == b.dtype;
+  for (int i = 1; same && i < a.ndim; ++i) same = a.shape[i] == b.shape[i];
+  if (!same)
+    throw InvalidArgument("global and local tensors must share dtype and trailing dims, got " + shape_string(a) +
+                          " " + std::string(to_string(a.dtype)) + " and " + shape_string(b) + " " +
+                          std::string(to_string(b.dtype)));
+}
+
+}  // namespace
+
+const DistAttnRuntime& RuntimeKey::runtime() const {
+  if (!runtime_) throw InvalidArgument("runtime key is empty (create it with magi::dist::make_runtime_key)");
+  return *runtime_;
+}
+int32_t RuntimeKey::local_q_tokens() const { return runtime().dispatch().q.local_tokens(); }
+int32_t RuntimeKey::local_k_tokens() const { return runtime().dispatch().k.local_tokens(); }
+PlanSummary RuntimeKey::summary() const { return runtime().summary(); }
+
+RuntimeKey make_runtime_key(const Mask& mask, const HeadShape& heads, std::shared_ptr<comm::Communicator> comm,
+                            const DistConfig& config) {
+  env::ensure_validated();
+  if (!comm) throw InvalidArgument("make_runtime_key: comm is null");
+  if (config.chunk_size < 1) throw InvalidArgument("chunk_size must be >= 1, got " + std::to_string(config.chunk_size));
+  if (config.overlap_degree < 0)
+    throw InvalidArgument("overlap_degree must be >= 0 (0 = no overlap), got " + std::to_string(config.overlap_degree));
+  if (heads.heads_q < 1 || heads.heads_kv < 1 || heads.heads_q % heads.heads_kv != 0 || heads.head_dim < 8 ||
+      heads.head_dim % 8 != 0)
+    throw InvalidArgument("heads: need Hq % Hkv == 0 and D a positive multiple of 8, got Hq=" +
+                          std::to_string(heads.heads_q) + " Hkv=" + std::to_string(heads.heads_kv) +
+                          " D=" + std::to_string(heads.head_dim));
+  if (config.attention.backend == Backend::Cuda)
+    throw NotAvailable("distributed attention with backend cuda needs the NCCL engine (allowed here: cpu, reference, auto)");
+  comm->set_timeout(config.comm_timeout_seconds);
+  validate_bounds(mask);
+
+  RuntimeId id;
+  id.slices = mask.slices;
+  id.total_q = mask.total_q;
+  id.total_k = mask.total_k;
+  id.heads_q = heads.heads_q;
+  id.heads_kv = heads.heads_kv;
+  id.head_dim = heads.head_dim;
+  id.chunk_size = config.chunk_size;
+  id.overlap_degree = config.overlap_degree;
+  id.algorithm = config.algorithm;
+  id.softmax_scale = config.attention.softmax_scale.value_or(0.0);
+  id.softcap = config.attention.softcap;
+  id.sink_layout = config.attention.sink_layout;
+  id.backend = config.attention.backend;
+  id.deterministic = config.attention.deterministic ? int32_t{*config.attention.deterministic} : -1;
+  id.backward_high_precision = config.backward_high_precision_reduce.value_or(
+      env::get_bool("MAGI_ATTENTION_BACKWARD_HIGH_PRECISION_REDUCE"));
+  id.dsink_op = config.dsink_reduce_op.value_or(env_dsink_op());
+  id.comm = comm.get();
+  id.cp = comm->size();
+  if (config.hierarchical_comm.value_or(env::get_bool("MAGI_ATTENTION_HIERARCHICAL_COMM"))) {
+    id.ranks_per_node = config.ranks_per_node > 0 ? config.ranks_per_node : comm->ranks_per_node();
+  }
+  // Always checked, hit or miss: ranks whose caches differ must still call the same collectives.
+  comm::require_same_on_all_ranks(*comm, id.fingerprint(), "distributed attention mask/shape/config");
+  // After the agreement check, so that every rank throws alike.
+  if (id.ranks_per_node < 0 || (id.ranks_per_node == 0 && config.hierarchical_comm.value_or(
+                                                              env::get_bool("MAGI_ATTENTION_HIERARCHICAL_COMM"))) ||
+      (id.ranks_per_node > 0 && id.cp % id.ranks_per_node != 0))
+    throw InvalidArgument("hierarchical comm needs nodes of equal size made of consecutive ranks; ranks_per_node " +
+                          std::to_string(id.ranks_per_node) + " does not divide cp " + std::to_string(id.cp) +
+                          " (set DistConfig::ranks_per_node)");
+
+  if (auto hit = runtime_cache().find(id)) return RuntimeKey(std::move(hit));
+  validate(mask);
+  auto runtime = std::make_shared<const DistAttnRuntime>(mask, heads, comm, config, id.backward_high_precision,
+                                                         id.dsink_op, id.ranks_per_node);
+  runtime_cache().insert(std::move(id), runtime);
+  return RuntimeKey(std::move(runtime));
+}
+
+void dispatch(const RuntimeKey& key, Axis axis, const TensorView& global, const TensorView& local) {
+  const Partition& p = partition(key, axis);
+  require_same_row_shape(global, local);
+  const int64_t row = row_bytes_of(global, "global", p.total);
+  if (row_bytes_of(local, "local", p.local_tokens()) != row && p.total > 0)
+    throw InvalidArgument("dispatch: global and local rows differ in size");
+  const auto rows = p.global_rows(key.runtime().rank());
+  auto* dst = static_cast<std::byte*>(local.data);
+  const auto* src = static_cast<const std::byte*>(global.data);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (rows[i] < p.total) std::memcpy(dst + i * row, src + int64_t{rows[i]} * row, static_cast<size_t>(row));
+    else std::memset(dst + i * row, 0, static_cast<size_t>(row));
+  }
+}
+
+void undispatch(const RuntimeKey& key, Axis axis, const TensorView& local, const TensorView& global) {
+  const Partition& p = partition(key, axis);
+  require_same_row_shape(global, local);
+  const int64_t row = row_bytes_of(local, "local", p.local_tokens());
+  row_bytes_of(global, "global", p.total);
+  comm::Communicator& comm = key.runtime().comm();
+  std::vector<std::byte> all(static_cast<size_t>(row * p.local_tokens() * comm.size()));
+  comm.allgather(local.data, row * p.local_tokens(), all.data());
+  auto* dst = static_cast<std::byte*>(global.data);
+  for (int32_t r = 0; r < comm.size(); ++r) {
+    const auto rows = p.global_rows(r);
+    const std::byte* src = all.data() + static_cast<int64_t>(r) * row * p.local_tokens();
+    for (size_t i = 0; i < rows.size(); ++i)
+      if (rows[i] < p.total) std::memcpy(dst + int64_t{rows[i]} * row, src + i * row, static_cast<size_t>(row));
+  }
+}
+
+std::vector<int32_t> position_ids(const RuntimeKey& key, Axis axis) {
+  return partition(key, axis).global_rows(key.runtime().rank());
+}
+
+void calc_attn(const RuntimeKey& key, const ForwardArgs& local) { key.runtime().forward(local); }
+void calc_attn_backward(const RuntimeKey& key, const BackwardArgs& local) { key.runtime().backward(local); }
+
+size_t runtime_cache_size() { return runtime_cache().size(); }
+void clear_runtime_cache() { runtime_cache().clear(); }
+
+double PlanSummary::imbalance() const {
+  if (rank_area.empty()) return 1.0;
+  int64_t total = 0, largest = 0;
+  for (int64_t a : rank_area) total += a, largest = std::max(largest, a);
+  return total == 0 ? 1.0 : static_cast<double>(largest) * static_cast<double>(rank_area.size()) / total;
+}
+
+std::string PlanSummary::to_text() const {
+  std::ostringstream out;
+  int64_t largest = 0, fetched = 0;
+  for (int64_t a : rank_area) largest = std::max(largest, a);
+  for (int64_t f : fetched_kv_rows) fetched += f;
+  out << "cp " << cp << ", chunk " << chunk_size << ", local q " << local_q_tokens << ", local kv " << local_k_tokens
+      << "\n";
+  for (int32_t r = 0; r < cp; ++r)
+    out << "  rank " << r << ": area " << rank_area[r] << ", fetched kv rows " << fetched_kv_rows[r] << "\n";
+  out << "max area " << largest << " vs lower bound " << area_lower_bound << " ("
+      << (area_lower_bound ? static_cast<double>(largest) / area_lower_bound : 1.0) << "x), imbalance " << imbalance()
+      << "\nkv rows moved " << fetched << " vs ring " << ring_kv_rows << " ("
+      << (ring_kv_rows ? static_cast<double>(fetched) / ring_kv_rows : 0.0) << " of ring), "
+      << kv_row_elements << " elements per k or v row\n";
+  return out.str();
+}
+
+}  // namespace magi::dist

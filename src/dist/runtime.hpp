@@ -1,0 +1,44 @@
+// One planned distributed-attention problem: dispatch + comm plan for every rank, resolved config, and the
+// communicator. Immutable once built; cached in the runtime LRU (runtime.cpp).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "dist/comm_plan.hpp"
+#include "dist/dispatch.hpp"
+#include "magi/comm.hpp"
+#include "magi/dist.hpp"
+
+namespace magi::dist {
+
+class DistAttnRuntime {
+ public:
+  DistAttnRuntime(const Mask& mask, const HeadShape& heads, std::shared_ptr<comm::Communicator> comm,
+                  const DistConfig& config, bool backward_high_precision, DsinkReduceOp dsink_op,
+                  int32_t ranks_per_node);
+
+  void forward(const ForwardArgs& local) const;
+  void backward(const BackwardArgs& local) const;
+
+  int32_t rank() const { return rank_; }
+  const Dispatch& dispatch() const { return dispatch_; }
+  const CommPlan& plan() const { return plan_; }
+  const RankPlan& mine() const { return plan_.ranks[static_cast<size_t>(rank_)]; }
+  comm::Communicator& comm() const { return *comm_; }
+  const HeadShape& heads() const { return heads_; }
+  const DistConfig& config() const { return config_; }
+  PlanSummary summary() const;
+
+ private:
+  HeadShape heads_;
+  std::shared_ptr<comm::Communicator> comm_;
+  DistConfig config_;
+  bool backward_high_precision_;
+  DsinkReduceOp dsink_op_;
+  int32_t rank_;
+  Dispatch dispatch_;
+  CommPlan plan_;
+};
+
+}  // namespace magi::dist

@@ -1,0 +1,275 @@
+// The one table of environment variables. Sources: the upstream user guide (seed 001, newer, wins),
+// its older edition (seed 000: old names kept as aliases, variables only there kept) and the install
+// guide (seed 004); plus MAGI_ATTENTION_LOG_LEVEL and MAGI_ATTENTION_KERNEL_BACKEND of our own.
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "env/scan.hpp"
+#include "magi/env.hpp"
+
+namespace magi::env {
+namespace {
+
+constexpr std::string_view kCorrectness = "correctness";
+constexpr std::string_view kPerformance = "performance";
+constexpr std::string_view kDebug = "debug";
+constexpr std::string_view kBuild = "build";
+
+struct Support {
+  Status status;
+  std::string_view reason;
+};
+constexpr Support kImplemented{Status::Implemented, {}};
+constexpr Support not_yet(std::string_view planned_capability) { return {Status::NotYet, planned_capability}; }
+constexpr Support not_applicable(std::string_view why) { return {Status::NotApplicable, why}; }
+
+// Reasons shared by several variables.
+constexpr std::string_view kNoJit = "no JIT compilation here (kernels are compiled ahead of time by CMake)";
+constexpr std::string_view kNoPythonExtensions =
+    "no Python extension modules here (the build is one CMake library; -DMAGI_ATTN_CUDA=OFF leaves out "
+    "the CUDA parts)";
+constexpr std::string_view kFa4 =
+    "FFA_FA4 is upstream's Python/CuteDSL workaround for Blackwell GPUs, with no counterpart here";
+
+Variable boolean(std::string_view name, std::string_view default_value, std::string_view category,
+                 Support support, std::string_view meaning, std::vector<std::string_view> aliases = {}) {
+  return Variable{.name = name, .type = VarType::Bool, .default_value = default_value,
+                  .allowed = {"0", "1"}, .category = category, .meaning = meaning,
+                  .status = support.status, .status_reason = support.reason,
+                  .aliases = std::move(aliases)};
+}
+
+struct IntDefault {
+  std::string_view value = {};            // fixed default, or
+  std::string_view rule = {};             // a run-time default in words,
+  int64_t (*compute)() = nullptr;         // and how to evaluate it (if this build can)
+};
+
+Variable integer(std::string_view name, IntDefault default_spec, std::string_view min,
+                 std::string_view max, std::string_view category, Support support,
+                 std::string_view meaning) {
+  return Variable{.name = name, .type = VarType::Int, .default_value = default_spec.value,
+                  .allowed = {min, max}, .category = category, .meaning = meaning,
+                  .status = support.status, .status_reason = support.reason, .aliases = {},
+                  .default_rule = default_spec.rule, .computed_default = default_spec.compute};
+}
+
+Variable choice(std::string_view name, std::string_view default_value,
+                std::vector<std::string_view> allowed, std::string_view category, Support support,
+                std::string_view meaning) {
+  return Variable{.name = name, .type = VarType::Enum, .default_value = default_value,
+                  .allowed = std::move(allowed), .category = category, .meaning = meaning,
+                  .status = support.status, .status_reason = support.reason, .aliases = {}};
+}
+
+Variable path(std::string_view name, std::string_view default_rule, std::string_view category,
+              Support support, std::string_view meaning) {
+  return Variable{.name = name, .type = VarType::Path, .default_value = {}, .allowed = {},
+                  .category = category, .meaning = meaning, .status = support.status,
+                  .status_reason = support.reason, .aliases = {}, .default_rule = default_rule};
+}
+
+int64_t all_cores() { return std::max(1u, std::thread::hardware_concurrency()); }
+
+// Upstream's default for its kernel prebuild parallelism: ceil(0.9 * cores), at least 1.
+int64_t ninety_percent_of_cores() {
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  return std::max<int64_t>(1, static_cast<int64_t>(std::ceil(0.9 * cores)));
+}
+
+// Upstream default for the SM margins: leave 4 SMs to communication kernels when CUDA streams can
+// run concurrently (more than one hardware queue).
+// Reads the environment directly rather than through get_int, so that `magi-attn env` can show it
+// without validating (and possibly rejecting) the whole environment; a bad value counts as unset,
+// as validation treats it for this variable.
+int64_t sm_margin_default() {
+  const Variable& connections = *find("CUDA_DEVICE_MAX_CONNECTIONS");
+  const char* raw = std::getenv(std::string(connections.name).c_str());
+  const std::optional<std::string> value = raw != nullptr ? detail::parse_value(connections, raw) : std::nullopt;
+  return std::stoll(value.value_or(std::string(connections.default_value))) > 1 ? 4 : 0;
+}
+
+constexpr std::string_view kSmMarginRule = "4 if CUDA_DEVICE_MAX_CONNECTIONS > 1, else 0";
+constexpr std::string_view kUpstreamJobsRule = "ceil(0.9 x CPU cores)";
+
+std::vector<Variable> make_registry() {
+  return {
+      // ---- correctness ----
+      boolean("MAGI_ATTENTION_FORWARD_HIGH_PRECISION_REDUCE", "0", kCorrectness,
+              not_yet("planned: distributed attention (fp32 reduction of partial out across ranks)"),
+              "Reduce partial forward outputs across ranks in fp32 instead of the input dtype "
+              "(twice the traffic, fewer rounding steps); needs query/output communication."),
+      boolean("MAGI_ATTENTION_BACKWARD_HIGH_PRECISION_REDUCE", "0", kCorrectness,
+              not_yet("planned: distributed attention (fp32 reduction of partial dq/dk/dv across ranks)"),
+              "Reduce partial dk/dv (and dq with query/output communication) across ranks in fp32 "
+              "instead of the input dtype, trading twice the traffic for precision.",
+              {"MAGI_ATTENTION_FFA_BACKWARD_HIGH_PRECISION_REDUCE"}),
+      choice("MAGI_ATTENTION_DSINK_ALL_REDUCE_OP", "none", {"none", "sum", "avg"}, kCorrectness,
+             not_yet("planned: distributed attention with a sink (all-reduce of dsink across cp ranks)"),
+             "How distributed attention combines the per-rank partial sink gradients: none leaves "
+             "it to the training framework, sum adds them, avg also divides by the cp size."),
+
+      // ---- performance ----
+      boolean("MAGI_ATTENTION_FA4_BACKEND", "0", kPerformance, not_applicable(kFa4),
+              "Use the Flash-Attention-4-based FFA_FA4 kernels (upstream's stopgap for arbitrary "
+              "masks on Blackwell GPUs) instead of FFA."),
+      boolean("MAGI_ATTENTION_NATIVE_GRPCOLL", "0", kPerformance,
+              not_yet("planned: native group-collective communication kernels"),
+              "Use the native group-collective kernels (NVSHMEM-based) for distributed communication "
+              "instead of the NCCL-based ones; experimental."),
+      boolean("MAGI_ATTENTION_QO_COMM", "0", kPerformance,
+              not_yet("planned: distributed attention with query/output communication"),
+              "Let distributed attention move q, out, lse, do and dq between ranks, not only k/v; "
+              "experimental."),
+      boolean("MAGI_ATTENTION_FLATTEN_HEAD_GROUPS", "0", kPerformance,
+              not_yet("planned: distributed dispatch solver (flattened GQA/MQA head groups)"),
+              "Treat each GQA/MQA head group separately in the dispatch solver to balance work "
+              "better; experimental."),
+      boolean("MAGI_ATTENTION_AUTO_RANGE_MERGE", "0", kPerformance,
+              not_yet("planned: GPU flex-attention kernels (automatic merging of adjacent ranges)"),
+              "Merge adjacent attention ranges before the GPU kernel runs so that it handles fewer "
+              "slices; experimental."),
+      boolean("MAGI_ATTENTION_CATGQA", "0", kPerformance,
+              not_yet("planned: GPU flex-attention backward kernel (concatenated GQA heads)"),
+              "In the GPU backward kernel, process the query heads that share one kv head together "
+              "(GQA/MQA); experimental."),
+      boolean("MAGI_ATTENTION_BWD_HIDE_TAIL_REDUCE", "0", kPerformance,
+              not_yet("planned: distributed attention (backward overlap-stage reordering)"),
+              "Reorder the backward overlap stages so that the last remote gradient reduction "
+              "overlaps local compute, at the cost of keeping the last remote k/v; experimental."),
+      integer("MAGI_ATTENTION_FFA_FORWARD_SM_MARGIN",
+              {.rule = kSmMarginRule, .compute = sm_margin_default}, "0", "", kPerformance,
+              not_yet("planned: GPU kernels overlapped with communication (SMs left to comm kernels)"),
+              "Number of GPU SMs the forward attention kernel leaves free for concurrent "
+              "communication kernels."),
+      integer("MAGI_ATTENTION_FFA_BACKWARD_SM_MARGIN",
+              {.rule = kSmMarginRule, .compute = sm_margin_default}, "0", "", kPerformance,
+              not_yet("planned: GPU kernels overlapped with communication (SMs left to comm kernels)"),
+              "Number of GPU SMs the backward attention kernel leaves free for concurrent "
+              "communication kernels."),
+      boolean("MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT", "0", kPerformance,
+              not_yet("planned: distributed GPU forward (in-place out/lse correction); "
+                      "documented only in the older upstream guide"),
+              "Correct out and lse in place inside the forward kernel as partial results arrive, "
+              "instead of storing partials and merging them afterwards."),
+      boolean("MAGI_ATTENTION_CPP_BACKEND", "0", kPerformance,
+              not_applicable("it swaps upstream's Python data structures for C++ ones; this library "
+                             "is C++ throughout"),
+              "Use C++ implementations of the core range/mask data structures instead of Python."),
+      boolean("MAGI_ATTENTION_HIERARCHICAL_COMM", "0", kPerformance,
+              not_yet("planned: distributed attention (hierarchical inter-/intra-node collectives)"),
+              "Split the context-parallel group into an inter-node and an intra-node group so that "
+              "data crosses node boundaries once."),
+      integer("MAGI_ATTENTION_DIST_ATTN_RUNTIME_DICT_SIZE", {.value = "1000"}, "1", "", kPerformance,
+              not_yet("planned: distributed attention (LRU cache of runtime plans)"),
+              "Capacity of the least-recently-used cache of distributed-attention runtime plans."),
+      integer("CUDA_DEVICE_MAX_CONNECTIONS", {.value = "8"}, "1", "32", kPerformance,
+              not_yet("planned: GPU communication/compute overlap (it decides the SM-margin defaults)"),
+              "CUDA driver setting: hardware work queues shared by all streams; more queues let "
+              "communication and compute overlap."),
+
+      // ---- debug ----
+      boolean("MAGI_ATTENTION_SANITY_CHECK", "0", kDebug, kImplemented,
+              "Validate every call fully, including that no two mask slices overlap; costs time, "
+              "meant for tests and debugging."),
+      boolean("MAGI_ATTENTION_SDPA_BACKEND", "0", kDebug, kImplemented,
+              "Run the exact reference engine (fp64 accumulation) instead of the fast one; same as "
+              "MAGI_ATTENTION_KERNEL_BACKEND=sdpa. Slow: for tests and debugging."),
+      choice("MAGI_ATTENTION_KERNEL_BACKEND", "auto", {"auto", "ffa", "sdpa"}, kDebug, kImplemented,
+             "Attention engine: auto and ffa pick the fast engine for the tensors' device, sdpa the "
+             "exact reference engine (as MAGI_ATTENTION_SDPA_BACKEND=1)."),
+      boolean("MAGI_ATTENTION_DETERMINISTIC_MODE", "0", kDebug, kImplemented,
+              "Use only deterministic algorithms, so repeated runs give bitwise-identical results "
+              "(the CPU engine always is)."),
+      boolean("MAGI_ATTENTION_PROFILE_MODE", "0", kDebug,
+              not_yet("planned: GPU kernel profiling"),
+              "Record profiling data for the attention kernels; for development only."),
+      choice("MAGI_ATTENTION_LOG_LEVEL", "warn", {"error", "warn", "info", "debug"}, kDebug,
+             kImplemented,
+             "Which diagnostics reach stderr: error silences warnings, info and debug add detail."),
+
+      // ---- build ----
+      path("MAGI_ATTENTION_WORKSPACE_BASE", "the home directory (~)", kBuild, not_applicable(kNoJit),
+           "Base directory for the JIT workspace: build cache and generated sources."),
+      boolean("MAGI_ATTENTION_BUILD_VERBOSE", "0", kBuild, not_applicable(kNoJit),
+              "Print the full compiler commands of JIT builds (cmake --build -v does this here)."),
+      boolean("MAGI_ATTENTION_BUILD_DEBUG", "0", kBuild, not_applicable(kNoJit),
+              "Compile JIT kernels with debug information and resource reports "
+              "(-DCMAKE_BUILD_TYPE=Debug here)."),
+      boolean("MAGI_ATTENTION_NO_BUILD_CACHE", "0", kBuild, not_applicable(kNoJit),
+              "Do not reuse previously JIT-built kernels."),
+      boolean("MAGI_ATTENTION_FORCE_JIT_BUILD", "0", kBuild, not_applicable(kNoJit),
+              "Build kernels just in time even when ahead-of-time builds exist."),
+      integer("NVCC_THREADS", {.value = "4"}, "1", "", kBuild, not_applicable(kNoJit),
+              "Threads for nvcc --split-compile in JIT builds (pass it in CMAKE_CUDA_FLAGS here)."),
+      integer("MAGI_ATTENTION_PREBUILD_FFA_JOBS",
+              {.rule = kUpstreamJobsRule, .compute = ninety_percent_of_cores}, "1", "", kBuild,
+              not_applicable("there is no separate kernel prebuild step; MAX_JOBS sets build parallelism"),
+              "Parallel compile jobs for prebuilding the FFA kernels."),
+      integer("MAX_JOBS", {.rule = "all CPU cores (nproc)", .compute = all_cores}, "1", "", kBuild,
+              kImplemented,
+              "Parallel jobs of scripts/build.sh (cmake --build -j) and scripts/test.sh (ctest -j); the "
+              "library itself never reads it."),
+      boolean("MAGI_ATTENTION_PREBUILD_FFA", "1", kBuild, not_applicable(kNoJit),
+              "Prebuild the FFA kernels for common options at install time, leaving the rest to JIT."),
+      boolean("MAGI_ATTENTION_SKIP_FFA_UTILS_BUILD", "0", kBuild, not_applicable(kNoPythonExtensions),
+              "Skip building the flexible_flash_attention_utils_cuda extension module."),
+      boolean("MAGI_ATTENTION_SKIP_MAGI_ATTN_EXT_BUILD", "0", kBuild,
+              not_applicable(kNoPythonExtensions), "Skip building the magi_attn_ext extension module."),
+      boolean("MAGI_ATTENTION_SKIP_MAGI_ATTN_COMM_BUILD", "0", kBuild,
+              not_applicable(kNoPythonExtensions), "Skip building the magi_attn_comm extension module."),
+      path("MAGI_ATTENTION_FFA_FA4_CACHE_DIR", "magi_attention/lib/ffa_fa4_cache/ in the Python package",
+           kBuild, not_applicable(kFa4), "Directory of precompiled FFA_FA4 kernels."),
+      integer("MAGI_ATTENTION_BUILD_COMPUTE_CAPABILITY", {.rule = "detected from the installed GPU"},
+              "1", "", kBuild,
+              not_yet("planned: CUDA build (choosing the GPU architectures; use "
+                      "CMAKE_CUDA_ARCHITECTURES until then)"),
+              "GPU compute capability to build for, e.g. 90 or 100."),
+      path("NVSHMEM_DIR", "the nvidia-nvshmem-cu12 Python package, if installed", kBuild,
+           not_yet("planned: native group-collective communication kernels (NVSHMEM)"),
+           "Installation directory of NVSHMEM; without one the native group-collective kernels "
+           "are left out."),
+  };
+}
+
+}  // namespace
+
+std::string_view to_string(VarType type) {
+  switch (type) {
+    case VarType::Bool: return "bool";
+    case VarType::Int: return "int";
+    case VarType::String: return "string";
+    case VarType::Enum: return "enum";
+    case VarType::Path: return "path";
+  }
+  return "?";
+}
+
+std::string_view to_string(Status status) {
+  switch (status) {
+    case Status::Implemented: return "implemented";
+    case Status::NotYet: return "not yet";
+    case Status::NotApplicable: return "not applicable";
+  }
+  return "?";
+}
+
+std::span<const Variable> registry() {
+  static const std::vector<Variable> variables = make_registry();  // immutable after first use
+  return variables;
+}
+
+const Variable* find(std::string_view name) {
+  for (const Variable& variable : registry()) {
+    if (variable.name == name) return &variable;
+    if (std::ranges::find(variable.aliases, name) != variable.aliases.end()) return &variable;
+  }
+  return nullptr;
+}
+
+}  // namespace magi::env

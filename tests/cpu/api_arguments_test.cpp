@@ -1,0 +1,214 @@
+// Bad arguments to magi::forward / magi::backward: InvalidArgument whose message names the argument, and
+// nothing written to the outputs (validation happens before any compute).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <string>
+
+#include "magi/attention.hpp"
+#include "magi/error.hpp"
+#include "reference/attention_check.hpp"
+
+namespace magi::test {
+namespace {
+
+// The InvalidArgument message of `call`, or a description of what happened instead.
+std::string invalid_argument_message(const std::function<void()>& call) {
+  try {
+    call();
+  } catch (const InvalidArgument& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("<not InvalidArgument> ") + e.what();
+  }
+  return "<no exception>";
+}
+
+bool all_nan(const HostTensor& t) {
+  for (double x : t.values())
+    if (!std::isnan(x)) return false;
+  return true;
+}
+
+// A valid small problem whose pieces each test breaks one at a time.
+class ApiArguments : public testing::Test {
+ protected:
+  void SetUp() override {
+    config_ = config_for(DType::BF16, 4, 2, 32);
+    config_.sink_layout = SinkLayout::SH;
+    mask_ = Mask{{make_slice(0, 24, 0, 20, MaskType::Causal)}, 24, 20};
+    data_ = make_case(mask_, config_, fresh_seed());
+    out_ = HostTensor::poisoned(DType::BF16, {24, 4, 32});
+    lse_ = HostTensor::poisoned(DType::F32, {24, 4});
+    options_ = config_.options();
+  }
+  ForwardArgs forward_args() {
+    ForwardArgs a;
+    a.q = data_.q.view();
+    a.k = data_.k.view();
+    a.v = data_.v.view();
+    a.sink = data_.sink.view();
+    a.out = out_.view();
+    a.lse = lse_.view();
+    return a;
+  }
+  // Expects forward(args) to throw naming `argument`, with out and lse left untouched.
+  void expect_forward_rejects(const ForwardArgs& args, const std::string& argument, const Mask* mask = nullptr) {
+    const std::string message =
+        invalid_argument_message([&] { magi::forward(mask ? *mask : mask_, args, options_); });
+    EXPECT_NE(message.find(argument), std::string::npos) << "expected a message naming '" << argument << "', got: " << message;
+    EXPECT_NE(message.rfind("<", 0), 0u) << message;
+    EXPECT_TRUE(all_nan(out_)) << "out was written although the call was rejected (" << argument << ")";
+    EXPECT_TRUE(all_nan(lse_)) << "lse was written although the call was rejected (" << argument << ")";
+  }
+
+  CaseConfig config_;
+  Mask mask_;
+  CaseData data_;
+  HostTensor out_, lse_;
+  AttentionOptions options_;
+};
+
+TEST_F(ApiArguments, ValidCallSucceeds) {
+  ForwardArgs a = forward_args();
+  EXPECT_NO_THROW(magi::forward(mask_, a, options_));
+  EXPECT_FALSE(all_nan(lse_));
+}
+
+TEST_F(ApiArguments, ShapesAndDtypesOfInputs) {
+  HostTensor q3 = HostTensor::from_values({}, DType::BF16, {24, 4 * 32});
+  ForwardArgs a = forward_args();
+  a.q = q3.view();
+  expect_forward_rejects(a, "q:");
+
+  HostTensor k_f16 = HostTensor::from_values(data_.problem.k, DType::F16, {20, 2, 32});
+  a = forward_args();
+  a.k = k_f16.view();
+  expect_forward_rejects(a, "k, v");
+
+  HostTensor v_short = HostTensor::from_values({}, DType::BF16, {19, 2, 32});
+  a = forward_args();
+  a.v = v_short.view();
+  expect_forward_rejects(a, "v:");
+
+  HostTensor k3 = HostTensor::from_values({}, DType::BF16, {20, 3, 32}), v3 = HostTensor::from_values({}, DType::BF16, {20, 3, 32});
+  a = forward_args();
+  a.k = k3.view();
+  a.v = v3.view();
+  expect_forward_rejects(a, "Hkv");  // 4 query heads are not a multiple of 3
+
+  HostTensor q12 = HostTensor::from_values({}, DType::BF16, {24, 4, 12});
+  HostTensor k12 = HostTensor::from_values({}, DType::BF16, {20, 2, 12}), v12 = HostTensor::from_values({}, DType::BF16, {20, 2, 12});
+  a = forward_args();
+  a.q = q12.view();
+  a.k = k12.view();
+  a.v = v12.view();
+  expect_forward_rejects(a, "head dim");  // head dim 12 is not a multiple of 8
+}
+
+TEST_F(ApiArguments, OutputsAndMask) {
+  HostTensor out_f16 = HostTensor::poisoned(DType::F16, {24, 4, 32});
+  ForwardArgs a = forward_args();
+  a.out = out_f16.view();
+  expect_forward_rejects(a, "out:");
+
+  HostTensor lse_wrong = HostTensor::poisoned(DType::F32, {24, 2});
+  a = forward_args();
+  a.lse = lse_wrong.view();
+  expect_forward_rejects(a, "lse:");
+
+  HostTensor lse_f64 = HostTensor::poisoned(DType::F64, {24, 4});  // fp64 lse only for fp64 inputs
+  a = forward_args();
+  a.lse = lse_f64.view();
+  expect_forward_rejects(a, "lse:");
+
+  HostTensor max_logits = HostTensor::poisoned(DType::F32, {2});
+  a = forward_args();
+  a.max_logits = max_logits.view();
+  expect_forward_rejects(a, "max_logits:");
+
+  const Mask wrong_totals{{make_slice(0, 24, 0, 20, MaskType::Causal)}, 24, 21};
+  expect_forward_rejects(forward_args(), "mask", &wrong_totals);
+  const Mask out_of_range{{make_slice(0, 25, 0, 20, MaskType::Full)}, 24, 20};
+  expect_forward_rejects(forward_args(), "slice 0", &out_of_range);
+  const Mask overlapping{{make_slice(0, 12, 0, 20, MaskType::Full), make_slice(10, 24, 5, 10, MaskType::Full)}, 24, 20};
+  expect_forward_rejects(forward_args(), "overlap", &overlapping);
+}
+
+TEST_F(ApiArguments, SinkAndOptions) {
+  ForwardArgs a = forward_args();
+  a.sink = {};
+  expect_forward_rejects(a, "sink");  // layout sh but no sink
+
+  HostTensor sink_bf16 = HostTensor::from_values(data_.problem.sink, DType::BF16, {2, 4});
+  a = forward_args();
+  a.sink = sink_bf16.view();
+  expect_forward_rejects(a, "sink");
+
+  options_.sink_layout = SinkLayout::SSH;  // an [S, Hq] sink is not [Tq, S, Hq]
+  expect_forward_rejects(forward_args(), "sink");
+
+  options_ = config_.options();
+  options_.sink_layout = SinkLayout::None;  // a sink given without a layout
+  expect_forward_rejects(forward_args(), "sink");
+
+  options_ = config_.options();
+  options_.softcap = -1.0;
+  expect_forward_rejects(forward_args(), "softcap");
+  options_ = config_.options();
+  options_.softmax_scale = std::numeric_limits<double>::quiet_NaN();
+  expect_forward_rejects(forward_args(), "softmax_scale");
+  options_ = config_.options();
+  options_.num_threads = -2;
+  expect_forward_rejects(forward_args(), "num_threads");
+}
+
+TEST_F(ApiArguments, BackwardGradientsAndDsink) {
+  ForwardArgs fa = forward_args();
+  magi::forward(mask_, fa, options_);
+  HostTensor dq = HostTensor::poisoned(DType::BF16, {24, 4, 32}), dk = HostTensor::poisoned(DType::BF16, {20, 2, 32}),
+             dv = HostTensor::poisoned(DType::BF16, {20, 2, 32}), dsink = HostTensor::poisoned(DType::F32, {2, 4});
+  auto backward_args = [&] {
+    BackwardArgs b;
+    b.q = data_.q.view();
+    b.k = data_.k.view();
+    b.v = data_.v.view();
+    b.out = out_.view();
+    b.lse = lse_.view();
+    b.dout = data_.dout_tensor.view();
+    b.sink = data_.sink.view();
+    b.dq = dq.view();
+    b.dk = dk.view();
+    b.dv = dv.view();
+    b.dsink = dsink.view();
+    return b;
+  };
+  auto expect_rejects = [&](const BackwardArgs& b, const std::string& argument) {
+    const std::string message = invalid_argument_message([&] { magi::backward(mask_, b, options_); });
+    EXPECT_NE(message.find(argument), std::string::npos) << "expected a message naming '" << argument << "', got: " << message;
+    EXPECT_TRUE(all_nan(dq) && all_nan(dk) && all_nan(dv) && all_nan(dsink)) << "gradients written although rejected";
+  };
+  BackwardArgs b = backward_args();
+  b.dsink = {};
+  expect_rejects(b, "dsink");
+  HostTensor dq_wrong = HostTensor::poisoned(DType::BF16, {24, 2, 32});
+  b = backward_args();
+  b.dq = dq_wrong.view();
+  expect_rejects(b, "dq:");
+  HostTensor dk_f16 = HostTensor::poisoned(DType::F16, {20, 2, 32});
+  b = backward_args();
+  b.dk = dk_f16.view();
+  expect_rejects(b, "dk:");
+  HostTensor dout_f64 = HostTensor::poisoned(DType::F64, {24, 4, 32});
+  b = backward_args();
+  b.dout = dout_f64.view();
+  expect_rejects(b, "dout:");
+
+  EXPECT_NO_THROW(magi::backward(mask_, backward_args(), options_));
+  EXPECT_FALSE(all_nan(dsink));
+}
+
+}  // namespace
+}  // namespace magi::test

@@ -1,0 +1,181 @@
+// Device-side helpers for the CUDA backend tests and benchmarks: owning device buffers and one call of
+// the portable backend on a test case, judged against the fp64 reference.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cuda/backend.hpp"
+#include "reference/attention_check.hpp"
+#include "reference/compare.hpp"
+
+namespace magi::test {
+
+#define MAGI_CUDA_CHECK(expr)                                                                       \
+  do {                                                                                              \
+    const cudaError_t err_ = (expr);                                                                \
+    if (err_ != cudaSuccess) throw std::runtime_error(std::string(#expr) + ": " + cudaGetErrorString(err_)); \
+  } while (0)
+
+// A device copy of a HostTensor (same dtype and shape).
+class DeviceTensor {
+ public:
+  DeviceTensor() = default;
+  explicit DeviceTensor(const HostTensor& host) : dtype_(host.dtype()), shape_(host.shape()) {
+    if (!host.defined()) return;
+    bytes_ = host.bytes().size();
+    MAGI_CUDA_CHECK(cudaMalloc(&data_, bytes_ + 16));
+    MAGI_CUDA_CHECK(cudaMemcpy(data_, host.bytes().data(), bytes_, cudaMemcpyHostToDevice));
+  }
+  DeviceTensor(const DeviceTensor&) = delete;
+  DeviceTensor& operator=(const DeviceTensor&) = delete;
+  DeviceTensor(DeviceTensor&& other) noexcept { *this = std::move(other); }
+  DeviceTensor& operator=(DeviceTensor&& other) noexcept {
+    std::swap(data_, other.data_);
+    std::swap(bytes_, other.bytes_);
+    dtype_ = other.dtype_;
+    shape_ = other.shape_;
+    return *this;
+  }
+  ~DeviceTensor() { cudaFree(data_); }
+
+  // Overwrites the device copy with `host` (same size), e.g. NaN poison before a run.
+  void upload(const HostTensor& host) {
+    MAGI_CUDA_CHECK(cudaMemcpy(data_, host.bytes().data(), bytes_, cudaMemcpyHostToDevice));
+  }
+  HostTensor download() const {
+    HostTensor host(dtype_, shape_);
+    if (bytes_) MAGI_CUDA_CHECK(cudaMemcpy(host.view().data, data_, bytes_, cudaMemcpyDeviceToHost));
+    return host;
+  }
+  TensorView view() const {
+    if (shape_.empty()) return {};
+    TensorView v;
+    v.data = data_;
+    v.dtype = dtype_;
+    v.ndim = static_cast<int32_t>(shape_.size());
+    for (size_t i = 0; i < shape_.size(); ++i) v.shape[i] = shape_[i];
+    v.device = Device{DeviceType::CUDA, 0};
+    return v;
+  }
+  bool defined() const { return !shape_.empty(); }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+  DType dtype_ = DType::F32;
+  std::vector<int64_t> shape_;
+};
+
+inline cuda::Options cuda_options(const CaseConfig& c) {
+  cuda::Options o;
+  o.softmax_scale = c.softmax_scale.value_or(1.0 / std::sqrt(static_cast<double>(c.head_dim)));
+  o.softcap = c.softcap;
+  o.sink_layout = c.sink_layout;
+  return o;
+}
+
+// All device buffers of one case; outputs are NaN-poisoned by poison().
+struct DeviceCase {
+  DeviceTensor q, k, v, sink, dout;
+  DeviceTensor out, lse, max_logits, dq, dk, dv, dsink;
+
+  DeviceCase(CaseData& d, const CaseConfig& c)
+      : q(d.q), k(d.k), v(d.v), sink(d.sink), dout(d.dout_tensor),
+        out(HostTensor::poisoned(c.out_dtype(), {d.mask.total_q, c.heads_q, c.head_dim})),
+        lse(HostTensor::poisoned(DType::F32, {d.mask.total_q, c.heads_q})),
+        max_logits(c.max_logits ? HostTensor::poisoned(DType::F32, {c.heads_q}) : HostTensor()),
+        dq(HostTensor::poisoned(c.dq_dtype(), d.q.shape())),
+        dk(HostTensor::poisoned(c.dk_dtype(), d.k.shape())),
+        dv(HostTensor::poisoned(c.dv_dtype(), d.v.shape())),
+        dsink(d.sink.defined() ? HostTensor::poisoned(DType::F32, d.sink.shape()) : HostTensor()) {}
+
+  void poison() {
+    for (DeviceTensor* t : {&out, &lse, &max_logits, &dq, &dk, &dv, &dsink}) {
+      if (!t->defined()) continue;
+      HostTensor nan = t->download();
+      nan = HostTensor::poisoned(nan.dtype(), nan.shape());
+      t->upload(nan);
+    }
+  }
+  ForwardArgs forward_args() const {
+    ForwardArgs a;
+    a.q = q.view();
+    a.k = k.view();
+    a.v = v.view();
+    a.sink = sink.view();
+    a.out = out.view();
+    a.lse = lse.view();
+    a.max_logits = max_logits.view();
+    return a;
+  }
+  BackwardArgs backward_args() const {
+    BackwardArgs a;
+    a.q = q.view();
+    a.k = k.view();
+    a.v = v.view();
+    a.out = out.view();
+    a.lse = lse.view();
+    a.dout = dout.view();
+    a.sink = sink.view();
+    a.dq = dq.view();
+    a.dk = dk.view();
+    a.dv = dv.view();
+    a.dsink = dsink.view();
+    return a;
+  }
+};
+
+// Forward (and backward when config.backward) through the CUDA backend, judged by SPEC section 5.
+inline testing::AssertionResult check_cuda_case(const Mask& mask, const CaseConfig& c, uint64_t seed,
+                                                std::string_view name) {
+  std::ostringstream context_stream;
+  context_stream << "case " << name << ", " << c.describe() << ", seed " << seed;
+  const std::string context = context_stream.str();
+  try {
+    CaseData d = make_case(mask, c, seed);
+    DeviceCase dev(d, c);
+    auto plan = cuda::make_plan(mask, c.heads_q, c.heads_kv, c.head_dim, 0);
+    const cuda::Options o = cuda_options(c);
+    cudaStream_t stream = nullptr;
+    cuda::forward(*plan, dev.forward_args(), o, stream);
+    MAGI_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const ReferenceForward ref = reference_forward(d.problem);
+    if (auto ok = check_close("out", dev.out.download().values(), ref.out, Quantity::Out, c.dtype, context); !ok)
+      return ok;
+    if (auto ok = check_close("lse", dev.lse.download().values(), ref.lse, Quantity::Lse, c.dtype, context); !ok)
+      return ok;
+    if (c.max_logits) {
+      if (auto ok = check_close("max_logits", dev.max_logits.download().values(), ref.max_logits,
+                                Quantity::MaxLogits, c.dtype, context);
+          !ok)
+        return ok;
+    }
+    if (!c.backward) return testing::AssertionSuccess();
+    cuda::backward(*plan, dev.backward_args(), o, stream);
+    MAGI_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const ReferenceGrads g = reference_backward(d.problem, d.dout);
+    if (auto ok = check_close("dq", dev.dq.download().values(), g.dq, Quantity::Grad, c.dtype, context); !ok)
+      return ok;
+    if (auto ok = check_close("dk", dev.dk.download().values(), g.dk, Quantity::Grad, c.dtype, context); !ok)
+      return ok;
+    if (auto ok = check_close("dv", dev.dv.download().values(), g.dv, Quantity::Grad, c.dtype, context); !ok)
+      return ok;
+    if (d.sink.defined()) {
+      if (auto ok = check_close("dsink", dev.dsink.download().values(), g.dsink, Quantity::DSink, c.dtype, context);
+          !ok)
+        return ok;
+    }
+    return testing::AssertionSuccess();
+  } catch (const std::exception& e) {
+    return testing::AssertionFailure() << "threw: " << e.what() << " [" << context << "]";
+  }
+}
+
+}  // namespace magi::test

@@ -1,0 +1,392 @@
+// Distributed attention under mpirun against the single-device API (magi::forward / magi::backward,
+// Backend::Reference): SPEC section 7's distributed cases scaled to CPU size, overlap degrees, reduce
+// precision, sinks with each dsink op, determinism, the runtime LRU and mismatched configs.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <random>
+#include <string>
+
+#include "comm/mpi_test_main.hpp"
+#include "magi/dist.hpp"
+#include "magi/env.hpp"
+#include "reference/random_inputs.hpp"
+
+namespace magi::dist {
+namespace {
+
+using test::HostTensor;
+using test::world;
+
+struct Case {
+  std::string name;
+  Mask mask;
+  HeadShape heads{2, 2, 32};
+  DType dtype = DType::F64;
+  int32_t chunk_size = 64;
+  int32_t overlap_degree = 1;
+  SinkLayout sink = SinkLayout::None;
+  DsinkReduceOp dsink_op = DsinkReduceOp::None;
+  bool high_precision = false;
+  DispatchAlgorithm algorithm = DispatchAlgorithm::GreedySwap;
+  int32_t ranks_per_node = 0;  // > 0: hierarchical comm
+};
+
+struct Global {
+  HostTensor q, k, v, dout, sink;
+};
+
+// Same values on every rank (same seed).
+Global make_inputs(const Case& c, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  const int64_t tq = c.mask.total_q, tk = c.mask.total_k, hq = c.heads.heads_q, hkv = c.heads.heads_kv,
+                d = c.heads.head_dim;
+  Global g;
+  g.q = HostTensor::from_values(test::random_normal(rng, static_cast<size_t>(tq * hq * d), c.dtype), c.dtype, {tq, hq, d});
+  g.k = HostTensor::from_values(test::random_normal(rng, static_cast<size_t>(tk * hkv * d), c.dtype), c.dtype, {tk, hkv, d});
+  g.v = HostTensor::from_values(test::random_normal(rng, static_cast<size_t>(tk * hkv * d), c.dtype), c.dtype, {tk, hkv, d});
+  g.dout = HostTensor::from_values(test::random_normal(rng, static_cast<size_t>(tq * hq * d), c.dtype), c.dtype, {tq, hq, d});
+  if (c.sink == SinkLayout::SH)
+    g.sink = HostTensor::from_values(test::random_normal(rng, static_cast<size_t>(2 * hq), DType::F32), DType::F32, {2, hq});
+  if (c.sink == SinkLayout::SSH)
+    g.sink = HostTensor::from_values(test::random_normal(rng, static_cast<size_t>(tq * 2 * hq), DType::F32), DType::F32,
+                                     {tq, 2, hq});
+  return g;
+}
+
+struct Outputs {
+  HostTensor out, lse, dq, dk, dv, dsink;
+};
+
+DType lse_dtype(DType dtype) { return dtype == DType::F64 ? DType::F64 : DType::F32; }
+
+AttentionOptions options_of(const Case& c) {
+  AttentionOptions o;
+  o.backend = Backend::Reference;
+  o.sink_layout = c.sink;
+  o.num_threads = 1;
+  return o;
+}
+
+Outputs single_device(const Case& c, Global& g) {
+  const int64_t tq = c.mask.total_q, tk = c.mask.total_k, hq = c.heads.heads_q, hkv = c.heads.heads_kv,
+                d = c.heads.head_dim;
+  Outputs r;
+  r.out = HostTensor::poisoned(c.dtype, {tq, hq, d});
+  r.lse = HostTensor::poisoned(lse_dtype(c.dtype), {tq, hq});
+  ForwardArgs f{g.q.view(), g.k.view(), g.v.view(), g.sink.view(), r.out.view(), r.lse.view(), {}};
+  forward(c.mask, f, options_of(c));
+  r.dq = HostTensor::poisoned(c.dtype, {tq, hq, d});
+  r.dk = HostTensor::poisoned(c.dtype, {tk, hkv, d});
+  r.dv = HostTensor::poisoned(c.dtype, {tk, hkv, d});
+  if (g.sink.defined()) r.dsink = HostTensor::poisoned(DType::F32, g.sink.shape());
+  BackwardArgs b{g.q.view(), g.k.view(), g.v.view(), r.out.view(), r.lse.view(), g.dout.view(), g.sink.view(),
+                 r.dq.view(), r.dk.view(), r.dv.view(), r.dsink.view()};
+  backward(c.mask, b, options_of(c));
+  return r;
+}
+
+HostTensor local_of(const RuntimeKey& key, Axis axis, HostTensor& global) {
+  auto shape = global.shape();
+  shape[0] = axis == Axis::Q ? key.local_q_tokens() : key.local_k_tokens();
+  HostTensor local = HostTensor::poisoned(global.dtype(), shape);
+  dispatch(key, axis, global.view(), local.view());
+  return local;
+}
+
+HostTensor global_of(const RuntimeKey& key, Axis axis, HostTensor& local, int64_t total) {
+  auto shape = local.shape();
+  shape[0] = total;
+  HostTensor global = HostTensor::poisoned(local.dtype(), shape);
+  undispatch(key, axis, local.view(), global.view());
+  return global;
+}
+
+DistConfig config_of(const Case& c) {
+  DistConfig config;
+  config.chunk_size = c.chunk_size;
+  config.overlap_degree = c.overlap_degree;
+  config.algorithm = c.algorithm;
+  config.attention = options_of(c);
+  config.backward_high_precision_reduce = c.high_precision;
+  config.dsink_reduce_op = c.dsink_op;
+  config.comm_timeout_seconds = 120;
+  config.hierarchical_comm = c.ranks_per_node > 0;
+  config.ranks_per_node = c.ranks_per_node;
+  return config;
+}
+
+// Runs forward and backward distributed; returns global out/lse/dq/dk/dv and this rank's dsink.
+Outputs distributed(const Case& c, Global& g) {
+  const RuntimeKey key = make_runtime_key(c.mask, c.heads, test::world_ptr(), config_of(c));
+  const int64_t lq = key.local_q_tokens(), lk = key.local_k_tokens(), hq = c.heads.heads_q, hkv = c.heads.heads_kv,
+                d = c.heads.head_dim;
+  HostTensor q = local_of(key, Axis::Q, g.q), k = local_of(key, Axis::K, g.k), v = local_of(key, Axis::K, g.v);
+  HostTensor dout = local_of(key, Axis::Q, g.dout);
+  HostTensor sink;
+  if (c.sink == SinkLayout::SH) sink = g.sink;
+  if (c.sink == SinkLayout::SSH) sink = local_of(key, Axis::Q, g.sink);
+  HostTensor out = HostTensor::poisoned(c.dtype, {lq, hq, d}), lse = HostTensor::poisoned(lse_dtype(c.dtype), {lq, hq});
+  calc_attn(key, ForwardArgs{q.view(), k.view(), v.view(), sink.view(), out.view(), lse.view(), {}});
+  HostTensor dq = HostTensor::poisoned(c.dtype, {lq, hq, d}), dk = HostTensor::poisoned(c.dtype, {lk, hkv, d}),
+             dv = HostTensor::poisoned(c.dtype, {lk, hkv, d});
+  HostTensor dsink;
+  if (sink.defined()) dsink = HostTensor::poisoned(DType::F32, sink.shape());
+  calc_attn_backward(key, BackwardArgs{q.view(), k.view(), v.view(), out.view(), lse.view(), dout.view(), sink.view(),
+                                       dq.view(), dk.view(), dv.view(), dsink.view()});
+  Outputs r;
+  r.out = global_of(key, Axis::Q, out, c.mask.total_q);
+  r.lse = global_of(key, Axis::Q, lse, c.mask.total_q);
+  r.dq = global_of(key, Axis::Q, dq, c.mask.total_q);
+  r.dk = global_of(key, Axis::K, dk, c.mask.total_k);
+  r.dv = global_of(key, Axis::K, dv, c.mask.total_k);
+  if (c.sink == SinkLayout::SSH) r.dsink = global_of(key, Axis::Q, dsink, c.mask.total_q);
+  else r.dsink = dsink;
+  return r;
+}
+
+// Max abs error relative to max |ref| (SPEC section 5 for fp64; a relative bound for other dtypes).
+void expect_close(const HostTensor& got, const HostTensor& ref, double tolerance, const std::string& what) {
+  const auto a = got.values(), b = ref.values();
+  ASSERT_EQ(a.size(), b.size()) << what;
+  double scale = 0, err = 0;
+  for (double x : b)
+    if (std::isfinite(x)) scale = std::max(scale, std::abs(x));
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::isinf(b[i])) {
+      ASSERT_EQ(a[i], b[i]) << what << " at " << i << " (must be -inf exactly)";
+      continue;
+    }
+    ASSERT_TRUE(std::isfinite(a[i])) << what << " at " << i << " is " << a[i];
+    err = std::max(err, std::abs(a[i] - b[i]));
+  }
+  EXPECT_LE(err, tolerance * std::max(scale, 1e-300)) << what << ": max abs error " << err << ", max |ref| " << scale;
+}
+
+double tolerance_of(DType dtype) { return dtype == DType::F64 ? 1e-10 : dtype == DType::F32 ? 1e-5 : 2e-2; }
+
+void check_case(const Case& c) {
+  const uint64_t seed = test::shared_seed();
+  SCOPED_TRACE(c.name + ", cp " + std::to_string(world().size()) + ", ranks/node " + std::to_string(c.ranks_per_node) +
+               ", degree " + std::to_string(c.overlap_degree) +
+               ", chunk " + std::to_string(c.chunk_size) + ", seed " + std::to_string(seed));
+  Global g = make_inputs(c, seed);
+  const Outputs ref = single_device(c, g);
+  const Outputs got = distributed(c, g);
+  const double tol = tolerance_of(c.dtype);
+  expect_close(got.out, ref.out, tol, "out");
+  expect_close(got.lse, ref.lse, c.dtype == DType::F64 ? 1e-10 : 1e-5, "lse");
+  expect_close(got.dq, ref.dq, tol, "dq");
+  expect_close(got.dk, ref.dk, tol, "dk");
+  expect_close(got.dv, ref.dv, tol, "dv");
+  if (c.sink == SinkLayout::SSH) expect_close(got.dsink, ref.dsink, 1e-5, "dsink (ssh)");
+  if (c.sink == SinkLayout::SH) {
+    // Each rank holds a partial; the op decides what it returns.
+    const auto mine = got.dsink.values();
+    std::vector<double> all(mine.size() * static_cast<size_t>(world().size()));
+    world().allgather(mine.data(), static_cast<int64_t>(mine.size() * sizeof(double)), all.data());
+    std::vector<double> sum(mine.size(), 0.0);
+    for (int32_t r = 0; r < world().size(); ++r)
+      for (size_t i = 0; i < mine.size(); ++i) sum[i] += all[r * mine.size() + i];
+    const auto expected = ref.dsink.values();
+    const double cp = world().size();
+    for (size_t i = 0; i < expected.size(); ++i) {
+      const double bound = 1e-5 * (1 + std::abs(expected[i]));
+      if (c.dsink_op == DsinkReduceOp::None) EXPECT_NEAR(sum[i], expected[i], bound * cp) << "dsink partials " << i;
+      if (c.dsink_op == DsinkReduceOp::Sum) EXPECT_NEAR(mine[i], expected[i], bound) << "dsink sum " << i;
+      if (c.dsink_op == DsinkReduceOp::Avg) EXPECT_NEAR(mine[i], expected[i] / cp, bound) << "dsink avg " << i;
+    }
+  }
+}
+
+Mask varlen_full_12() {  // "varlen full 12k" scaled: 10 uneven documents
+  return masks::varlen_full(test::cu_seqlens_of({130, 17, 260, 96, 41, 300, 77, 12, 190, 77}));
+}
+Mask varlen_block_causal_15() {
+  return masks::varlen_block_causal(test::cu_seqlens_of({300, 190, 45, 410, 255}), 64);
+}
+Mask q_overlap_12() {  // several slices sharing q rows, all types
+  using test::make_slice;
+  Mask m{{make_slice(0, 400, 0, 200, MaskType::Full), make_slice(0, 400, 200, 600, MaskType::Causal),
+          make_slice(400, 800, 0, 300, MaskType::InvCausal), make_slice(400, 800, 300, 700, MaskType::BiCausal),
+          make_slice(400, 800, 700, 800, MaskType::Full), make_slice(100, 300, 600, 800, MaskType::Full)},
+         800, 800};
+  return m;
+}
+Mask mixed_types_10() {
+  using test::make_slice;
+  return Mask{{make_slice(0, 250, 0, 250, MaskType::Causal), make_slice(250, 500, 0, 250, MaskType::Full),
+               make_slice(250, 500, 250, 500, MaskType::InvCausal), make_slice(500, 700, 100, 600, MaskType::BiCausal),
+               make_slice(700, 700, 0, 10, MaskType::Full)},
+              700, 700};
+}
+Mask small_slices_full() {  // "128 small slices forming a full mask"
+  Mask m{{}, 512, 512};
+  for (int32_t i = 0; i < 16; ++i)
+    for (int32_t j = 0; j < 8; ++j) m.slices.push_back(test::make_slice(i * 32, i * 32 + 32, j * 64, j * 64 + 64, MaskType::Full));
+  return m;
+}
+
+TEST(DistAttn, Section7CasesMatchSingleDevice) {
+  const std::vector<Case> cases = {
+      {"full", masks::full(640, 640)},
+      {"causal", masks::causal(700, 700), {2, 2, 64}},
+      {"varlen full", varlen_full_12(), {2, 1, 32}},
+      {"varlen block-causal", varlen_block_causal_15()},
+      {"q-overlap", q_overlap_12(), {4, 2, 32}},
+      {"mixed types", mixed_types_10()},
+      {"128 small slices forming full", small_slices_full()},
+      {"uneven q/k lengths 500/550", test::random_rectangles(*std::make_unique<std::mt19937_64>(7), 500, 550, 40)},
+      {"uneven 1111-ish, chunk 63", masks::varlen_causal(test::cu_seqlens_of({400, 311, 200, 200})), {2, 2, 32}, DType::F64, 63},
+      {"uneven, chunk 253", masks::causal(1111, 1111), {2, 2, 32}, DType::F64, 253},
+      {"uneven, chunk 111", masks::sliding_window(1000, 100, 20), {2, 2, 32}, DType::F64, 111},
+  };
+  for (const Case& c : cases) {
+    check_case(c);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST(DistAttn, OverlapDegreesAndDispatchAlgorithms) {
+  for (int32_t degree : {0, 1, 2, 4})
+    for (auto algorithm : {DispatchAlgorithm::Greedy, DispatchAlgorithm::GreedySwap}) {
+      Case c{"varlen causal", masks::varlen_causal(test::cu_seqlens_of({200, 33, 180, 300, 90}))};
+      c.overlap_degree = degree;
+      c.algorithm = algorithm;
+      c.chunk_size = 41;
+      check_case(c);
+      if (HasFatalFailure()) return;
+    }
+}
+
+TEST(DistAttn, LowPrecisionWithAndWithoutFp32Reduce) {
+  for (DType dtype : {DType::BF16, DType::F32})
+    for (bool high : {false, true}) {
+      Case c{"causal " + std::string(to_string(dtype)) + (high ? " fp32 reduce" : " input-dtype reduce"),
+             masks::causal(600, 600)};
+      c.dtype = dtype;
+      c.high_precision = high;
+      c.overlap_degree = 2;
+      check_case(c);
+      if (HasFatalFailure()) return;
+    }
+}
+
+TEST(DistAttn, SinkWithEachDsinkOp) {
+  for (auto op : {DsinkReduceOp::None, DsinkReduceOp::Sum, DsinkReduceOp::Avg}) {
+    Case c{"full with sh sink", masks::varlen_causal(test::cu_seqlens_of({250, 150, 200}))};
+    c.sink = SinkLayout::SH;
+    c.dsink_op = op;
+    check_case(c);
+    if (HasFatalFailure()) return;
+  }
+  Case c{"full with ssh sink", masks::full(400, 400)};
+  c.sink = SinkLayout::SSH;
+  c.overlap_degree = 2;
+  check_case(c);
+}
+
+TEST(DistAttn, HierarchicalCommMatchesSingleDevice) {
+  // Every way to cut this cp into equal nodes of consecutive ranks (cp 4: 4x1, 2x2, 1x4).
+  for (int32_t per_node = 1; per_node <= world().size(); ++per_node) {
+    if (world().size() % per_node != 0) continue;
+    for (DType dtype : {DType::F64, DType::BF16}) {
+      Case c{"hierarchical varlen causal " + std::string(to_string(dtype)),
+             masks::varlen_causal(test::cu_seqlens_of({260, 45, 300, 120, 90}))};
+      c.ranks_per_node = per_node;
+      c.dtype = dtype;
+      c.overlap_degree = 2;
+      c.chunk_size = 37;
+      check_case(c);
+      if (HasFatalFailure()) return;
+    }
+  }
+  if (world().size() == 4) {  // the 2 x 2 case with the remaining configuration axes
+    Case c{"hierarchical 2x2 q-overlap with sh sink", q_overlap_12(), {4, 2, 32}};
+    c.ranks_per_node = 2;
+    c.sink = SinkLayout::SH;
+    c.dsink_op = DsinkReduceOp::Sum;
+    c.overlap_degree = 4;
+    check_case(c);
+  }
+}
+
+TEST(DistAttn, HierarchicalCommRejectsNodesThatDoNotDivideCp) {
+  if (world().size() < 2) GTEST_SKIP() << "needs two ranks";
+  DistConfig config = config_of(Case{"", masks::full(64, 64)});
+  config.hierarchical_comm = true;
+  config.ranks_per_node = world().size() + 1;
+  EXPECT_THROW(make_runtime_key(masks::full(64, 64), {2, 2, 32}, test::world_ptr(), config), InvalidArgument);
+}
+
+TEST(DistAttn, BitwiseDeterministic) {
+  Case c{"varlen block-causal bf16", varlen_block_causal_15()};
+  c.dtype = DType::BF16;
+  c.overlap_degree = 2;
+  const uint64_t seed = test::shared_seed();
+  Global g = make_inputs(c, seed);
+  const Outputs a = distributed(c, g);
+  const Outputs b = distributed(c, g);
+  for (auto [x, y, name] : {std::tuple{&a.out, &b.out, "out"}, {&a.lse, &b.lse, "lse"}, {&a.dq, &b.dq, "dq"},
+                            {&a.dk, &b.dk, "dk"}, {&a.dv, &b.dv, "dv"}})
+    EXPECT_EQ(x->bytes(), y->bytes()) << name << " differs between two runs, seed " << seed;
+}
+
+TEST(DistAttn, RuntimeLruEvictsTheOldest) {
+  setenv("MAGI_ATTENTION_DIST_ATTN_RUNTIME_DICT_SIZE", "2", 1);
+  env::reset_for_testing();
+  clear_runtime_cache();
+  DistConfig config = config_of(Case{"", masks::full(64, 64)});
+  const auto key_a = make_runtime_key(masks::full(64, 64), {2, 2, 32}, test::world_ptr(), config);
+  const auto key_a2 = make_runtime_key(masks::full(64, 64), {2, 2, 32}, test::world_ptr(), config);
+  EXPECT_EQ(&key_a.runtime(), &key_a2.runtime()) << "a hit returns the cached runtime";
+  const auto key_b = make_runtime_key(masks::causal(64, 64), {2, 2, 32}, test::world_ptr(), config);
+  make_runtime_key(masks::full(64, 64), {2, 2, 32}, test::world_ptr(), config);  // a is now most recent
+  const auto key_c = make_runtime_key(masks::full(96, 96), {2, 2, 32}, test::world_ptr(), config);  // evicts b
+  EXPECT_EQ(runtime_cache_size(), 2u);
+  EXPECT_EQ(&make_runtime_key(masks::full(64, 64), {2, 2, 32}, test::world_ptr(), config).runtime(), &key_a.runtime());
+  EXPECT_NE(&make_runtime_key(masks::causal(64, 64), {2, 2, 32}, test::world_ptr(), config).runtime(), &key_b.runtime())
+      << "b was evicted, so it is planned again";
+  config.chunk_size = 32;  // config is part of the key
+  EXPECT_NE(&make_runtime_key(masks::full(64, 64), {2, 2, 32}, test::world_ptr(), config).runtime(), &key_a.runtime());
+  unsetenv("MAGI_ATTENTION_DIST_ATTN_RUNTIME_DICT_SIZE");
+  env::reset_for_testing();
+}
+
+TEST(DistAttn, MismatchedMaskOrConfigFailsOnEveryRank) {
+  if (world().size() < 2) GTEST_SKIP() << "needs two ranks";
+  const bool odd = world().rank() % 2 == 1;
+  DistConfig config = config_of(Case{"", masks::full(64, 64)});
+  EXPECT_THROW(make_runtime_key(odd ? masks::causal(128, 128) : masks::full(128, 128), {2, 2, 32}, test::world_ptr(), config),
+               InvalidArgument);
+  config.overlap_degree = odd ? 2 : 1;
+  EXPECT_THROW(make_runtime_key(masks::full(128, 128), {2, 2, 32}, test::world_ptr(), config), InvalidArgument);
+  config.overlap_degree = 1;
+  EXPECT_THROW(make_runtime_key(masks::full(128, 128), {2, 2, odd ? 64 : 32}, test::world_ptr(), config), InvalidArgument);
+  // Still usable afterwards: the check itself never leaves a collective half done.
+  EXPECT_NO_THROW(make_runtime_key(masks::full(128, 128), {2, 2, 32}, test::world_ptr(), config));
+}
+
+TEST(DistAttn, PositionIdsAndDispatchRoundTrip) {
+  const Mask mask = masks::causal(333, 333);
+  const auto key = make_runtime_key(mask, {2, 2, 32}, test::world_ptr(), config_of(Case{"", mask}));
+  const auto ids = position_ids(key);
+  ASSERT_EQ(static_cast<int32_t>(ids.size()), key.local_q_tokens());
+  std::vector<double> values(333 * 3);
+  for (size_t i = 0; i < values.size(); ++i) values[i] = static_cast<double>(i);
+  HostTensor global = HostTensor::from_values(values, DType::F32, {333, 3});
+  HostTensor local = local_of(key, Axis::Q, global);
+  const auto local_values = local.values();
+  for (size_t i = 0; i < ids.size(); ++i)
+    for (int j = 0; j < 3; ++j)
+      EXPECT_EQ(local_values[i * 3 + j], ids[i] < 333 ? ids[i] * 3.0 + j : 0.0) << "row " << i;
+  EXPECT_EQ(global_of(key, Axis::Q, local, 333).bytes(), global.bytes());
+  const PlanSummary summary = key.summary();
+  EXPECT_EQ(summary.cp, world().size());
+  EXPECT_GE(summary.imbalance(), 1.0);
+  if (world().rank() == 0) std::printf("%s", summary.to_text().c_str());
+}
+
+}  // namespace
+}  // namespace magi::dist

@@ -1,0 +1,149 @@
+// Tile work lists against brute force: every kept cell covered exactly once, no empty items, exact
+// needs_mask, items inside their tiles.
+#include "mask/tiling.hpp"
+
+#include <gtest/gtest.h>
+
+#include <random>
+#include <vector>
+
+namespace magi::tiling {
+namespace {
+
+bool kept(const Slice& s, int32_t q, int32_t k) {
+  const Range r = kept_keys(s, q);
+  return k >= r.start && k < r.end;
+}
+
+// Random slices over a small grid; areas may overlap (the tiling treats slices independently).
+Mask random_mask(std::mt19937_64& rng, int32_t total_q, int32_t total_k, int num_slices) {
+  Mask mask;
+  mask.total_q = total_q;
+  mask.total_k = total_k;
+  auto range = [&](int32_t total) {
+    std::uniform_int_distribution<int32_t> d(0, total);
+    int32_t a = d(rng), b = d(rng);
+    if (a > b) std::swap(a, b);
+    return Range{a, b};
+  };
+  std::uniform_int_distribution<int> type(0, 3);
+  for (int i = 0; i < num_slices; ++i)
+    mask.slices.push_back({range(total_q), range(total_k), static_cast<MaskType>(type(rng))});
+  return mask;
+}
+
+// Checks one list; `q_major` says whether the major axis is q.
+void check_lists(const Mask& mask, const TileLists& lists, bool q_major, const std::string& where) {
+  const int32_t total_major = q_major ? mask.total_q : mask.total_k;
+  ASSERT_EQ(lists.num_tiles(), (total_major + lists.tile_major - 1) / lists.tile_major) << where;
+  ASSERT_EQ(lists.offsets.front(), 0) << where;
+  ASSERT_EQ(lists.offsets.back(), static_cast<int64_t>(lists.items.size())) << where;
+
+  // cover[slice][q * total_k + k] counts how many items of that slice cover the cell.
+  std::vector<std::vector<int>> cover(mask.slices.size(),
+                                      std::vector<int>(size_t(mask.total_q) * mask.total_k, 0));
+  for (int64_t t = 0; t < lists.num_tiles(); ++t) {
+    ASSERT_LE(lists.offsets[t], lists.offsets[t + 1]) << where;
+    int32_t previous_slice = -1;
+    for (int64_t i = lists.offsets[t]; i < lists.offsets[t + 1]; ++i) {
+      const TileWork& w = lists.items[i];
+      const std::string item = where + " tile " + std::to_string(t) + " item " + std::to_string(i);
+      ASSERT_GE(w.slice, previous_slice) << item << ": items not in slice order";
+      previous_slice = w.slice;
+      ASSERT_FALSE(w.q.empty()) << item;
+      ASSERT_FALSE(w.k.empty()) << item;
+      const Range major = q_major ? w.q : w.k;
+      const Range minor = q_major ? w.k : w.q;
+      EXPECT_GE(major.start, t * lists.tile_major) << item;
+      EXPECT_LE(major.end, (t + 1) * lists.tile_major) << item;
+      EXPECT_EQ(minor.start / lists.tile_minor, (minor.end - 1) / lists.tile_minor)
+          << item << ": crosses a minor tile boundary";
+      const Slice& s = mask.slices[w.slice];
+      int64_t kept_cells = 0;
+      for (int32_t q = w.q.start; q < w.q.end; ++q)
+        for (int32_t k = w.k.start; k < w.k.end; ++k)
+          if (kept(s, q, k)) {
+            ++kept_cells;
+            ++cover[w.slice][size_t(q) * mask.total_k + k];
+          }
+      EXPECT_GT(kept_cells, 0) << item << ": item without kept cells";
+      const int64_t cells = int64_t{w.q.size()} * w.k.size();
+      EXPECT_EQ(w.needs_mask, kept_cells != cells) << item << ": needs_mask wrong";
+    }
+  }
+  for (size_t si = 0; si < mask.slices.size(); ++si)
+    for (int32_t q = 0; q < mask.total_q; ++q)
+      for (int32_t k = 0; k < mask.total_k; ++k) {
+        const int expected = kept(mask.slices[si], q, k) ? 1 : 0;
+        ASSERT_EQ(cover[si][size_t(q) * mask.total_k + k], expected)
+            << where << " slice " << si << " cell (" << q << ", " << k << ")";
+      }
+}
+
+TEST(Tiling, RandomMasksMatchBruteForce) {
+  const uint64_t seed = std::random_device{}();
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int32_t> total(1, 48), tile(1, 17), count(1, 12);
+  for (int trial = 0; trial < 300; ++trial) {
+    const Mask mask = random_mask(rng, total(rng), total(rng), count(rng));
+    const int32_t tq = tile(rng), tk = tile(rng);
+    const std::string where = "seed " + std::to_string(seed) + " trial " + std::to_string(trial) +
+                              " tiles " + std::to_string(tq) + "x" + std::to_string(tk);
+    check_lists(mask, by_q_tile(mask, tq, tk), true, where + " by_q");
+    check_lists(mask, by_k_tile(mask, tk, tq), false, where + " by_k");
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST(Tiling, EverySliceShapeWithSqNotEqualSk) {
+  // Exhaustive small shapes, all types, including Sq > Sk (empty rows) and Sq < Sk.
+  for (int type = 0; type < 4; ++type)
+    for (int32_t sq = 0; sq <= 9; ++sq)
+      for (int32_t sk = 0; sk <= 9; ++sk) {
+        Mask mask;
+        mask.total_q = sq + 3;
+        mask.total_k = sk + 2;
+        mask.slices.push_back({{2, 2 + sq}, {1, 1 + sk}, static_cast<MaskType>(type)});
+        const std::string where = "type " + std::to_string(type) + " sq " + std::to_string(sq) +
+                                  " sk " + std::to_string(sk);
+        for (int32_t tq : {1, 2, 4})
+          for (int32_t tk : {1, 3, 8}) {
+            check_lists(mask, by_q_tile(mask, tq, tk), true, where + " by_q");
+            check_lists(mask, by_k_tile(mask, tk, tq), false, where + " by_k");
+            if (HasFatalFailure()) return;
+          }
+      }
+}
+
+TEST(Tiling, FullAndEmptyTilesOfCausal) {
+  // 256 x 256 causal with 64-tiles: 10 q-tile blocks, 4 of them on the diagonal need masking.
+  Mask mask;
+  mask.total_q = mask.total_k = 256;
+  mask.slices.push_back({{0, 256}, {0, 256}, MaskType::Causal});
+  const TileLists lists = by_q_tile(mask, 64, 64);
+  ASSERT_EQ(lists.items.size(), 10u);
+  int masked = 0;
+  for (const TileWork& w : lists.items) masked += w.needs_mask ? 1 : 0;
+  EXPECT_EQ(masked, 4);
+  for (int64_t t = 0; t < 4; ++t) EXPECT_EQ(lists.offsets[t + 1] - lists.offsets[t], t + 1);
+}
+
+TEST(Tiling, ManySlicesScaleWithItems) {
+  // 100k one-token-apart documents: lists stay proportional to the slices, not to the grid.
+  Mask mask;
+  const int32_t docs = 100000, len = 8;
+  mask.total_q = mask.total_k = docs * len;
+  for (int32_t d = 0; d < docs; ++d)
+    mask.slices.push_back({{d * len, (d + 1) * len}, {d * len, (d + 1) * len}, MaskType::Causal});
+  const TileLists by_q = by_q_tile(mask, 64, 64);
+  const TileLists by_k = by_k_tile(mask, 64, 64);
+  EXPECT_EQ(by_q.items.size(), size_t(docs));  // each document lies inside one 64-tile
+  EXPECT_EQ(by_k.items.size(), size_t(docs));
+  for (const TileWork& w : by_q.items) {
+    EXPECT_EQ(w.q.size(), len);
+    EXPECT_TRUE(w.needs_mask);
+  }
+}
+
+}  // namespace
+}  // namespace magi::tiling
