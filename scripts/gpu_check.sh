@@ -31,6 +31,7 @@ note() { SUMMARY+=("$1"); echo "== $1"; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$LOGS/gpu.txt"
 nvcc --version | tail -1
+python3 -c 'import torch; print("torch", torch.__version__, "cudnn", torch.backends.cudnn.version())' 2>/dev/null
 
 # Build dependencies (GoogleTest, Google Benchmark, nlohmann_json) may travel as a prefix in build-deps/.
 PREFIX_ARGS=()
@@ -76,7 +77,7 @@ if [ $RUN_BENCH = 1 ]; then
   [ $RUN_PEERS = 1 ] || PEER_ARGS=(--skip-all)
   python3 "$ROOT/scripts/bench_peers.py" "$LOGS/cases.json" "${PEER_ARGS[@]}" > "$LOGS/bench_peers.csv" 2> "$LOGS/bench_peers.err"
   note "peers rc $? ($(( $(date +%s) - t0 )) s); $(grep -c '^#' "$LOGS/bench_peers.err") peer errors"
-  python3 - "$LOGS/bench_magi.csv" "$LOGS/bench_peers.csv" <<'PY'
+  python3 - "$LOGS/bench_magi.csv" "$LOGS/bench_peers.csv" <<'PY' | tee "$LOGS/table.txt"
 import csv, sys
 rows = {}
 order = []

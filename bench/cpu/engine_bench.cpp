@@ -43,6 +43,7 @@ struct Problem {
   Mask mask;
   int32_t heads_q, heads_kv, dim;
   DType dtype;
+  double softcap = 0.0;
 };
 
 // Random inputs in the problem's dtype (bf16/fp16 as bit patterns).
@@ -80,6 +81,7 @@ void run(benchmark::State& state, const Problem& p, bool backward) {
   magi::cpu::EngineOptions options;
   options.softmax_scale = 1.0 / std::sqrt(static_cast<double>(p.dim));
   options.accumulate_fp64 = p.dtype == DType::F64;
+  options.softcap = p.softcap;
 
   const auto plan = magi::cpu::make_plan(p.mask, p.heads_q, p.heads_kv, p.dim);
   magi::BackwardArgs ba;
@@ -135,6 +137,7 @@ void register_all() {
   add("causal_8k_h4_d128", {magi::masks::causal(8192, 8192), 4, 4, 128, DType::F32});
   add("causal_8k_h4_d128_bf16", {magi::masks::causal(8192, 8192), 4, 4, 128, DType::BF16});
   add("causal_4k_h8kv2_d64_gqa", {magi::masks::causal(4096, 4096), 8, 2, 64, DType::F32});
+  add("causal_4k_h8kv2_d64_softcap", {magi::masks::causal(4096, 4096), 8, 2, 64, DType::F32, 30.0});
 }
 
 }  // namespace

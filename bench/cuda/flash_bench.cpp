@@ -2,7 +2,8 @@
 // around each run, median of `reps` runs after warm-up. Prints CSV rows and writes the masks it used
 // (document lengths etc.) as JSON so that scripts/bench_peers.py measures the peers on the same masks.
 //
-// usage: flash_bench [--cases out.json] [--reps N] [--quick] [--only MASK] [--dims 64,128]
+// usage: flash_bench [--cases out.json] [--reps N] [--quick] [--only MASK] [--dims 64,128,256] [--seq 8192]
+//   2 sequences of --seq tokens (16 heads, bf16); --quick = D 128 only.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -136,17 +137,19 @@ int main(int argc, char** argv) {
   int reps = 30;
   bool quick = false;
   std::string only, dims_arg;
+  int32_t seq = 8192;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--cases") && i + 1 < argc) cases_path = argv[++i];
     else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
     else if (!std::strcmp(argv[i], "--dims") && i + 1 < argc) dims_arg = argv[++i];
+    else if (!std::strcmp(argv[i], "--seq") && i + 1 < argc) seq = std::atoi(argv[++i]);
   }
-  const int32_t seq = 8192, batch = 2, heads = 16;
+  const int32_t batch = 2, heads = 16;
   const std::vector<Case> cases = make_cases(seq, batch);
   const int32_t total = seq * batch;
-  std::vector<int32_t> dims = quick ? std::vector<int32_t>{128} : std::vector<int32_t>{64, 128};
+  std::vector<int32_t> dims = quick ? std::vector<int32_t>{128} : std::vector<int32_t>{64, 128, 256};
   if (!dims_arg.empty()) {
     dims.clear();
     std::stringstream ss(dims_arg);

@@ -1,7 +1,7 @@
 // Communicators for context parallelism: a small abstract interface (all-to-all-v over bytes, allgather,
-// barrier) with one engine per memory kind. The MPI engine moves host memory; a NCCL engine for device
-// memory implements the same interface. Group collectives (src/comm) and distributed attention
-// (magi/dist.hpp) only see this interface.
+// barrier) with one engine per memory kind. The MPI engine here moves host memory; a device-memory
+// engine (NCCL) plugs in behind the same interface. Group collectives (src/comm) and distributed
+// attention (magi/dist.hpp) only see this interface.
 #pragma once
 
 #include <cstdint>
@@ -74,6 +74,7 @@ void require_same_on_all_ranks(Communicator& comm, uint64_t fingerprint, std::st
 
 // Initialises MPI (thread level SERIALIZED, so the communicator can drive progress from a helper thread
 // while the caller computes) unless already initialised, and finalises it on destruction if it did.
+// Destroy every MPI communicator before it.
 class MpiEnvironment {
  public:
   MpiEnvironment(int* argc, char*** argv);

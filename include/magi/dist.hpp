@@ -39,7 +39,7 @@ struct DistConfig {
   // Unset = environment (MAGI_ATTENTION_BACKWARD_HIGH_PRECISION_REDUCE, MAGI_ATTENTION_DSINK_ALL_REDUCE_OP).
   std::optional<bool> backward_high_precision_reduce;  // fp32 partial dk/dv on the wire instead of the input dtype
   std::optional<DsinkReduceOp> dsink_reduce_op;        // across ranks, for the shared (sh) sink only
-  double comm_timeout_seconds = 300.0;                 // any collective taking longer fails with comm::CommError
+  double comm_timeout_seconds = 300.0;  // set on the communicator: a collective taking longer throws comm::CommError
   // Hierarchical comm (unset = MAGI_ATTENTION_HIERARCHICAL_COMM): the cp group as nodes x ranks_per_node
   // consecutive ranks. Remote kv crosses to a node once (to the rank with the owner's intra-node index)
   // and fans out there; partial dk/dv are summed there before crossing back.
@@ -60,9 +60,12 @@ struct PlanSummary {
   int32_t local_q_tokens = 0, local_k_tokens = 0;
   std::vector<int64_t> rank_area;       // kept cells computed by each rank
   int64_t area_lower_bound = 0;         // max(ceil(total / cp), largest chunk)
+  int64_t area_count_aware_bound = 0;   // tighter: also uses that every rank holds the same number of chunks
   std::vector<int64_t> fetched_kv_rows; // [rank] remote kv rows each rank fetches (k and v each)
   int64_t ring_kv_rows = 0;             // what ring attention moves: cp * (cp - 1) * local_k_tokens
   int64_t kv_row_elements = 0;          // heads_kv * head_dim: one row of k (or v); bytes = this * dtype size
+  int32_t ranks_per_node = 0;           // hierarchical comm: ranks per node (0 = flat)
+  int64_t inter_node_kv_rows = 0;       // hierarchical comm: kv rows that cross nodes (each once per node)
   double imbalance() const;             // max rank area / mean rank area (1 = perfect)
   std::string to_text() const;
 };

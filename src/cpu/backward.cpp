@@ -113,20 +113,19 @@ void item_grads_by_row(const BackwardInputs<T>& in, const tiling::TileWork& w, i
       continue;
     }
     T* slope = s.slope.data();
-    for (int j = keep_begin; j < keep_end; ++j) p[j] *= scale;
-    if (softcap > 0)
-      for (int j = keep_begin; j < keep_end; ++j) {
-        const T t = std::tanh(p[j] / softcap);
-        p[j] = softcap * t;
-        slope[j] = T(1) - t * t;  // ds/du
-      }
+    for (int j = 0; j < n_padded; ++j) p[j] *= scale;
+    if (softcap > 0) softcap_inplace(p, slope, n_padded, softcap);  // slope = ds/du
     std::fill(p, p + keep_begin, kNegInf<T>);
     std::fill(p + keep_end, p + n_padded, kNegInf<T>);
     exp_shift_sum(p, n_padded, lse);
     const T delta = in.delta[row0 + r];
-    for (int j = 0; j < n_padded; ++j) {
-      const bool kept = j >= keep_begin && j < keep_end;
-      dp[j] = kept ? p[j] * (dp[j] - delta) * (softcap > 0 ? slope[j] : T(1)) : T(0);
+    if (softcap > 0) {
+      for (int j = keep_begin; j < keep_end; ++j) dp[j] = p[j] * (dp[j] - delta) * slope[j];
+      std::fill(dp, dp + keep_begin, T(0));
+      std::fill(dp + keep_end, dp + n_padded, T(0));
+    } else {
+      // P is 0 outside the kept columns and dP is finite there (zero-padded operands), so dU is 0.
+      for (int j = 0; j < n_padded; ++j) dp[j] = p[j] * (dp[j] - delta);
     }
   }
 }
@@ -165,12 +164,7 @@ void item_grads_by_column(const BackwardInputs<T>& in, const tiling::TileWork& w
   for (int j = 0; j < n; ++j) {
     T* row = pt + j * ld;
     for (int c = 0; c < m_padded; ++c) row[c] *= scale;
-    if (softcap > 0)
-      for (int c = 0; c < m_padded; ++c) {
-        const T t = std::tanh(row[c] / softcap);
-        row[c] = softcap * t;
-        slope[j * ld + c] = T(1) - t * t;
-      }
+    if (softcap > 0) softcap_inplace(row, slope + j * ld, m_padded, softcap);
   }
   if (w.needs_mask)
     for (int c = 0; c < m; ++c) {

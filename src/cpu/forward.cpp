@@ -91,8 +91,7 @@ T forward_task(const ForwardInputs<T>& in, int32_t tile, int32_t head, ForwardSc
     for (int j = 0; j < n; ++j) {
       T* row = probs + j * ld;
       for (int c = 0; c < m_padded; ++c) row[c] *= scale;
-      if (softcap > 0)
-        for (int c = 0; c < m; ++c) row[c] = softcap * std::tanh(row[c] / softcap);
+      if (softcap > 0) softcap_inplace(row, static_cast<T*>(nullptr), m_padded, softcap);
     }
     if (w.needs_mask)
       for (int c = 0; c < m; ++c) {

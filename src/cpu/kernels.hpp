@@ -22,11 +22,15 @@ namespace magi::cpu {
 
 // Vector width and register blocking follow the compile target (-march / MAGI_ATTN_CPU_ARCH): AVX-512
 // has 32 registers of 64 bytes, AVX2 16 of 32 bytes. MR x 2 accumulators leave room for the operands.
+// The tile sizes (plan.hpp) are multiples of every W and MR below.
 #if defined(__AVX512F__)
 inline constexpr int kVectorBytes = 64;
 inline constexpr int kBlockRows = 12;
-#else
+#elif defined(__AVX__)
 inline constexpr int kVectorBytes = 32;
+inline constexpr int kBlockRows = 6;
+#else  // SSE / NEON: 16-byte vectors, 16 or more registers
+inline constexpr int kVectorBytes = 16;
 inline constexpr int kBlockRows = 6;
 #endif
 inline constexpr int kBlockVecs = 2;
@@ -119,11 +123,11 @@ void gemm_kmajor(const T* a, int64_t lda, int m, const T* b, int64_t ldb, int kd
 
 // a . b with exactly the arithmetic of gemm_nt (the same instruction sequence per lane), so that
 // Delta = dO . out cancels dP = dO . v bit for bit in a row that reads a single key (its gradient is
-// then exactly 0, as in exact arithmetic). `column` is scratch of depth * W elements.
+// then exactly 0, as in exact arithmetic). `column` is scratch of depth * W elements, zero except in
+// lane 0 (which this call overwrites).
 template <class T>
 T gemm_dot(const T* a, const T* b, int depth, T* column) {
   constexpr int W = Simd<T>::W;
-  std::fill(column, column + depth * W, T(0));
   for (int d = 0; d < depth; ++d) column[d * W] = b[d];
   T result[W];
   kmajor_block<T, 1, 1, false>(a, 1, column, W, depth, result, W);
@@ -180,6 +184,44 @@ inline double exp_shift_sum(double* row, int n, double shift) {
     total += row[j];
   }
   return total;
+}
+
+// ---- softcap ----
+// tanh for floats: odd polynomial below 0.625 (Cephes tanhf coefficients), (1 - e) / (1 + e) with
+// e = exp(-2|x|) above (no cancellation there); about 2 ulp.
+inline Simd<float>::V tanh_float(Simd<float>::V x) {
+  using V = Simd<float>::V;
+  const V ax = x < 0.0f ? -x : x;
+  const V z = x * x;
+  V p = V{} - 5.70498872745e-3f;
+  p = p * z + 2.06390887954e-2f;
+  p = p * z - 5.37397155531e-2f;
+  p = p * z + 1.33314422036e-1f;
+  p = p * z - 3.33332819422e-1f;
+  const V small = p * z * x + x;
+  const V e = exp_nonpositive(ax * -2.0f);
+  V large = (1.0f - e) / (1.0f + e);
+  large = x < 0.0f ? -large : large;
+  return ax < 0.625f ? small : large;
+}
+
+// x[i] = cap * tanh(x[i] / cap) and, when slope is given, slope[i] = 1 - tanh^2 (= ds/du), i < count
+// (a multiple of W for floats).
+inline void softcap_inplace(float* x, float* slope, int count, float cap) {
+  using S = Simd<float>;
+  for (int i = 0; i < count; i += S::W) {
+    const S::V t = tanh_float(S::load(x + i) / cap);
+    S::store(x + i, t * cap);
+    if (slope) S::store(slope + i, 1.0f - t * t);
+  }
+}
+
+inline void softcap_inplace(double* x, double* slope, int count, double cap) {
+  for (int i = 0; i < count; ++i) {
+    const double t = std::tanh(x[i] / cap);
+    x[i] = cap * t;
+    if (slope) slope[i] = 1.0 - t * t;
+  }
 }
 
 // Column-wise forms for probabilities stored transposed (one column per query row):

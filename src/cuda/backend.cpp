@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <numeric>
@@ -111,6 +112,51 @@ HostList convert(const Mask& mask, const tiling::TileLists& lists, bool q_major)
 
 size_t align_up(size_t n) { return (n + 255) / 256 * 256; }
 
+// MAGI_ATTENTION_PROFILE_MODE: CUDA events around a stage of one call, printed after a sync of the stream.
+class StageTimer {
+ public:
+  StageTimer(bool enabled, cudaStream_t stream) : enabled_(enabled), stream_(stream) {}
+  StageTimer(const StageTimer&) = delete;
+  StageTimer& operator=(const StageTimer&) = delete;
+  ~StageTimer() {
+    for (auto& s : stages_) {
+      cudaEventDestroy(s.start);
+      cudaEventDestroy(s.stop);
+    }
+  }
+  void begin(const char* name) {
+    if (!enabled_) return;
+    Stage s{name, nullptr, nullptr};
+    check(cudaEventCreate(&s.start), "cudaEventCreate");
+    check(cudaEventCreate(&s.stop), "cudaEventCreate");
+    check(cudaEventRecord(s.start, stream_), "cudaEventRecord");
+    stages_.push_back(s);
+  }
+  void end() {
+    if (enabled_) check(cudaEventRecord(stages_.back().stop, stream_), "cudaEventRecord");
+  }
+  void report(const std::string& what) {
+    if (!enabled_) return;
+    check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (profile mode)");
+    std::string line = "magi-attn profile: " + what;
+    for (const Stage& s : stages_) {
+      float ms = 0.0f;
+      check(cudaEventElapsedTime(&ms, s.start, s.stop), "cudaEventElapsedTime");
+      line += std::string(", ") + s.name + " " + std::to_string(ms) + " ms";
+    }
+    std::fprintf(stderr, "%s\n", line.c_str());
+  }
+
+ private:
+  struct Stage {
+    const char* name;
+    cudaEvent_t start, stop;
+  };
+  bool enabled_;
+  cudaStream_t stream_;
+  std::vector<Stage> stages_;
+};
+
 }  // namespace
 
 struct Plan {
@@ -122,6 +168,7 @@ struct Plan {
   int32_t tq_pad = 0;
   float* delta = nullptr;  // [Hq][tq_pad]
   float* lse2 = nullptr;   // [Hq][tq_pad]
+  int32_t* counters = nullptr;  // persistent-grid work counters: forward, dk/dv, dq
 
   // fp32 dout is converted to 16 bits here; sized on first use (the only lazy allocation).
   mutable std::mutex dout16_mutex;
@@ -203,7 +250,7 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   const size_t delta_at = align_up(staging.size());
   plan->tq_pad = (plan->tq + 63) / 64 * 64 + 64;
   const size_t stats_bytes = static_cast<size_t>(plan->tq_pad) * plan->hq * sizeof(float);
-  const size_t total = delta_at + 2 * align_up(stats_bytes);
+  const size_t total = delta_at + 2 * align_up(stats_bytes) + 256;
 
   DeviceGuard guard(device);
   check(cudaMalloc(&plan->arena, total), "cudaMalloc (plan)");
@@ -228,6 +275,7 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   plan->dq_items = static_cast<int64_t>(dq.items.size());
   plan->delta = reinterpret_cast<float*>(base + delta_at);
   plan->lse2 = reinterpret_cast<float*>(base + delta_at + align_up(stats_bytes));
+  plan->counters = reinterpret_cast<int32_t*>(base + delta_at + 2 * align_up(stats_bytes));
   return plan;
 }
 
@@ -254,16 +302,16 @@ int dtype_tag(DType dtype) {
 }
 
 template <int kDtype>
-void run_forward(int padded, const detail::FwdParams& p, int blocks, cudaStream_t stream) {
+void run_forward(int padded, const detail::FwdParams& p, int blocks, int margin, cudaStream_t stream) {
   switch (padded) {
 #if MAGI_CUDA_HEAD_DIM_64
-    case 64: return detail::launch_forward<kDtype, 64>(p, blocks, stream);
+    case 64: return detail::launch_forward<kDtype, 64>(p, blocks, margin, stream);
 #endif
 #if MAGI_CUDA_HEAD_DIM_128
-    case 128: return detail::launch_forward<kDtype, 128>(p, blocks, stream);
+    case 128: return detail::launch_forward<kDtype, 128>(p, blocks, margin, stream);
 #endif
 #if MAGI_CUDA_HEAD_DIM_256
-    case 256: return detail::launch_forward<kDtype, 256>(p, blocks, stream);
+    case 256: return detail::launch_forward<kDtype, 256>(p, blocks, margin, stream);
 #endif
     default: throw NotAvailable("cuda backend: no forward kernel for head-dim tile " + std::to_string(padded));
   }
@@ -271,16 +319,16 @@ void run_forward(int padded, const detail::FwdParams& p, int blocks, cudaStream_
 
 template <int kDtype>
 void run_backward(int padded, const detail::BwdParams& dkdv, int dkdv_blocks, const detail::BwdParams& dq,
-                  int dq_blocks, cudaStream_t stream) {
+                  int dq_blocks, int margin, cudaStream_t stream) {
   switch (padded) {
 #if MAGI_CUDA_HEAD_DIM_64
-    case 64: return detail::launch_backward<kDtype, 64>(dkdv, dkdv_blocks, dq, dq_blocks, stream);
+    case 64: return detail::launch_backward<kDtype, 64>(dkdv, dkdv_blocks, dq, dq_blocks, margin, stream);
 #endif
 #if MAGI_CUDA_HEAD_DIM_128
-    case 128: return detail::launch_backward<kDtype, 128>(dkdv, dkdv_blocks, dq, dq_blocks, stream);
+    case 128: return detail::launch_backward<kDtype, 128>(dkdv, dkdv_blocks, dq, dq_blocks, margin, stream);
 #endif
 #if MAGI_CUDA_HEAD_DIM_256
-    case 256: return detail::launch_backward<kDtype, 256>(dkdv, dkdv_blocks, dq, dq_blocks, stream);
+    case 256: return detail::launch_backward<kDtype, 256>(dkdv, dkdv_blocks, dq, dq_blocks, margin, stream);
 #endif
     default: throw NotAvailable("cuda backend: no backward kernel for head-dim tile " + std::to_string(padded));
   }
@@ -343,10 +391,16 @@ void forward(const Plan& plan, const ForwardArgs& a, const Options& o, cudaStrea
   p.softcap_post = t.softcap_post;
   p.out_fp32 = a.out.dtype == DType::F32;
   p.list = plan.fwd;
+  p.work_counter = plan.counters;
+  StageTimer timer(o.profile, stream);
+  timer.begin("forward_kernel");
   if (p.max_logits != nullptr) detail::launch_fill(p.max_logits, plan.hq, -INFINITY, stream);
   const int blocks = plan.fwd.num_tiles * plan.hq;
-  if (tag == detail::kBf16) run_forward<detail::kBf16>(plan.padded_d, p, blocks, stream);
-  else run_forward<detail::kFp16>(plan.padded_d, p, blocks, stream);
+  if (tag == detail::kBf16) run_forward<detail::kBf16>(plan.padded_d, p, blocks, o.sm_margin, stream);
+  else run_forward<detail::kFp16>(plan.padded_d, p, blocks, o.sm_margin, stream);
+  timer.end();
+  timer.report("cuda forward, " + std::to_string(plan.fwd_items) + " work items, head-dim tile " +
+               std::to_string(plan.padded_d));
 }
 
 void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStream_t stream) {
@@ -372,6 +426,8 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
   pre.tq = plan.tq;
   pre.hq = plan.hq;
   pre.d = plan.d;
+  StageTimer timer(o.profile, stream);
+  timer.begin("preprocess");
   detail::launch_preprocess(tag, pre, stream);
   if (o.sink_layout == SinkLayout::SH)
     detail::launch_dsink_sh(pre.sink, pre.lse, plan.delta, plan.tq_pad, pre.dsink, pre.sink_len, plan.tq, plan.hq,
@@ -401,14 +457,22 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
   p.grad_fp32 = a.dq.dtype == DType::F32;
   detail::BwdParams dkdv = p;
   dkdv.list = plan.dkdv;
+  dkdv.work_counter = plan.counters + 1;
   dkdv.grad_fp32 = a.dk.dtype == DType::F32;
   dkdv.dv_fp32 = a.dv.dtype == DType::F32;
   detail::BwdParams dq = p;
   dq.list = plan.dq;
+  dq.work_counter = plan.counters + 2;
   const int dkdv_blocks = plan.dkdv.num_tiles * plan.hkv;
   const int dq_blocks = plan.dq.num_tiles * plan.hq;
-  if (tag == detail::kBf16) run_backward<detail::kBf16>(plan.padded_d, dkdv, dkdv_blocks, dq, dq_blocks, stream);
-  else run_backward<detail::kFp16>(plan.padded_d, dkdv, dkdv_blocks, dq, dq_blocks, stream);
+  timer.end();
+  timer.begin("dkdv_kernel + dq_kernel");
+  if (tag == detail::kBf16)
+    run_backward<detail::kBf16>(plan.padded_d, dkdv, dkdv_blocks, dq, dq_blocks, o.sm_margin, stream);
+  else run_backward<detail::kFp16>(plan.padded_d, dkdv, dkdv_blocks, dq, dq_blocks, o.sm_margin, stream);
+  timer.end();
+  timer.report("cuda backward, " + std::to_string(plan.dkdv_items) + " dk/dv items, " +
+               std::to_string(plan.dq_items) + " dq items");
 }
 
 }  // namespace magi::cuda

@@ -22,6 +22,8 @@ struct Options {
   double softmax_scale = 0.0;  // required: the API resolves the D^-0.5 default
   double softcap = 0.0;        // > 0 enables softcapping
   SinkLayout sink_layout = SinkLayout::None;
+  int32_t sm_margin = 0;  // SMs the persistent grids leave free (MAGI_ATTENTION_FFA_{FORWARD,BACKWARD}_SM_MARGIN)
+  bool profile = false;   // MAGI_ATTENTION_PROFILE_MODE: time each kernel with CUDA events and print (syncs)
 };
 
 struct Plan;

@@ -57,7 +57,7 @@ struct DkdvConfig {
 };
 
 template <class T, int kD>
-__global__ void __launch_bounds__(DkdvConfig<kD>::kThreads) dkdv_kernel(const BwdParams p) {
+__device__ __forceinline__ void dkdv_kernel_tile(const BwdParams& p, int linear, unsigned char* smem) {
   using Cfg = DkdvConfig<kD>;
   constexpr int kM = Cfg::kM, kN = Cfg::kN, kThreads = Cfg::kThreads, kStages = Cfg::kStages;
   constexpr int kDSteps = kD / 16;
@@ -65,7 +65,6 @@ __global__ void __launch_bounds__(DkdvConfig<kD>::kThreads) dkdv_kernel(const Bw
   using SD = Swizzled<kD>;
   using SM = Swizzled<kM>;
 
-  extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t sK = smem_addr(smem);
   const uint32_t sV = sK + kN * kD * 2;
   const uint32_t sQ0 = sV + kN * kD * 2;                   // [stage][kM][kD]
@@ -76,7 +75,6 @@ __global__ void __launch_bounds__(DkdvConfig<kD>::kThreads) dkdv_kernel(const Bw
   float* const sLse = reinterpret_cast<float*>(row_stats);            // [stage][kM]
   float* const sDelta = sLse + kStages * kM;                          // [stage][kM]
 
-  const int linear = static_cast<int>(blockIdx.x);
   const int tile = p.list.order[linear / p.hkv];
   const int kv_head = linear % p.hkv;
   const int group = p.hq / p.hkv;
@@ -260,7 +258,7 @@ struct DqConfig {
 };
 
 template <class T, int kD>
-__global__ void __launch_bounds__(DqConfig<kD>::kThreads) dq_kernel(const BwdParams p) {
+__device__ __forceinline__ void dq_kernel_tile(const BwdParams& p, int linear, unsigned char* smem) {
   using Cfg = DqConfig<kD>;
   constexpr int kM = Cfg::kM, kN = Cfg::kN, kThreads = Cfg::kThreads;
   constexpr int kDSteps = kD / 16;
@@ -268,13 +266,11 @@ __global__ void __launch_bounds__(DqConfig<kD>::kThreads) dq_kernel(const BwdPar
   constexpr int kDBlocks = kD / 8;
   using SD = Swizzled<kD>;
 
-  extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t sQ = smem_addr(smem);
   const uint32_t sdO = sQ + kM * kD * 2;
   const uint32_t sK = sdO + kM * kD * 2;
   const uint32_t sV = sK + kN * kD * 2;
 
-  const int linear = static_cast<int>(blockIdx.x);
   const int tile = p.list.order[linear / p.hq];
   const int head = linear % p.hq;
   const int kv_head = head / (p.hq / p.hkv);
@@ -395,6 +391,55 @@ __global__ void __launch_bounds__(DqConfig<kD>::kThreads) dq_kernel(const BwdPar
       const int col = i * 8 + (lane % 4) * 2;
       if (col < p.d) store_pair<T>(p.dq, base + col, acc[i][2 * r], acc[i][2 * r + 1], p.grad_fp32);
     }
+  }
+}
+
+
+// Plain grid (one block per work index; the hardware balances best when no SM margin is asked for).
+template <class T, int kD>
+__global__ void __launch_bounds__(DkdvConfig<kD>::kThreads) dkdv_kernel(const BwdParams p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  dkdv_kernel_tile<T, kD>(p, static_cast<int>(blockIdx.x), smem);
+}
+
+// Persistent grid: block b starts with work b, then takes the next unclaimed index from a counter, so the
+// plan's heaviest-first order is kept and blocks balance dynamically. Each work index is computed the
+// same way whichever block takes it, so results do not depend on the schedule.
+template <class T, int kD>
+__global__ void __launch_bounds__(DkdvConfig<kD>::kThreads) dkdv_kernel_persistent(const BwdParams p, int num_work) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ int next_work;
+  int linear = static_cast<int>(blockIdx.x);
+  while (linear < num_work) {
+    dkdv_kernel_tile<T, kD>(p, linear, smem);
+    if (threadIdx.x == 0) next_work = atomicAdd(p.work_counter, 1) + static_cast<int>(gridDim.x);
+    __syncthreads();  // also: the next work item reuses shared memory
+    linear = next_work;
+    __syncthreads();
+  }
+}
+
+// Plain grid (one block per work index; the hardware balances best when no SM margin is asked for).
+template <class T, int kD>
+__global__ void __launch_bounds__(DqConfig<kD>::kThreads) dq_kernel(const BwdParams p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  dq_kernel_tile<T, kD>(p, static_cast<int>(blockIdx.x), smem);
+}
+
+// Persistent grid: block b starts with work b, then takes the next unclaimed index from a counter, so the
+// plan's heaviest-first order is kept and blocks balance dynamically. Each work index is computed the
+// same way whichever block takes it, so results do not depend on the schedule.
+template <class T, int kD>
+__global__ void __launch_bounds__(DqConfig<kD>::kThreads) dq_kernel_persistent(const BwdParams p, int num_work) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ int next_work;
+  int linear = static_cast<int>(blockIdx.x);
+  while (linear < num_work) {
+    dq_kernel_tile<T, kD>(p, linear, smem);
+    if (threadIdx.x == 0) next_work = atomicAdd(p.work_counter, 1) + static_cast<int>(gridDim.x);
+    __syncthreads();  // also: the next work item reuses shared memory
+    linear = next_work;
+    __syncthreads();
   }
 }
 

@@ -1,7 +1,7 @@
 // Forward flash kernel: one block = one q tile of one head; it walks every work item of its tile (all
 // slices touching it, so q-overlap merges inside one online softmax) and writes out/lse once.
-// 4 warps; each warp owns kMTiles 16-row m-tiles (rows mt*64 + warp*16), so every K/V fragment read from
-// shared memory feeds kMTiles independent MMAs. K then V of each item stream through shared memory with
+// Each warp owns kMTiles 16-row m-tiles (rows mt * 16 * warps + warp * 16), so every K/V fragment read
+// from shared memory feeds kMTiles independent MMAs. K then V of each item stream through shared memory with
 // cp.async: the V load overlaps Q K^T, the next K load overlaps softmax and P V.
 #pragma once
 
@@ -13,10 +13,11 @@ namespace magi::cuda::detail {
 
 template <int kD>
 struct FwdConfig {
-  static constexpr int kMTiles = fwd_tile_q(kD) / 64;
+  static constexpr int kWarps = fwd_warps(kD);
+  static constexpr int kMTiles = fwd_tile_q(kD) / (16 * kWarps);
+  static constexpr int kMTileStride = 16 * kWarps;  // rows between a warp's m-tiles
   static constexpr int kM = fwd_tile_q(kD);
   static constexpr int kN = fwd_tile_k(kD);
-  static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kSmemBytes = (kM + 2 * kN) * kD * 2;
 };
@@ -38,19 +39,17 @@ __device__ __forceinline__ void scale_logits(float (&s)[kNBlocks][4], const FwdP
 }
 
 template <class T, int kD>
-__global__ void __launch_bounds__(FwdConfig<kD>::kThreads) forward_kernel(const FwdParams p) {
+__device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int linear, unsigned char* smem) {
   using Cfg = FwdConfig<kD>;
   constexpr int kM = Cfg::kM, kN = Cfg::kN, kThreads = Cfg::kThreads, kMT = Cfg::kMTiles;
   constexpr int kDSteps = kD / 16;  // k-steps of Q K^T
   constexpr int kNBlocks = kN / 8;  // 8-wide column blocks of S
   constexpr int kDBlocks = kD / 8;  // 8-wide column blocks of O
 
-  extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t sQ = smem_addr(smem);
   const uint32_t sK = sQ + kM * kD * 2;
   const uint32_t sV = sK + kN * kD * 2;
 
-  const int linear = static_cast<int>(blockIdx.x);
   const int tile = p.list.order[linear / p.hq];
   const int head = linear % p.hq;
   const int kv_head = head / (p.hq / p.hkv);
@@ -86,7 +85,7 @@ __global__ void __launch_bounds__(FwdConfig<kD>::kThreads) forward_kernel(const 
     row_max[mt][0] = row_max[mt][1] = -INFINITY;
     row_sum[mt][0] = row_sum[mt][1] = 0.0f;
   }
-  // Row of element e (0..3) of m-tile mt: my_row0 + mt * 64 + (e / 2) * 8.
+  // Row of element e (0..3) of m-tile mt: my_row0 + mt * Cfg::kMTileStride + (e / 2) * 8.
   const int my_row0 = q_base + warp * 16 + lane / 4;
 
   const FragAddr<kD> q_addr(sQ, warp * 16 + (lane % 16), lane / 16);
@@ -96,8 +95,9 @@ __global__ void __launch_bounds__(FwdConfig<kD>::kThreads) forward_kernel(const 
   v_addr.base = q_addr.base + (sV - sQ) - warp * 16 * kD * 2;
 
   for (; item < item_end; ++item) {
-    const WorkItem w = p.list.items[item];
-    const int k0 = tile_start(w);
+    // Only k0 and the flags stay live; a masked item re-reads its bounds (an L1 hit) to save registers.
+    const int k0 = (p.list.items[item].k0 / kN) * kN;
+    const int flags = p.list.items[item].flags;
     const int next_k0 = item + 1 < item_end ? tile_start(p.list.items[item + 1]) : 0;  // fetched early
     cp_async_wait<0>();
     __syncthreads();
@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(FwdConfig<kD>::kThreads) forward_kernel(const 
     for (int ks = 0; ks < kDSteps; ++ks) {
       uint32_t a[kMT][4];
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) ldmatrix_x4(a[mt], q_addr.at(mt * 64, ks));
+      for (int mt = 0; mt < kMT; ++mt) ldmatrix_x4(a[mt], q_addr.at(mt * Cfg::kMTileStride, ks));
 #pragma unroll
       for (int nb = 0; nb < kN / 16; ++nb) {
         uint32_t b[4];
@@ -130,8 +130,10 @@ __global__ void __launch_bounds__(FwdConfig<kD>::kThreads) forward_kernel(const 
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
       scale_logits(s[mt], p);
-      if (w.flags & kWorkMasked) {
-        const KeyInterval keys[2] = {item_keys(w, my_row0 + mt * 64), item_keys(w, my_row0 + mt * 64 + 8)};
+      if (flags & kWorkMasked) {
+        const WorkItem w = p.list.items[item];
+        const int row = my_row0 + mt * Cfg::kMTileStride;
+        const KeyInterval keys[2] = {item_keys(w, row), item_keys(w, row + 8)};
 #pragma unroll
         for (int nb = 0; nb < kNBlocks; ++nb) {
 #pragma unroll
@@ -210,7 +212,7 @@ __global__ void __launch_bounds__(FwdConfig<kD>::kThreads) forward_kernel(const 
       float sum = row_sum[mt][r];
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const int row = my_row0 + mt * 64 + r * 8;
+      const int row = my_row0 + mt * Cfg::kMTileStride + r * 8;
       const bool has_keys = sum > 0.0f;
       block_max = fmaxf(block_max, row_max[mt][r]);
       float lse2 = has_keys ? row_max[mt][r] + log2f(sum) : -INFINITY;  // log2 units
@@ -248,6 +250,31 @@ __global__ void __launch_bounds__(FwdConfig<kD>::kThreads) forward_kernel(const 
     for (int offset = 16; offset > 0; offset /= 2)
       block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, offset));
     if (lane == 0 && block_max > -INFINITY) atomic_max_float(p.max_logits + head, block_max * kLn2);
+  }
+}
+
+
+// Plain grid (one block per work index; the hardware balances best when no SM margin is asked for).
+template <class T, int kD>
+__global__ void __launch_bounds__(FwdConfig<kD>::kThreads) forward_kernel(const FwdParams p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  forward_kernel_tile<T, kD>(p, static_cast<int>(blockIdx.x), smem);
+}
+
+// Persistent grid: block b starts with work b, then takes the next unclaimed index from a counter, so the
+// plan's heaviest-first order is kept and blocks balance dynamically. Each work index is computed the
+// same way whichever block takes it, so results do not depend on the schedule.
+template <class T, int kD>
+__global__ void __launch_bounds__(FwdConfig<kD>::kThreads) forward_kernel_persistent(const FwdParams p, int num_work) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ int next_work;
+  int linear = static_cast<int>(blockIdx.x);
+  while (linear < num_work) {
+    forward_kernel_tile<T, kD>(p, linear, smem);
+    if (threadIdx.x == 0) next_work = atomicAdd(p.work_counter, 1) + static_cast<int>(gridDim.x);
+    __syncthreads();  // also: the next work item reuses shared memory
+    linear = next_work;
+    __syncthreads();
   }
 }
 

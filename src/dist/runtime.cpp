@@ -118,6 +118,7 @@ DistAttnRuntime::DistAttnRuntime(const Mask& mask, const HeadShape& heads, std::
       config_(config),
       backward_high_precision_(backward_high_precision),
       dsink_op_(dsink_op),
+      ranks_per_node_(ranks_per_node),
       rank_(comm_->rank()),
       dispatch_(make_dispatch(mask, comm_->size(), config.chunk_size, config.algorithm)),
       plan_(make_comm_plan(mask, dispatch_, config.overlap_degree, ranks_per_node)) {}
@@ -130,9 +131,18 @@ PlanSummary DistAttnRuntime::summary() const {
   s.local_k_tokens = dispatch_.k.local_tokens();
   s.rank_area = dispatch_.rank_area;
   s.area_lower_bound = dispatch_.lower_bound();
+  s.area_count_aware_bound = dispatch_.count_aware_lower_bound();
   for (const auto& rp : plan_.ranks) s.fetched_kv_rows.push_back(rp.fetched_rows());
   s.ring_kv_rows = int64_t{s.cp} * (s.cp - 1) * s.local_k_tokens;
   s.kv_row_elements = int64_t{heads_.heads_kv} * heads_.head_dim;
+  if (plan_.hierarchical()) {
+    s.ranks_per_node = ranks_per_node_;
+    for (int32_t src = 0; src < s.cp; ++src)
+      for (const auto& stage_routes : plan_.routes[src])
+        for (int32_t dst = 0; dst < s.cp; ++dst)
+          if (src / ranks_per_node_ != dst / ranks_per_node_)
+            s.inter_node_kv_rows += static_cast<int64_t>(stage_routes.send_rows[dst].size());
+  }
   return s;
 }
 
@@ -560,10 +570,14 @@ std::string PlanSummary::to_text() const {
   for (int32_t r = 0; r < cp; ++r)
     out << "  rank " << r << ": area " << rank_area[r] << ", fetched kv rows " << fetched_kv_rows[r] << "\n";
   out << "max area " << largest << " vs lower bound " << area_lower_bound << " ("
-      << (area_lower_bound ? static_cast<double>(largest) / area_lower_bound : 1.0) << "x), imbalance " << imbalance()
+      << (area_lower_bound ? static_cast<double>(largest) / area_lower_bound : 1.0) << "x; count-aware bound "
+      << area_count_aware_bound << "), imbalance " << imbalance()
       << "\nkv rows moved " << fetched << " vs ring " << ring_kv_rows << " ("
       << (ring_kv_rows ? static_cast<double>(fetched) / ring_kv_rows : 0.0) << " of ring), "
       << kv_row_elements << " elements per k or v row\n";
+  if (ranks_per_node > 0)
+    out << "hierarchical comm, " << ranks_per_node << " ranks per node: " << inter_node_kv_rows
+        << " kv rows cross nodes\n";
   return out.str();
 }
 

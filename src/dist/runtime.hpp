@@ -36,6 +36,7 @@ class DistAttnRuntime {
   DistConfig config_;
   bool backward_high_precision_;
   DsinkReduceOp dsink_op_;
+  int32_t ranks_per_node_;  // 0 = flat comm
   int32_t rank_;
   Dispatch dispatch_;
   CommPlan plan_;

@@ -101,16 +101,17 @@ std::vector<Variable> make_registry() {
   return {
       // ---- correctness ----
       boolean("MAGI_ATTENTION_FORWARD_HIGH_PRECISION_REDUCE", "0", kCorrectness,
-              not_yet("planned: distributed attention (fp32 reduction of partial out across ranks)"),
+              not_yet("planned: query/output communication in distributed attention (only k/v travel now; "
+                      "partial outputs are merged locally in fp32)"),
               "Reduce partial forward outputs across ranks in fp32 instead of the input dtype "
               "(twice the traffic, fewer rounding steps); needs query/output communication."),
       boolean("MAGI_ATTENTION_BACKWARD_HIGH_PRECISION_REDUCE", "0", kCorrectness,
-              not_yet("planned: distributed attention (fp32 reduction of partial dq/dk/dv across ranks)"),
+              kImplemented,
               "Reduce partial dk/dv (and dq with query/output communication) across ranks in fp32 "
               "instead of the input dtype, trading twice the traffic for precision.",
               {"MAGI_ATTENTION_FFA_BACKWARD_HIGH_PRECISION_REDUCE"}),
       choice("MAGI_ATTENTION_DSINK_ALL_REDUCE_OP", "none", {"none", "sum", "avg"}, kCorrectness,
-             not_yet("planned: distributed attention with a sink (all-reduce of dsink across cp ranks)"),
+             kImplemented,
              "How distributed attention combines the per-rank partial sink gradients: none leaves "
              "it to the training framework, sum adds them, avg also divides by the cp size."),
 
@@ -162,11 +163,11 @@ std::vector<Variable> make_registry() {
                              "is C++ throughout"),
               "Use C++ implementations of the core range/mask data structures instead of Python."),
       boolean("MAGI_ATTENTION_HIERARCHICAL_COMM", "0", kPerformance,
-              not_yet("planned: distributed attention (hierarchical inter-/intra-node collectives)"),
+              kImplemented,
               "Split the context-parallel group into an inter-node and an intra-node group so that "
               "data crosses node boundaries once."),
       integer("MAGI_ATTENTION_DIST_ATTN_RUNTIME_DICT_SIZE", {.value = "1000"}, "1", "", kPerformance,
-              not_yet("planned: distributed attention (LRU cache of runtime plans)"),
+              kImplemented,
               "Capacity of the least-recently-used cache of distributed-attention runtime plans."),
       integer("CUDA_DEVICE_MAX_CONNECTIONS", {.value = "8"}, "1", "32", kPerformance,
               not_yet("planned: GPU communication/compute overlap (it decides the SM-margin defaults)"),

@@ -76,9 +76,6 @@ TEST(CliMisc, DemoWithSeedIsReproducibleAndChecksEveryDtype) {
   }
 }
 
-}  // namespace
-}  // namespace magi::cli::test
-
 TEST(CliMisc, EnvReportsABadValueInsteadOfStopping) {
   const CliResult r = run_cli({"env"}, {"MAGI_ATTENTION_DSINK_ALL_REDUCE_OP=max"});
   ASSERT_EQ(r.exit_code, 0) << describe(r);
@@ -86,3 +83,6 @@ TEST(CliMisc, EnvReportsABadValueInsteadOfStopping) {
   EXPECT_NE(all.find("MAGI_ATTENTION_DSINK_ALL_REDUCE_OP=max"), std::string::npos) << all;
   EXPECT_NE(all.find("none, sum, avg"), std::string::npos) << all;
 }
+
+}  // namespace
+}  // namespace magi::cli::test

@@ -202,6 +202,68 @@ TEST(CudaBackend, GraphCaptureAndReplay) {
   cudaStreamDestroy(stream);
 }
 
+// A persistent grid squeezed onto one SM (every block walks many tiles) must give the same bits as the
+// full grid, for forward and backward; profile mode must not change results either.
+TEST(CudaBackend, SmMarginAndProfileModeKeepResults) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  const Mask mask = random_rectangles(rng, 1000, 1200, 50);
+  CaseConfig c = config(DType::BF16, 4, 2, 128);
+  CaseData d = make_case(mask, c, seed);
+  DeviceCase dev(d, c);
+  auto plan = cuda::make_plan(mask, c.heads_q, c.heads_kv, c.head_dim, 0);
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  std::vector<HostTensor> reference;
+  for (int margin : {0, sms - 1}) {
+    cuda::Options o = cuda_options(c);
+    o.sm_margin = margin;
+    o.profile = margin != 0;
+    dev.poison();
+    cuda::forward(*plan, dev.forward_args(), o, nullptr);
+    cuda::backward(*plan, dev.backward_args(), o, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<HostTensor> now = {dev.out.download(), dev.lse.download(), dev.dq.download(), dev.dk.download(),
+                                   dev.dv.download()};
+    if (margin == 0) {
+      reference = std::move(now);
+      continue;
+    }
+    const char* names[] = {"out", "lse", "dq", "dk", "dv"};
+    for (size_t i = 0; i < now.size(); ++i)
+      EXPECT_TRUE(check_bitwise_equal(names[i], reference[i], now[i], "seed " + std::to_string(seed)));
+  }
+}
+
+// 100k slices (50k two-token causal documents + 50k two-token full documents): too large for the dense
+// reference, so the CPU engine (fp32 accumulation on the same rounded inputs) is the reference here.
+TEST(CudaBackend, HundredThousandSlicesMatchCpuEngine) {
+  const uint64_t seed = fresh_seed();
+  Mask mask;
+  mask.total_q = mask.total_k = 200000;
+  for (int32_t doc = 0; doc < 100000; ++doc)
+    mask.slices.push_back(make_slice(2 * doc, 2 * doc + 2, 2 * doc, 2 * doc + 2,
+                                     doc % 2 == 0 ? MaskType::Causal : MaskType::Full));
+  CaseConfig c = config(DType::F16, 2, 1, 64);
+  c.backend = Backend::Cpu;
+  CaseData d = make_case(mask, c, seed);
+  EngineResult cpu = run_forward(d, c);
+  run_backward(d, c, cpu);
+
+  DeviceCase dev(d, c);
+  auto plan = cuda::make_plan(mask, c.heads_q, c.heads_kv, c.head_dim, 0);
+  EXPECT_EQ(cuda::stats(*plan).forward_items, 100000);
+  cuda::forward(*plan, dev.forward_args(), cuda_options(c), nullptr);
+  cuda::backward(*plan, dev.backward_args(), cuda_options(c), nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::string context = "100k slices, seed " + std::to_string(seed);
+  EXPECT_TRUE(check_close("out", dev.out.download().values(), cpu.out.values(), Quantity::Out, c.dtype, context));
+  EXPECT_TRUE(check_close("lse", dev.lse.download().values(), cpu.lse.values(), Quantity::Lse, c.dtype, context));
+  EXPECT_TRUE(check_close("dq", dev.dq.download().values(), cpu.dq.values(), Quantity::Grad, c.dtype, context));
+  EXPECT_TRUE(check_close("dk", dev.dk.download().values(), cpu.dk.values(), Quantity::Grad, c.dtype, context));
+  EXPECT_TRUE(check_close("dv", dev.dv.download().values(), cpu.dv.values(), Quantity::Grad, c.dtype, context));
+}
+
 TEST(CudaBackend, PlanRejectsUncompiledHeadDim) {
   EXPECT_FALSE(cuda::head_dim_supported(0));
   EXPECT_FALSE(cuda::head_dim_supported(12));

@@ -31,6 +31,7 @@ struct Case {
   bool high_precision = false;
   DispatchAlgorithm algorithm = DispatchAlgorithm::GreedySwap;
   int32_t ranks_per_node = 0;  // > 0: hierarchical comm
+  bool env_options = false;    // leave the dsink op and hierarchical comm to the environment
 };
 
 struct Global {
@@ -56,7 +57,7 @@ Global make_inputs(const Case& c, uint64_t seed) {
 }
 
 struct Outputs {
-  HostTensor out, lse, dq, dk, dv, dsink;
+  HostTensor out, lse, max_logits, dq, dk, dv, dsink;
 };
 
 DType lse_dtype(DType dtype) { return dtype == DType::F64 ? DType::F64 : DType::F32; }
@@ -75,7 +76,8 @@ Outputs single_device(const Case& c, Global& g) {
   Outputs r;
   r.out = HostTensor::poisoned(c.dtype, {tq, hq, d});
   r.lse = HostTensor::poisoned(lse_dtype(c.dtype), {tq, hq});
-  ForwardArgs f{g.q.view(), g.k.view(), g.v.view(), g.sink.view(), r.out.view(), r.lse.view(), {}};
+  r.max_logits = HostTensor::poisoned(DType::F32, {hq});
+  ForwardArgs f{g.q.view(), g.k.view(), g.v.view(), g.sink.view(), r.out.view(), r.lse.view(), r.max_logits.view()};
   forward(c.mask, f, options_of(c));
   r.dq = HostTensor::poisoned(c.dtype, {tq, hq, d});
   r.dk = HostTensor::poisoned(c.dtype, {tk, hkv, d});
@@ -110,8 +112,9 @@ DistConfig config_of(const Case& c) {
   config.algorithm = c.algorithm;
   config.attention = options_of(c);
   config.backward_high_precision_reduce = c.high_precision;
-  config.dsink_reduce_op = c.dsink_op;
   config.comm_timeout_seconds = 120;
+  if (c.env_options) return config;
+  config.dsink_reduce_op = c.dsink_op;
   config.hierarchical_comm = c.ranks_per_node > 0;
   config.ranks_per_node = c.ranks_per_node;
   return config;
@@ -128,7 +131,8 @@ Outputs distributed(const Case& c, Global& g) {
   if (c.sink == SinkLayout::SH) sink = g.sink;
   if (c.sink == SinkLayout::SSH) sink = local_of(key, Axis::Q, g.sink);
   HostTensor out = HostTensor::poisoned(c.dtype, {lq, hq, d}), lse = HostTensor::poisoned(lse_dtype(c.dtype), {lq, hq});
-  calc_attn(key, ForwardArgs{q.view(), k.view(), v.view(), sink.view(), out.view(), lse.view(), {}});
+  HostTensor max_logits = HostTensor::poisoned(DType::F32, {hq});
+  calc_attn(key, ForwardArgs{q.view(), k.view(), v.view(), sink.view(), out.view(), lse.view(), max_logits.view()});
   HostTensor dq = HostTensor::poisoned(c.dtype, {lq, hq, d}), dk = HostTensor::poisoned(c.dtype, {lk, hkv, d}),
              dv = HostTensor::poisoned(c.dtype, {lk, hkv, d});
   HostTensor dsink;
@@ -136,6 +140,7 @@ Outputs distributed(const Case& c, Global& g) {
   calc_attn_backward(key, BackwardArgs{q.view(), k.view(), v.view(), out.view(), lse.view(), dout.view(), sink.view(),
                                        dq.view(), dk.view(), dv.view(), dsink.view()});
   Outputs r;
+  r.max_logits = max_logits;
   r.out = global_of(key, Axis::Q, out, c.mask.total_q);
   r.lse = global_of(key, Axis::Q, lse, c.mask.total_q);
   r.dq = global_of(key, Axis::Q, dq, c.mask.total_q);
@@ -177,6 +182,7 @@ void check_case(const Case& c) {
   const double tol = tolerance_of(c.dtype);
   expect_close(got.out, ref.out, tol, "out");
   expect_close(got.lse, ref.lse, c.dtype == DType::F64 ? 1e-10 : 1e-5, "lse");
+  expect_close(got.max_logits, ref.max_logits, 1e-6, "max_logits (global max over ranks)");
   expect_close(got.dq, ref.dq, tol, "dq");
   expect_close(got.dk, ref.dk, tol, "dk");
   expect_close(got.dv, ref.dv, tol, "dv");
@@ -229,6 +235,8 @@ Mask small_slices_full() {  // "128 small slices forming a full mask"
 }
 
 TEST(DistAttn, Section7CasesMatchSingleDevice) {
+  const uint64_t mask_seed = test::shared_seed();  // the random mask is the same on every rank
+  std::mt19937_64 mask_rng(mask_seed);
   const std::vector<Case> cases = {
       {"full", masks::full(640, 640)},
       {"causal", masks::causal(700, 700), {2, 2, 64}},
@@ -237,10 +245,15 @@ TEST(DistAttn, Section7CasesMatchSingleDevice) {
       {"q-overlap", q_overlap_12(), {4, 2, 32}},
       {"mixed types", mixed_types_10()},
       {"128 small slices forming full", small_slices_full()},
-      {"uneven q/k lengths 500/550", test::random_rectangles(*std::make_unique<std::mt19937_64>(7), 500, 550, 40)},
-      {"uneven 1111-ish, chunk 63", masks::varlen_causal(test::cu_seqlens_of({400, 311, 200, 200})), {2, 2, 32}, DType::F64, 63},
-      {"uneven, chunk 253", masks::causal(1111, 1111), {2, 2, 32}, DType::F64, 253},
-      {"uneven, chunk 111", masks::sliding_window(1000, 100, 20), {2, 2, 32}, DType::F64, 111},
+      {"random rectangles, q/k lengths 500/550, mask seed " + std::to_string(mask_seed),
+       test::random_rectangles(mask_rng, 500, 550, 40)},
+      {"uneven varlen causal 1111, chunk 63", masks::varlen_causal(test::cu_seqlens_of({400, 311, 200, 200})),
+       {2, 2, 32}, DType::F64, 63},
+      {"uneven causal 1111, chunk 253", masks::causal(1111, 1111), {2, 2, 32}, DType::F64, 253},
+      {"disjoint ranges, uncovered rows", test::cases::disjoint_uncovered()},
+      {"bi-causal with Sq > Sk (empty rows)", test::cases::causal_sq_gt_sk(MaskType::BiCausal)},
+      {"no slices at all", Mask{{}, 300, 300}},
+      {"uneven sliding window 1000, chunk 111", masks::sliding_window(1000, 100, 20), {2, 2, 32}, DType::F64, 111},
   };
   for (const Case& c : cases) {
     check_case(c);
@@ -318,6 +331,23 @@ TEST(DistAttn, HierarchicalCommRejectsNodesThatDoNotDivideCp) {
   config.hierarchical_comm = true;
   config.ranks_per_node = world().size() + 1;
   EXPECT_THROW(make_runtime_key(masks::full(64, 64), {2, 2, 32}, test::world_ptr(), config), InvalidArgument);
+}
+
+TEST(DistAttn, EnvironmentSelectsDsinkOpAndHierarchicalComm) {
+  setenv("MAGI_ATTENTION_DSINK_ALL_REDUCE_OP", "sum", 1);
+  setenv("MAGI_ATTENTION_HIERARCHICAL_COMM", "1", 1);
+  env::reset_for_testing();
+  Case c{"env: dsink sum, hierarchical (one node)", masks::varlen_causal(test::cu_seqlens_of({250, 150, 200}))};
+  c.sink = SinkLayout::SH;
+  c.dsink_op = DsinkReduceOp::Sum;  // what the environment asks for; checked below
+  c.env_options = true;
+  check_case(c);
+  // Under one mpirun on one machine every rank shares memory: one node of cp ranks.
+  const auto key = make_runtime_key(c.mask, c.heads, test::world_ptr(), config_of(c));
+  EXPECT_EQ(key.summary().ranks_per_node, world().size());
+  unsetenv("MAGI_ATTENTION_DSINK_ALL_REDUCE_OP");
+  unsetenv("MAGI_ATTENTION_HIERARCHICAL_COMM");
+  env::reset_for_testing();
 }
 
 TEST(DistAttn, BitwiseDeterministic) {

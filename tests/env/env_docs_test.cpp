@@ -49,7 +49,7 @@ TEST_F(EnvViews, MarkdownHasOneTablePerCategoryAndEveryVariableOnce) {
       EXPECT_NE(text.find("Older name: `" + std::string(alias) + "`"), std::string::npos) << alias;
     }
   }
-  EXPECT_NE(text.find("| `MAGI_ATTENTION_DSINK_ALL_REDUCE_OP` | enum | `none` | `none`, `sum`, `avg` | not yet; planned: "),
+  EXPECT_NE(text.find("| `MAGI_ATTENTION_DSINK_ALL_REDUCE_OP` | enum | `none` | `none`, `sum`, `avg` | implemented "),
             std::string::npos);
   EXPECT_NE(text.find("| `MAGI_ATTENTION_FFA_FORWARD_SM_MARGIN` | int | 4 if CUDA_DEVICE_MAX_CONNECTIONS > 1, else 0 | "
                       "integers >= 0 | "),

@@ -216,11 +216,7 @@ TEST_F(EnvParse, TheOlderNameStillWorks) {
                          "of MAGI_ATTENTION_BACKWARD_HIGH_PRECISION_REDUCE; it still works"),
             std::string::npos)
       << printed;
-  // The not-implemented warning names the variable as the user wrote it.
-  EXPECT_NE(printed.find("magi-attn: warning: MAGI_ATTENTION_FFA_BACKWARD_HIGH_PRECISION_REDUCE=1 has no effect: "
-                         "not implemented yet; planned: "),
-            std::string::npos)
-      << printed;
+  EXPECT_EQ(printed.find("warning"), std::string::npos) << "the variable is implemented: " << printed;
 }
 
 TEST_F(EnvParse, OldAndNewNameWithDifferentValuesIsAnError) {
@@ -327,10 +323,10 @@ TEST_F(EnvParse, NotImplementedVariablesWarnOnceWithTheReason) {
 }
 
 TEST_F(EnvParse, NotImplementedVariableAtItsDefaultIsOnlyANote) {
-  set("MAGI_ATTENTION_HIERARCHICAL_COMM", "0");
+  set("MAGI_ATTENTION_QO_COMM", "0");
   EXPECT_EQ(stderr_of_validation(), "");
   set("MAGI_ATTENTION_LOG_LEVEL", "info");
-  EXPECT_NE(stderr_of_validation().find("magi-attn: info: MAGI_ATTENTION_HIERARCHICAL_COMM=0 has no effect: not "
+  EXPECT_NE(stderr_of_validation().find("magi-attn: info: MAGI_ATTENTION_QO_COMM=0 has no effect: not "
                                         "implemented yet; planned: "),
             std::string::npos);
 }

@@ -9,36 +9,72 @@
 
 namespace magi::cuda::detail {
 
+// Grid of a persistent kernel: at most (SMs - sm_margin) x resident blocks per SM, never more than the work.
+template <class Kernel>
+int persistent_grid(Kernel kernel, int threads, int smem_bytes, int num_work, int sm_margin) {
+  int device = 0, sms = 0, per_sm = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem_bytes);
+  const int usable = sms - sm_margin > 1 ? sms - sm_margin : 1;
+  const long long capacity = static_cast<long long>(usable) * (per_sm > 0 ? per_sm : 1);
+  return static_cast<int>(capacity < num_work ? capacity : num_work);
+}
+
 template <int kDtype>
 using DtypeOf = std::conditional_t<kDtype == kBf16, __nv_bfloat16, __half>;
 
 template <int kDtype, int kD>
-void launch_forward(const FwdParams& params, int num_blocks, cudaStream_t stream) {
+void launch_forward(const FwdParams& params, int num_blocks, int sm_margin, cudaStream_t stream) {
   using T = DtypeOf<kDtype>;
   using Cfg = FwdConfig<kD>;
   if (num_blocks == 0) return;
-  auto kernel = forward_kernel<T, kD>;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-  kernel<<<num_blocks, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(params);
+  if (sm_margin <= 0) {
+    auto kernel = forward_kernel<T, kD>;
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+    kernel<<<num_blocks, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(params);
+  } else {
+    auto kernel = forward_kernel_persistent<T, kD>;
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+    const int grid = persistent_grid(kernel, Cfg::kThreads, Cfg::kSmemBytes, num_blocks, sm_margin);
+    cudaMemsetAsync(params.work_counter, 0, sizeof(int32_t), stream);
+    kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(params, num_blocks);
+  }
   check_launch("forward_kernel");
 }
 
 template <int kDtype, int kD>
-void launch_backward(const BwdParams& dkdv, int dkdv_blocks, const BwdParams& dq, int dq_blocks,
+void launch_backward(const BwdParams& dkdv, int dkdv_blocks, const BwdParams& dq, int dq_blocks, int sm_margin,
                      cudaStream_t stream) {
   using T = DtypeOf<kDtype>;
   if (dkdv_blocks > 0) {
     using Cfg = DkdvConfig<kD>;
-    auto kernel = dkdv_kernel<T, kD>;
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-    kernel<<<dkdv_blocks, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(dkdv);
+    if (sm_margin <= 0) {
+      auto kernel = dkdv_kernel<T, kD>;
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+      kernel<<<dkdv_blocks, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(dkdv);
+    } else {
+      auto kernel = dkdv_kernel_persistent<T, kD>;
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+      const int grid = persistent_grid(kernel, Cfg::kThreads, Cfg::kSmemBytes, dkdv_blocks, sm_margin);
+      cudaMemsetAsync(dkdv.work_counter, 0, sizeof(int32_t), stream);
+      kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(dkdv, dkdv_blocks);
+    }
     check_launch("dkdv_kernel");
   }
   if (dq_blocks > 0) {
     using Cfg = DqConfig<kD>;
-    auto kernel = dq_kernel<T, kD>;
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-    kernel<<<dq_blocks, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(dq);
+    if (sm_margin <= 0) {
+      auto kernel = dq_kernel<T, kD>;
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+      kernel<<<dq_blocks, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(dq);
+    } else {
+      auto kernel = dq_kernel_persistent<T, kD>;
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+      const int grid = persistent_grid(kernel, Cfg::kThreads, Cfg::kSmemBytes, dq_blocks, sm_margin);
+      cudaMemsetAsync(dq.work_counter, 0, sizeof(int32_t), stream);
+      kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(dq, dq_blocks);
+    }
     check_launch("dq_kernel");
   }
 }
