@@ -1,15 +1,26 @@
-# Picks -march for the CPU engine: x86-64-v3 (AVX2, FMA) if this machine runs it, else x86-64-v2.
-if(NOT DEFINED MAGI_ATTN_CPU_ARCH)
-  set(_arch x86-64-v2)
-  if(CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64")
-    try_run(_run_result _compile_result
-      SOURCE_FROM_CONTENT avx2_probe.cpp
-      "int main() { return __builtin_cpu_supports(\"avx2\") && __builtin_cpu_supports(\"fma\") ? 0 : 1; }")
-    if(_compile_result AND _run_result EQUAL 0)
-      set(_arch x86-64-v3)
-    endif()
+# Picks -march for the CPU engine from what the build machine runs: x86-64-v4 (AVX-512), v3 (AVX2, FMA),
+# else v2. The engine's vector width follows the flag. Override with -DMAGI_ATTN_CPU_ARCH=...
+function(_magi_cpu_supports out source)
+  try_run(_run _compiled SOURCE_FROM_CONTENT cpu_probe.cpp "int main() { return (${source}) ? 0 : 1; }")
+  if(_compiled AND _run EQUAL 0)
+    set(${out} TRUE PARENT_SCOPE)
   else()
-    set(_arch native)
+    set(${out} FALSE PARENT_SCOPE)
+  endif()
+endfunction()
+
+if(NOT DEFINED MAGI_ATTN_CPU_ARCH)
+  set(_arch native)
+  if(CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64")
+    _magi_cpu_supports(_v4 "__builtin_cpu_supports(\"avx512f\") && __builtin_cpu_supports(\"avx512bw\") && __builtin_cpu_supports(\"avx512dq\") && __builtin_cpu_supports(\"avx512vl\")")
+    _magi_cpu_supports(_v3 "__builtin_cpu_supports(\"avx2\") && __builtin_cpu_supports(\"fma\")")
+    if(_v4)
+      set(_arch x86-64-v4)
+    elseif(_v3)
+      set(_arch x86-64-v3)
+    else()
+      set(_arch x86-64-v2)
+    endif()
   endif()
   set(MAGI_ATTN_CPU_ARCH ${_arch} CACHE STRING "-march value for the CPU engine")
 endif()

@@ -2,7 +2,7 @@
 // backward over masks whose area differs by orders of magnitude at the same token count, showing that
 // time follows area, not Tq x Tk. Calls the engine directly (plan built once, outside the timing).
 //
-//   engine_bench                       # everything (a few minutes on 2 cores)
+//   engine_bench                       # everything (about a minute on 2 cores)
 //   engine_bench --benchmark_filter=causal_8k_h4_d128   # the dense GFLOP/s figure
 #include <benchmark/benchmark.h>
 
@@ -53,10 +53,18 @@ std::vector<unsigned char> random_tensor(int64_t count, DType dtype, std::mt1993
   for (int64_t i = 0; i < count; ++i) {
     const float x = normal(rng);
     switch (dtype) {
-      case DType::F64: reinterpret_cast<double*>(bytes.data())[i] = x; break;
-      case DType::F32: reinterpret_cast<float*>(bytes.data())[i] = x; break;
-      case DType::BF16: reinterpret_cast<uint16_t*>(bytes.data())[i] = magi::float_to_bf16_bits(x); break;
-      case DType::F16: reinterpret_cast<uint16_t*>(bytes.data())[i] = magi::float_to_fp16_bits(x); break;
+      case DType::F64:
+        reinterpret_cast<double*>(bytes.data())[i] = x;
+        break;
+      case DType::F32:
+        reinterpret_cast<float*>(bytes.data())[i] = x;
+        break;
+      case DType::BF16:
+        reinterpret_cast<uint16_t*>(bytes.data())[i] = magi::float_to_bf16_bits(x);
+        break;
+      case DType::F16:
+        reinterpret_cast<uint16_t*>(bytes.data())[i] = magi::float_to_fp16_bits(x);
+        break;
     }
   }
   return bytes;
@@ -99,17 +107,20 @@ void run(benchmark::State& state, const Problem& p, bool backward) {
   }
 
   for (auto _ : state) {
-    if (backward) magi::cpu::backward(*plan, ba, options);
-    else magi::cpu::forward(*plan, fa, options);
+    if (backward)
+      magi::cpu::backward(*plan, ba, options);
+    else
+      magi::cpu::forward(*plan, fa, options);
     benchmark::ClobberMemory();
   }
 
   const int64_t area = p.mask.area();
-  const double flops = backward ? magi::flops_backward(area, p.heads_q, p.dim) : magi::flops_forward(area, p.heads_q, p.dim);
+  const double flops =
+      backward ? magi::flops_backward(area, p.heads_q, p.dim) : magi::flops_forward(area, p.heads_q, p.dim);
   state.counters["area"] = static_cast<double>(area);
   state.counters["density"] = p.mask.density();
-  state.counters["GFLOP"] =  // shown as GFLOP/s (a rate)
-     
+  // A rate counter: printed as "GFLOP=<value>/s".
+  state.counters["GFLOP"] =
       benchmark::Counter(flops * static_cast<double>(state.iterations()) / 1e9, benchmark::Counter::kIsRate);
 }
 
@@ -127,8 +138,10 @@ void register_all() {
   constexpr int32_t kTokens = 32768;
   // Same 32k tokens, heads 2, D 64: only the area differs.
   add("causal_32k", {magi::masks::causal(kTokens, kTokens), 2, 2, 64, DType::F32});
-  add("varlen_causal_32k_docs1k", {magi::masks::varlen_causal(uniform_cu_seqlens(kTokens, 1024)), 2, 2, 64, DType::F32});
-  add("varlen_causal_32k_longtail", {magi::masks::varlen_causal(long_tailed_cu_seqlens(kTokens, 7)), 2, 2, 64, DType::F32});
+  add("varlen_causal_32k_docs1k",
+      {magi::masks::varlen_causal(uniform_cu_seqlens(kTokens, 1024)), 2, 2, 64, DType::F32});
+  add("varlen_causal_32k_longtail",
+      {magi::masks::varlen_causal(long_tailed_cu_seqlens(kTokens, 7)), 2, 2, 64, DType::F32});
   add("sliding_window_32k_w1k", {magi::masks::sliding_window(kTokens, 1024, 0), 2, 2, 64, DType::F32});
   add("varlen_block_causal_32k_docs4k_b512",
       {magi::masks::varlen_block_causal(uniform_cu_seqlens(kTokens, 4096), 512), 2, 2, 64, DType::F32});

@@ -11,5 +11,14 @@ int run_command(std::span<const std::string> args);
 int mask_command(std::span<const std::string> args);
 int demo_command(std::span<const std::string> args);
 int env_command(std::span<const std::string> args);
+// Distributed (under mpirun); available when the program was built with MPI.
+int dist_run_command(std::span<const std::string> args);
+int dist_demo_command(std::span<const std::string> args);
+
+// Thrown on the ranks of a distributed command whose error rank 0 reports: main exits with `exit_code`
+// and prints nothing, so an error is one line whatever the number of ranks.
+struct QuietExit {
+  int exit_code = 2;
+};
 
 }  // namespace magi::cli

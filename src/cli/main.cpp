@@ -22,6 +22,10 @@ constexpr const char* kUsage =
     "  mask   validate and describe a mask (JSON file or preset): slices, area, density, picture, PNG\n"
     "  env    the MAGI_ATTENTION_* configuration variables with their current values\n"
     "\n"
+    "distributed (context parallel; run under mpirun -np CP):\n"
+    "  dist-demo   the packed-documents demo over CP ranks, checked against one device, with the plan\n"
+    "  dist-run    `run` over CP ranks: rank 0 reads the inputs and writes the outputs\n"
+    "\n"
     "  --version   print the version\n"
     "  --help      show this help\n"
     "\n"
@@ -36,7 +40,9 @@ void print_error(const std::string& message) {
 }
 
 int dispatch(const std::vector<std::string>& args) {
-  if (args.empty()) throw magi::InvalidArgument("missing command (allowed: demo, run, mask, env; see magi-attn --help)");
+  if (args.empty())
+    throw magi::InvalidArgument(
+        "missing command (allowed: demo, run, mask, env, dist-demo, dist-run; see magi-attn --help)");
   const std::string& command = args[0];
   if (command == "--help" || command == "-h" || command == "help") {
     std::cout << kUsage;
@@ -53,13 +59,25 @@ int dispatch(const std::vector<std::string>& args) {
   else if (command == "mask") run = magi::cli::mask_command;
   else if (command == "demo") run = magi::cli::demo_command;
   else if (command == "env") run = magi::cli::env_command;
-  else throw magi::InvalidArgument("unknown command '" + command + "' (allowed: demo, run, mask, env, --help, --version)");
+  else if (command == "dist-run" || command == "dist-demo") {
+#ifdef MAGI_CLI_WITH_MPI
+    run = command == "dist-run" ? magi::cli::dist_run_command : magi::cli::dist_demo_command;
+#else
+    throw magi::NotAvailable(command + " needs MPI, and this magi-attn was built without it (install libopenmpi-dev "
+                             "and rebuild; magi-attn run and demo work on one device)");
+#endif
+  } else {
+    throw magi::InvalidArgument("unknown command '" + command +
+                                "' (allowed: demo, run, mask, env, dist-demo, dist-run, --help, --version)");
+  }
 
   bool help_only = false;
   for (const std::string& arg : rest) help_only = help_only || arg == "--help" || arg == "-h";
   // A bad MAGI_ATTENTION_* value stops every command before it does anything. Help still works, and so
-  // does `env`, whose table shows each problem next to the variable.
-  if (!help_only && command != "env") magi::env::ensure_validated();
+  // does `env`, whose table shows each problem next to the variable. Distributed commands check it
+  // themselves, so that only rank 0 reports it.
+  const bool distributed = command.starts_with("dist-");
+  if (!help_only && command != "env" && !distributed) magi::env::ensure_validated();
   return run(rest);
 }
 
@@ -68,6 +86,8 @@ int dispatch(const std::vector<std::string>& args) {
 int main(int argc, char** argv) {
   try {
     return dispatch(std::vector<std::string>(argv + 1, argv + argc));
+  } catch (const magi::cli::QuietExit& quiet) {
+    return quiet.exit_code;  // another rank reported the error
   } catch (const std::exception& e) {
     print_error(e.what());
   } catch (...) {

@@ -32,14 +32,14 @@ struct BackwardInputs {
   const EngineOptions& options;
   int64_t total_q, total_k, heads_q, heads_kv, dim;
   int64_t row_stride;  // D rounded up to whole vectors (zero padded)
-  const T* q;     // [Hq][Tq][row_stride]
-  const T* dout;  // [Hq][Tq][row_stride]
-  const T* k;     // [Hkv][Tk][row_stride]
-  const T* qt;    // transposed q tiles
-  const T* dot;   // transposed dO tiles
+  const T* q;          // [Hq][Tq][row_stride]
+  const T* dout;       // [Hq][Tq][row_stride]
+  const T* k;          // [Hkv][Tk][row_stride]
+  const T* qt;         // transposed q tiles
+  const T* dot;        // transposed dO tiles
   TransposedLayout q_layout;
-  const T* kt;    // transposed key tiles
-  const T* vt;    // transposed value tiles
+  const T* kt;  // transposed key tiles
+  const T* vt;  // transposed value tiles
   TransposedLayout k_layout;
   const T* lse;    // [Hq][Tq] (lse~)
   const T* delta;  // [Hq][Tq]
@@ -47,12 +47,12 @@ struct BackwardInputs {
 
 template <class T>
 struct BackwardScratch {
-  int64_t ld;                // tile + one vector: columns of every scratch matrix
-  AlignedArray<T> probs;     // pass A: P [tile_q][ld];  pass B: P^T [tile_k][ld]
-  AlignedArray<T> grads;     // dP, then dU, in the orientation of probs
-  AlignedArray<T> slope;     // softcap derivative ds/du, same orientation
-  AlignedArray<T> acc_a;     // [max(tile_q, tile_k)][row_stride]: dq, or dk
-  AlignedArray<T> acc_b;     // [tile_k][row_stride]: dv
+  int64_t ld;                    // tile + one vector: columns of every scratch matrix
+  AlignedArray<T> probs;         // pass A: P [tile_q][ld];  pass B: P^T [tile_k][ld]
+  AlignedArray<T> grads;         // dP, then dU, in the orientation of probs
+  AlignedArray<T> slope;         // softcap derivative ds/du, same orientation
+  AlignedArray<T> acc_a;         // [max(tile_q, tile_k)][row_stride]: dq, or dk
+  AlignedArray<T> acc_b;         // [tile_k][row_stride]: dv
   AlignedArray<T> shift, delta;  // [ld] per-column lse and Delta (pass B)
 
   BackwardScratch(const TileConfig& tiles, int64_t row_stride) {
@@ -96,8 +96,8 @@ void item_grads_by_row(const BackwardInputs<T>& in, const tiling::TileWork& w, i
   T* dp_all = s.grads.data();
 
   const int64_t q_at = in.q_layout.offset(head, q_tile) + i0, k_at = in.k_layout.offset(kv_head, k_tile) + j0;
-  gemm_kmajor(in.qt + q_at, in.q_layout.ld, m, in.kt + k_at, in.k_layout.ld, static_cast<int>(D), n_padded, p_all,
-              ld, false);
+  gemm_kmajor(in.qt + q_at, in.q_layout.ld, m, in.kt + k_at, in.k_layout.ld, static_cast<int>(D), n_padded,
+              p_all, ld, false);
   gemm_kmajor(in.dot + q_at, in.q_layout.ld, m, in.vt + k_at, in.k_layout.ld, static_cast<int>(D), n_padded,
               dp_all, ld, false);
 
@@ -132,8 +132,8 @@ void item_grads_by_row(const BackwardInputs<T>& in, const tiling::TileWork& w, i
 
 // Pass B, one item: probs <- P^T [n][m], grads <- dU^T [n][m] (column per query; zero where not kept).
 template <class T>
-void item_grads_by_column(const BackwardInputs<T>& in, const tiling::TileWork& w, int64_t head, int64_t kv_head,
-                          BackwardScratch<T>& s) {
+void item_grads_by_column(const BackwardInputs<T>& in, const tiling::TileWork& w, int64_t head,
+                          int64_t kv_head, BackwardScratch<T>& s) {
   constexpr int W = Simd<T>::W;
   const int64_t D = in.dim;
   const int m = w.q.size(), n = w.k.size(), m_padded = round_up(m, W);
@@ -149,10 +149,10 @@ void item_grads_by_column(const BackwardInputs<T>& in, const tiling::TileWork& w
   T* slope = s.slope.data();
 
   const int64_t q_at = in.q_layout.offset(head, q_tile) + i0, k_at = in.k_layout.offset(kv_head, k_tile) + j0;
-  gemm_kmajor(in.kt + k_at, in.k_layout.ld, n, in.qt + q_at, in.q_layout.ld, static_cast<int>(D), m_padded, pt, ld,
-              false);
-  gemm_kmajor(in.vt + k_at, in.k_layout.ld, n, in.dot + q_at, in.q_layout.ld, static_cast<int>(D), m_padded, dpt,
-              ld, false);
+  gemm_kmajor(in.kt + k_at, in.k_layout.ld, n, in.qt + q_at, in.q_layout.ld, static_cast<int>(D), m_padded,
+              pt, ld, false);
+  gemm_kmajor(in.vt + k_at, in.k_layout.ld, n, in.dot + q_at, in.q_layout.ld, static_cast<int>(D), m_padded,
+              dpt, ld, false);
 
   // Per column: lse as the shift (+inf where the row is empty or past the item, so P = 0) and Delta.
   const int64_t row0 = head * in.total_q + w.q.start;
@@ -208,8 +208,10 @@ void dkdv_task(const BackwardInputs<T>& in, int32_t tile, int64_t kv_head, Backw
       item_grads_by_row<T>(in, w, head, kv_head, s);
       const int64_t row0 = head * in.total_q + w.q.start;
       // dv[n][D] += P^T dO[m][D];  dk[n][D] += dU^T q[m][D]  (scaled when stored); P, dU are k-major.
-      gemm_kmajor(s.probs.data(), s.ld, n, in.dout + row0 * Dp, Dp, m, static_cast<int>(Dp), dv + j0 * Dp, Dp, true);
-      gemm_kmajor(s.grads.data(), s.ld, n, in.q + row0 * Dp, Dp, m, static_cast<int>(Dp), dk + j0 * Dp, Dp, true);
+      gemm_kmajor(s.probs.data(), s.ld, n, in.dout + row0 * Dp, Dp, m, static_cast<int>(Dp), dv + j0 * Dp, Dp,
+                  true);
+      gemm_kmajor(s.grads.data(), s.ld, n, in.q + row0 * Dp, Dp, m, static_cast<int>(Dp), dk + j0 * Dp, Dp,
+                  true);
     }
   }
   const T scale = static_cast<T>(in.options.softmax_scale);
@@ -255,17 +257,29 @@ void backward_impl(const Plan& plan, const BackwardArgs& args, const EngineOptio
   const TransposedLayout q_layout = transposed_layout(total_q, plan.tiles.tile_q, dim);
   const TransposedLayout k_layout = transposed_layout(total_k, plan.tiles.tile_k, dim);
   const int64_t row_stride = padded_row(dim);
-  const AlignedArray<T> q = pack_rows<T>(args.q, row_stride, threads);
-  const AlignedArray<T> dout = pack_rows<T>(args.dout, row_stride, threads);
-  const AlignedArray<T> k = pack_rows<T>(args.k, row_stride, threads);
-  const AlignedArray<T> qt = pack_transposed<T>(args.q, q_layout, threads);
-  const AlignedArray<T> dot = pack_transposed<T>(args.dout, q_layout, threads);
-  const AlignedArray<T> kt = pack_transposed<T>(args.k, k_layout, threads);
-  const AlignedArray<T> vt = pack_transposed<T>(args.v, k_layout, threads);
+  Workspace<T>& ws = Workspace<T>::of_this_thread();
+  using Slot = typename Workspace<T>::Slot;
+  auto rows_buffer = [&](Slot slot, const TensorView& x) {
+    T* p = ws.get(slot, x.shape[0] * x.shape[1] * row_stride);
+    pack_rows<T>(x, row_stride, threads, p);
+    return p;
+  };
+  auto transposed_buffer = [&](Slot slot, const TensorView& x, const TransposedLayout& layout) {
+    T* p = ws.get(slot, transposed_size<T>(layout, x.shape[1]));
+    pack_transposed<T>(x, layout, threads, p);
+    return p;
+  };
+  const T* q = rows_buffer(Workspace<T>::Q, args.q);
+  const T* dout = rows_buffer(Workspace<T>::DOut, args.dout);
+  const T* k = rows_buffer(Workspace<T>::K, args.k);
+  const T* qt = transposed_buffer(Workspace<T>::QT, args.q, q_layout);
+  const T* dot = transposed_buffer(Workspace<T>::DOutT, args.dout, q_layout);
+  const T* kt = transposed_buffer(Workspace<T>::KT, args.k, k_layout);
+  const T* vt = transposed_buffer(Workspace<T>::VT, args.v, k_layout);
 
   // lse~ and Delta = dO . out~ per (head, row); rows with lse = -inf get Delta 0.
-  AlignedArray<T> lse(static_cast<size_t>(heads_q * total_q));
-  AlignedArray<T> delta(static_cast<size_t>(heads_q * total_q));
+  T* lse = ws.get(Workspace<T>::Lse, heads_q * total_q);
+  T* delta = ws.get(Workspace<T>::Delta, heads_q * total_q);
 #pragma omp parallel num_threads(threads)
   {
     AlignedArray<T> out_row(static_cast<size_t>(dim));
@@ -275,21 +289,24 @@ void backward_impl(const Plan& plan, const BackwardArgs& args, const EngineOptio
       for (int64_t h = 0; h < heads_q; ++h) {
         const T l = load_scalar<T>(args.lse, row * heads_q + h);
         load_row<T>(args.out, (row * heads_q + h) * dim, static_cast<int>(dim), T(1), out_row.data());
-        const T* d_row = dout.data() + (h * total_q + row) * row_stride;
+        const T* d_row = dout + (h * total_q + row) * row_stride;
         const T dot = gemm_dot(d_row, out_row.data(), static_cast<int>(dim), column.data());
         lse[h * total_q + row] = l;
         delta[h * total_q + row] = l == kNegInf<T> ? T(0) : dot;
       }
   }
 
-  const BackwardInputs<T> in{plan,      options,    total_q,   total_k,  heads_q,   heads_kv,
-                             dim,       row_stride, q.data(),   dout.data(), k.data(), qt.data(), dot.data(),
-                             q_layout,  kt.data(),  vt.data(), k_layout, lse.data(), delta.data()};
+  const BackwardInputs<T> in{plan, options, total_q,  total_k, heads_q, heads_kv, dim, row_stride, q, dout, k,
+                             qt,   dot,     q_layout, kt,      vt,      k_layout, lse, delta};
   const int64_t k_tiles = static_cast<int64_t>(plan.k_tile_order.size());
   const int64_t q_tiles = static_cast<int64_t>(plan.q_tile_order.size());
+  // Scratch allocated here, not in the parallel region, so that an allocation failure propagates.
+  std::vector<BackwardScratch<T>> scratches;
+  scratches.reserve(static_cast<size_t>(threads));
+  for (int i = 0; i < threads; ++i) scratches.emplace_back(plan.tiles, row_stride);
 #pragma omp parallel num_threads(threads)
   {
-    BackwardScratch<T> scratch(plan.tiles, row_stride);
+    BackwardScratch<T>& scratch = scratches[static_cast<size_t>(omp_get_thread_num())];
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t task = 0; task < k_tiles * heads_kv; ++task)
       dkdv_task<T>(in, plan.k_tile_order[task / heads_kv], task % heads_kv, scratch, args);
@@ -311,9 +328,12 @@ void backward_impl(const Plan& plan, const BackwardArgs& args, const EngineOptio
       for (int64_t row = 0; row < total_q; ++row) {
         const double l = lse[h * total_q + row];
         const int64_t at = shared ? sidx * heads_q + h : (row * count + sidx) * heads_q + h;
-        const double term = l == kNegInf<T> ? 0.0 : -std::exp(double{sink[at]} - l) * delta[h * total_q + row];
-        if (shared) total += term;
-        else dsink[at] = static_cast<float>(term);
+        const double term =
+            l == kNegInf<T> ? 0.0 : -std::exp(double{sink[at]} - l) * delta[h * total_q + row];
+        if (shared)
+          total += term;
+        else
+          dsink[at] = static_cast<float>(term);
       }
       if (shared) dsink[sidx * heads_q + h] = static_cast<float>(total);
     }
@@ -323,8 +343,10 @@ void backward_impl(const Plan& plan, const BackwardArgs& args, const EngineOptio
 }  // namespace
 
 void backward(const Plan& plan, const BackwardArgs& args, const EngineOptions& options) {
-  if (options.accumulate_fp64) backward_impl<double>(plan, args, options);
-  else backward_impl<float>(plan, args, options);
+  if (options.accumulate_fp64)
+    backward_impl<double>(plan, args, options);
+  else
+    backward_impl<float>(plan, args, options);
 }
 
 }  // namespace magi::cpu

@@ -26,20 +26,20 @@ struct ForwardInputs {
   const EngineOptions& options;
   int64_t total_q, total_k, heads_q, heads_kv, dim;
   int64_t row_stride;  // D rounded up to whole vectors (zero padded)
-  const T* qt;  // transposed q tiles [Hq][q tiles][D][ld]
+  const T* qt;         // transposed q tiles [Hq][q tiles][D][ld]
   TransposedLayout qt_layout;
   const T* kt;  // transposed key tiles [Hkv][k tiles][D][ld]
   TransposedLayout kt_layout;
-  const T* v;   // [Hkv][Tk][row_stride]
+  const T* v;  // [Hkv][Tk][row_stride]
 };
 
 template <class T>
 struct ForwardScratch {
-  int64_t ld;                // columns of `probs`: tile_q plus one vector
-  AlignedArray<T> probs;     // [tile_k][ld]: logits, then probabilities, transposed (one column per row)
-  AlignedArray<T> acc;       // [tile_q][row_stride]: unnormalised output
-  AlignedArray<T> row_max;   // [ld] running max per row of the tile
-  AlignedArray<T> row_sum;   // [ld]
+  int64_t ld;               // columns of `probs`: tile_q plus one vector
+  AlignedArray<T> probs;    // [tile_k][ld]: logits, then probabilities, transposed (one column per row)
+  AlignedArray<T> acc;      // [tile_q][row_stride]: unnormalised output
+  AlignedArray<T> row_max;  // [ld] running max per row of the tile
+  AlignedArray<T> row_sum;  // [ld]
   AlignedArray<T> block_max, shift, block_sum, rescale;  // [ld] per-item column statistics
 
   ForwardScratch(const TileConfig& tiles, int64_t row_stride)
@@ -131,8 +131,8 @@ T forward_task(const ForwardInputs<T>& in, int32_t tile, int32_t head, ForwardSc
       }
     }
     // acc[r0 .. r0+m][D] += P[m][n] v[n][D]  (probs is P^T, k-major)
-    gemm_kmajor(probs, ld, m, v_head + w.k.start * Dp, Dp, n, static_cast<int>(Dp), s.acc.data() + r0 * Dp, Dp,
-                true);
+    gemm_kmajor(probs, ld, m, v_head + w.k.start * Dp, Dp, n, static_cast<int>(Dp), s.acc.data() + r0 * Dp,
+                Dp, true);
   }
 
   const ForwardArgs& a = in.args;
@@ -140,7 +140,8 @@ T forward_task(const ForwardInputs<T>& in, int32_t tile, int32_t head, ForwardSc
     const int64_t q = q0 + r;
     const T sum = s.row_sum[r];
     const T lse = sum > 0 ? s.row_max[r] + std::log(sum) : kNegInf<T>;
-    const auto merged = merge_weights<T>(lse, sink_lse<T>(a.sink, in.options.sink_layout, q, head, in.heads_q));
+    const auto merged =
+        merge_weights<T>(lse, sink_lse<T>(a.sink, in.options.sink_layout, q, head, in.heads_q));
     // out~ = (acc / sum) * exp(lse - lse~); empty rows give 0.
     const T factor = sum > 0 ? merged.w1 / sum : T(0);
     store_row<T>(s.acc.data() + r * Dp, factor, a.out, (q * in.heads_q + head) * D, static_cast<int>(D));
@@ -157,19 +158,27 @@ void forward_impl(const Plan& plan, const ForwardArgs& args, const EngineOptions
 
   const TransposedLayout qt_layout = transposed_layout(total_q, plan.tiles.tile_q, dim);
   const TransposedLayout kt_layout = transposed_layout(total_k, plan.tiles.tile_k, dim);
-  const AlignedArray<T> qt = pack_transposed<T>(args.q, qt_layout, threads);
-  const AlignedArray<T> kt = pack_transposed<T>(args.k, kt_layout, threads);
   const int64_t row_stride = padded_row(dim);
-  const AlignedArray<T> v = pack_rows<T>(args.v, row_stride, threads);
-  const ForwardInputs<T> in{plan, args, options, total_q, total_k, heads_q, heads_kv, dim, row_stride,
-                            qt.data(), qt_layout, kt.data(), kt_layout, v.data()};
+  Workspace<T>& ws = Workspace<T>::of_this_thread();
+  T* qt = ws.get(Workspace<T>::QT, transposed_size<T>(qt_layout, heads_q));
+  T* kt = ws.get(Workspace<T>::KT, transposed_size<T>(kt_layout, heads_kv));
+  T* v = ws.get(Workspace<T>::V, total_k * heads_kv * row_stride);
+  pack_transposed<T>(args.q, qt_layout, threads, qt);
+  pack_transposed<T>(args.k, kt_layout, threads, kt);
+  pack_rows<T>(args.v, row_stride, threads, v);
+  const ForwardInputs<T> in{plan, args,       options, total_q,   total_k, heads_q,   heads_kv,
+                            dim,  row_stride, qt,      qt_layout, kt,      kt_layout, v};
 
   const int64_t tiles = static_cast<int64_t>(plan.q_tile_order.size());
   const int64_t tasks = tiles * heads_q;
   std::vector<T> task_max(static_cast<size_t>(tasks), kNegInf<T>);
+  // Scratch allocated here, not in the parallel region, so that an allocation failure propagates.
+  std::vector<ForwardScratch<T>> scratches;
+  scratches.reserve(static_cast<size_t>(threads));
+  for (int i = 0; i < threads; ++i) scratches.emplace_back(plan.tiles, row_stride);
 #pragma omp parallel num_threads(threads)
   {
-    ForwardScratch<T> scratch(plan.tiles, row_stride);
+    ForwardScratch<T>& scratch = scratches[static_cast<size_t>(omp_get_thread_num())];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
       const int32_t tile = plan.q_tile_order[task / heads_q];
@@ -190,8 +199,10 @@ void forward_impl(const Plan& plan, const ForwardArgs& args, const EngineOptions
 }  // namespace
 
 void forward(const Plan& plan, const ForwardArgs& args, const EngineOptions& options) {
-  if (options.accumulate_fp64) forward_impl<double>(plan, args, options);
-  else forward_impl<float>(plan, args, options);
+  if (options.accumulate_fp64)
+    forward_impl<double>(plan, args, options);
+  else
+    forward_impl<float>(plan, args, options);
 }
 
 }  // namespace magi::cpu

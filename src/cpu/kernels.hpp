@@ -61,7 +61,8 @@ struct Simd {
 // step broadcasts MR consecutive elements of one A row and loads NV vectors of one B row.
 // Not inlined: inside the big task functions the register allocator spilled the accumulators.
 template <class T, int MR, int NV, bool Accumulate>
-__attribute__((noinline)) void kmajor_block(const T* a, int64_t lda, const T* b, int64_t ldb, int kdim, T* c, int64_t ldc) {
+__attribute__((noinline)) void kmajor_block(const T* a, int64_t lda, const T* b, int64_t ldb, int kdim, T* c,
+                                            int64_t ldc) {
   using S = Simd<T>;
   using V = typename S::V;
   V acc[MR][NV];
@@ -90,12 +91,13 @@ constexpr std::array<BlockKernel<T>, sizeof...(R)> rows_table(std::index_sequenc
   return {&kmajor_block<T, static_cast<int>(R) + 1, NV, Accumulate>...};
 }
 template <class T>
-inline constexpr std::array<std::array<std::array<BlockKernel<T>, kBlockRows>, 2>, kBlockVecs> kEdgeKernels = {{
-    {{rows_table<T, 1, false>(std::make_index_sequence<kBlockRows>{}),
-      rows_table<T, 1, true>(std::make_index_sequence<kBlockRows>{})}},
-    {{rows_table<T, 2, false>(std::make_index_sequence<kBlockRows>{}),
-      rows_table<T, 2, true>(std::make_index_sequence<kBlockRows>{})}},
-}};
+inline constexpr std::array<std::array<std::array<BlockKernel<T>, kBlockRows>, 2>, kBlockVecs> kEdgeKernels =
+    {{
+        {{rows_table<T, 1, false>(std::make_index_sequence<kBlockRows>{}),
+          rows_table<T, 1, true>(std::make_index_sequence<kBlockRows>{})}},
+        {{rows_table<T, 2, false>(std::make_index_sequence<kBlockRows>{}),
+          rows_table<T, 2, true>(std::make_index_sequence<kBlockRows>{})}},
+    }};
 static_assert(kBlockVecs == 2, "kEdgeKernels lists one entry per vector count");
 
 // C[m][n] (+)= A^T B with A [kdim][m] (leading dimension lda) and B [kdim][n] (ldb); n a multiple of W.
@@ -112,8 +114,10 @@ void gemm_kmajor(const T* a, int64_t lda, int m, const T* b, int64_t ldb, int kd
       const int rows = std::min(kBlockRows, m - r0);
       T* block = c + r0 * ldc + c0;
       if (rows == kBlockRows && vecs == kBlockVecs) {
-        if (accumulate) kmajor_block<T, kBlockRows, kBlockVecs, true>(a + r0, lda, b + c0, ldb, kdim, block, ldc);
-        else kmajor_block<T, kBlockRows, kBlockVecs, false>(a + r0, lda, b + c0, ldb, kdim, block, ldc);
+        if (accumulate)
+          kmajor_block<T, kBlockRows, kBlockVecs, true>(a + r0, lda, b + c0, ldb, kdim, block, ldc);
+        else
+          kmajor_block<T, kBlockRows, kBlockVecs, false>(a + r0, lda, b + c0, ldb, kdim, block, ldc);
       } else {
         kEdgeKernels<T>[vecs - 1][accumulate ? 1 : 0][rows - 1](a + r0, lda, b + c0, ldb, kdim, block, ldc);
       }

@@ -86,17 +86,38 @@ inline int64_t padded_row(int64_t dim) {
   return (dim + w - 1) / w * w;
 }
 
-// x [tokens, heads, dim] -> [heads][tokens][row_stride], zero padded past dim.
+// Packed operands and per-call arrays, kept per calling thread and reused across calls: fresh
+// allocations of tens of MB were page-faulted on every call, a third of the time of sparse masks at 32k
+// tokens. Buffers only grow; their contents are never assumed (packing writes every element it reads).
 template <class T>
-AlignedArray<T> pack_rows(const TensorView& x, int64_t row_stride, int threads) {
+class Workspace {
+ public:
+  enum Slot : int { Q, K, V, DOut, QT, KT, VT, DOutT, Lse, Delta, kSlots };
+  T* get(Slot slot, int64_t count) {
+    AlignedArray<T>& buffer = buffers_[slot];
+    if (buffer.size() < static_cast<size_t>(count)) buffer.reset(static_cast<size_t>(count));
+    return buffer.data();
+  }
+  static Workspace& of_this_thread() {
+    thread_local Workspace workspace;
+    return workspace;
+  }
+
+ private:
+  AlignedArray<T> buffers_[kSlots];
+};
+
+// x [tokens, heads, dim] -> packed [heads][tokens][row_stride], zero padded past dim.
+template <class T>
+void pack_rows(const TensorView& x, int64_t row_stride, int threads, T* packed) {
   const int64_t tokens = x.shape[0], heads = x.shape[1], dim = x.shape[2];
-  AlignedArray<T> packed(static_cast<size_t>(tokens * heads * row_stride));
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t t = 0; t < tokens; ++t)
-    for (int64_t h = 0; h < heads; ++h)
-      load_row<T>(x, (t * heads + h) * dim, static_cast<int>(dim), T(1),
-                  packed.data() + (h * tokens + t) * row_stride);
-  return packed;
+    for (int64_t h = 0; h < heads; ++h) {
+      T* row = packed + (h * tokens + t) * row_stride;
+      load_row<T>(x, (t * heads + h) * dim, static_cast<int>(dim), T(1), row);
+      std::fill(row + dim, row + row_stride, T(0));
+    }
 }
 
 // Keys (or values) transposed per tile: x [tokens, heads, dim] -> [heads][tiles][dim][ld], ld >= tile,
@@ -120,25 +141,29 @@ inline TransposedLayout transposed_layout(int64_t tokens, int64_t tile, int64_t 
 }
 
 template <class T>
-AlignedArray<T> pack_transposed(const TensorView& x, const TransposedLayout& layout, int threads) {
+void pack_transposed(const TensorView& x, const TransposedLayout& layout, int threads, T* packed) {
   const int64_t tokens = x.shape[0], heads = x.shape[1], dim = x.shape[2];
-  AlignedArray<T> packed(static_cast<size_t>(heads * layout.tiles * dim * layout.ld));
 #pragma omp parallel num_threads(threads)
   {
     AlignedArray<T> row(static_cast<size_t>(dim));
 #pragma omp for schedule(static)
     for (int64_t ht = 0; ht < heads * layout.tiles; ++ht) {
       const int64_t h = ht / layout.tiles, t = ht % layout.tiles;
-      T* dst = packed.data() + layout.offset(h, t);
-      const int64_t end = std::min(tokens, (t + 1) * layout.tile);
-      for (int64_t token = t * layout.tile; token < end; ++token) {
-        load_row<T>(x, (token * heads + h) * dim, static_cast<int>(dim), T(1), row.data());
-        const int64_t j = token - t * layout.tile;
+      T* dst = packed + layout.offset(h, t);
+      const int64_t count = std::min(tokens, (t + 1) * layout.tile) - t * layout.tile;
+      for (int64_t j = 0; j < count; ++j) {
+        load_row<T>(x, ((t * layout.tile + j) * heads + h) * dim, static_cast<int>(dim), T(1), row.data());
         for (int64_t d = 0; d < dim; ++d) dst[d * layout.ld + j] = row[d];
       }
+      for (int64_t d = 0; d < dim; ++d)
+        std::fill(dst + d * layout.ld + count, dst + (d + 1) * layout.ld, T(0));
     }
   }
-  return packed;
+}
+
+template <class T>
+int64_t transposed_size(const TransposedLayout& layout, int64_t heads) {
+  return heads * layout.tiles * layout.dim * layout.ld;
 }
 
 // log(sum_s exp(sink_s)) for query row q and head h, or -inf without a sink.

@@ -224,9 +224,10 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   const HostList fwd = convert(mask, tiling::by_q_tile(mask, fwd_q, fwd_k), true);
   const HostList dkdv = convert(mask, tiling::by_k_tile(mask, detail::kDkdvTileK, detail::kDkdvTileQ), false);
   const int dq_k = detail::dq_tile_k(plan->padded_d);
-  const bool dq_shared = dq_k == fwd_k && detail::kDqTileQ == fwd_q;
+  const int dq_q = detail::dq_tile_q(plan->padded_d);
+  const bool dq_shared = dq_k == fwd_k && dq_q == fwd_q;
   HostList dq_own;
-  if (!dq_shared) dq_own = convert(mask, tiling::by_q_tile(mask, detail::kDqTileQ, dq_k), true);
+  if (!dq_shared) dq_own = convert(mask, tiling::by_q_tile(mask, dq_q, dq_k), true);
   const HostList& dq = dq_shared ? fwd : dq_own;
 
   // One upload: [lists...][delta].

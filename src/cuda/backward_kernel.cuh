@@ -50,14 +50,197 @@ template <int kD>
 struct DkdvConfig {
   static constexpr int kM = kDkdvTileQ;  // q rows per item chunk
   static constexpr int kN = kDkdvTileK;  // keys per block
-  static constexpr int kWarps = 8;
+  // D <= 128: 4 warps, each owns 16 keys end to end (P^T, dS^T stay in registers, one barrier per step).
+  // D 256: 8 warps, P^T and dS^T staged in shared memory, d columns split between warp halves.
+  static constexpr bool kRegisterResident = kD <= 128;
+  static constexpr int kWarps = kRegisterResident ? 4 : 8;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kStages = kD <= 128 ? 2 : 1;  // double-buffered Q/dO where shared memory allows
-  static constexpr int kSmemBytes = (2 * kN * kD + kStages * 2 * kM * kD + 2 * kN * kM) * 2 + kStages * 2 * kM * 4;
+  static constexpr int kStagedPdS = kRegisterResident ? 0 : 2 * kN * kM;
+  static constexpr int kSmemBytes = (2 * kN * kD + kStages * 2 * kM * kD + kStagedPdS) * 2 + kStages * 2 * kM * 4;
 };
 
+// Rows (q) that a work item keeps for key k: the transpose of item_keys, via kept_queries' bounds.
+__device__ __forceinline__ KeyInterval item_queries(const WorkItem& w, int k) {
+  int lo = w.q0, hi = w.q1;
+  if (w.flags & kWorkCausal) lo = max(lo, k - w.causal_offset);    // k <= q + causal_offset
+  if (w.flags & kWorkInv) hi = min(hi, k - w.inv_offset + 1);      // k >= q + inv_offset
+  if (k < w.k0 || k >= w.k1) hi = lo;
+  return {lo, hi};
+}
+
+// dk/dv for D <= 128: each of the 4 warps owns 16 keys; S^T and dP^T come out of the tensor cores in the
+// layout of the A operand of dV += P^T dO and dK += dS^T Q, so P^T and dS^T never leave registers.
 template <class T, int kD>
-__device__ __forceinline__ void dkdv_kernel_tile(const BwdParams& p, int linear, unsigned char* smem) {
+__device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linear, unsigned char* smem) {
+  using Cfg = DkdvConfig<kD>;
+  constexpr int kM = Cfg::kM, kN = Cfg::kN, kThreads = Cfg::kThreads, kStages = Cfg::kStages;
+  constexpr int kDSteps = kD / 16;
+  constexpr int kQBlocks = kM / 8;  // 8-wide q column blocks of S^T
+
+  const uint32_t sK = smem_addr(smem);
+  const uint32_t sV = sK + kN * kD * 2;
+  const uint32_t sQ0 = sV + kN * kD * 2;              // [stage][kM][kD]
+  const uint32_t sdO0 = sQ0 + kStages * kM * kD * 2;  // [stage][kM][kD]
+  float* const sLse = reinterpret_cast<float*>(smem + (sdO0 + kStages * kM * kD * 2 - sK));  // [stage][kM]
+  float* const sDelta = sLse + kStages * kM;                                                // [stage][kM]
+
+  const int tile = p.list.order[linear / p.hkv];
+  const int kv_head = linear % p.hkv;
+  const int group = p.hq / p.hkv;
+  const int k_base = tile * kN;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int warp = tid / 32, lane = tid % 32;
+  const int my_key0 = k_base + warp * 16 + lane / 4;  // and + 8
+
+  const int64_t q_stride = int64_t{p.hq} * p.d;
+  const int64_t kv_stride = int64_t{p.hkv} * p.d;
+  const T* q_tensor = static_cast<const T*>(p.q);
+  const T* dout_tensor = static_cast<const T*>(p.dout);
+  const T* k_head = static_cast<const T*>(p.k) + int64_t{kv_head} * p.d;
+  const T* v_head = static_cast<const T*>(p.v) + int64_t{kv_head} * p.d;
+
+  load_tile_async<kN, kD, kThreads>(sK, k_head + k_base * kv_stride, kv_stride, p.tk - k_base, p.d, k_head);
+  load_tile_async<kN, kD, kThreads>(sV, v_head + k_base * kv_stride, kv_stride, p.tk - k_base, p.d, v_head);
+
+  const int first = p.list.offsets[tile];
+  const int count = p.list.offsets[tile + 1] - first;
+  const int total = count * group;
+  auto issue_loads = [&](const WorkItem& w, int iteration, int stage) {
+    const int head = kv_head * group + iteration / count;
+    const int q0 = (w.q0 / kM) * kM;
+    const int64_t offset = q0 * q_stride + int64_t{head} * p.d;
+    load_tile_async<kM, kD, kThreads>(sQ0 + stage * kM * kD * 2, q_tensor + offset, q_stride, p.tq - q0, p.d, q_tensor);
+    load_tile_async<kM, kD, kThreads>(sdO0 + stage * kM * kD * 2, dout_tensor + offset, q_stride, p.tq - q0, p.d,
+                                      dout_tensor);
+    if (tid < 2 * kM / 4) {  // 16-byte chunks: first lse2, then Delta
+      const bool is_lse = tid < kM / 4;
+      const int chunk = is_lse ? tid : tid - kM / 4;
+      const float* src = (is_lse ? p.lse2 : p.delta) + int64_t{head} * p.tq_pad + q0 + chunk * 4;
+      const float* dst = (is_lse ? sLse : sDelta) + stage * kM + chunk * 4;
+      cp_async16(smem_addr(dst), src, true);
+    }
+  };
+  auto item_at = [&](int iteration) { return p.list.items[first + iteration % count]; };
+  WorkItem current{}, next{};
+  if (total > 0) {
+    current = item_at(0);
+    next = total > 1 ? item_at(1) : current;
+    issue_loads(current, 0, 0);
+  }
+  cp_async_commit();
+
+  float dk[kD / 8][4], dv[kD / 8][4];
+#pragma unroll
+  for (int i = 0; i < kD / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.0f;
+
+  const FragAddr<kD> kv_a(sK, warp * 16 + (lane % 16), lane / 16);                  // A: K, V rows
+  const FragAddr<kD> qo_b(sQ0, (lane % 8) + (lane / 16) * 8, (lane / 8) % 2);        // B: Q, dO rows
+  const FragAddr<kD> qo_t(sQ0, (lane % 8) + ((lane / 8) % 2) * 8, lane / 16);        // B^T: Q, dO
+  constexpr uint32_t kKV = kN * kD * 2;            // sV - sK
+  constexpr uint32_t kQO = kStages * kM * kD * 2;  // sdO - sQ
+
+  for (int it = 0; it < total; ++it) {
+    const int stage = kStages == 2 ? it & 1 : 0;
+    const WorkItem w = current;
+    const int q0 = (w.q0 / kM) * kM;
+    cp_async_wait<0>();
+    __syncthreads();
+    if (kStages == 2 && it + 1 < total) issue_loads(next, it + 1, (it + 1) & 1);
+    cp_async_commit();
+    const WorkItem after_next = it + 2 < total ? item_at(it + 2) : next;
+    const uint32_t stage_offset = stage * kM * kD * 2;
+
+    // S^T = K Q^T and dP^T = V dO^T: this warp's 16 keys x all kM rows.
+    float st[kQBlocks][4], dpt[kQBlocks][4];
+#pragma unroll
+    for (int i = 0; i < kQBlocks; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st[i][e] = dpt[i][e] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < kDSteps; ++ks) {
+      uint32_t ak[4], av[4];
+      const uint32_t a_addr = kv_a.at(0, ks);
+      ldmatrix_x4(ak, a_addr);
+      ldmatrix_x4(av, a_addr + kKV);
+#pragma unroll
+      for (int nb = 0; nb < kM / 16; ++nb) {
+        const uint32_t b_addr = qo_b.at(nb * 16, ks) + stage_offset;
+        uint32_t bq[4], bo[4];
+        ldmatrix_x4(bq, b_addr);
+        ldmatrix_x4(bo, b_addr + kQO);
+        Mma<T>::run(st[2 * nb], ak, bq[0], bq[1]);
+        Mma<T>::run(st[2 * nb + 1], ak, bq[2], bq[3]);
+        Mma<T>::run(dpt[2 * nb], av, bo[0], bo[1]);
+        Mma<T>::run(dpt[2 * nb + 1], av, bo[2], bo[3]);
+      }
+    }
+
+    // P^T and dS^T, packed straight into A fragments (rows = keys, k index = q).
+    KeyInterval rows[2] = {{0, 1 << 30}, {0, 1 << 30}};
+    if (w.flags & kWorkMasked) rows[0] = item_queries(w, my_key0), rows[1] = item_queries(w, my_key0 + 8);
+    uint32_t a_p[kM / 16][4], a_ds[kM / 16][4];
+    with_softcap(p, [&](auto softcap) {
+#pragma unroll
+      for (int nb = 0; nb < kQBlocks; ++nb) {
+        float pv[4], dsv[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = nb * 8 + (lane % 4) * 2 + (e % 2);
+          const BwdCell c = bwd_cell<decltype(softcap)::value>(p, st[nb][e], dpt[nb][e], sLse[stage * kM + col],
+                                                               sDelta[stage * kM + col],
+                                                               rows[e / 2].contains(q0 + col));
+          pv[e] = c.p;
+          dsv[e] = c.ds;
+        }
+        const int t = nb / 2, half = (nb % 2) * 2;  // n-block 2t -> regs 0,1; 2t + 1 -> regs 2,3
+        a_p[t][half] = Mma<T>::pack(pv[0], pv[1]);
+        a_p[t][half + 1] = Mma<T>::pack(pv[2], pv[3]);
+        a_ds[t][half] = Mma<T>::pack(dsv[0], dsv[1]);
+        a_ds[t][half + 1] = Mma<T>::pack(dsv[2], dsv[3]);
+      }
+    });
+
+    // dV += P^T dO, dK += dS^T Q.
+#pragma unroll
+    for (int t = 0; t < kM / 16; ++t) {
+#pragma unroll
+      for (int dp = 0; dp < kD / 16; ++dp) {
+        const uint32_t b_addr = qo_t.at(t * 16, dp) + stage_offset;
+        uint32_t bo[4], bq[4];
+        ldmatrix_x4_trans(bo, b_addr + kQO);
+        ldmatrix_x4_trans(bq, b_addr);
+        Mma<T>::run(dv[2 * dp], a_p[t], bo[0], bo[1]);
+        Mma<T>::run(dv[2 * dp + 1], a_p[t], bo[2], bo[3]);
+        Mma<T>::run(dk[2 * dp], a_ds[t], bq[0], bq[1]);
+        Mma<T>::run(dk[2 * dp + 1], a_ds[t], bq[2], bq[3]);
+      }
+    }
+    current = next;
+    next = after_next;
+  }
+  cp_async_wait<0>();
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = my_key0 + r * 8;
+    if (key >= p.tk) continue;
+    const int64_t base = key * kv_stride + int64_t{kv_head} * p.d;
+#pragma unroll
+    for (int i = 0; i < kD / 8; ++i) {
+      const int col = i * 8 + (lane % 4) * 2;
+      if (col < p.d) {
+        store_pair<T>(p.dk, base + col, dk[i][2 * r], dk[i][2 * r + 1], p.grad_fp32);
+        store_pair<T>(p.dv, base + col, dv[i][2 * r], dv[i][2 * r + 1], p.dv_fp32);
+      }
+    }
+  }
+}
+
+template <class T, int kD>
+__device__ __forceinline__ void dkdv_staged_tile(const BwdParams& p, int linear, unsigned char* smem) {
   using Cfg = DkdvConfig<kD>;
   constexpr int kM = Cfg::kM, kN = Cfg::kN, kThreads = Cfg::kThreads, kStages = Cfg::kStages;
   constexpr int kDSteps = kD / 16;
@@ -248,11 +431,18 @@ __device__ __forceinline__ void dkdv_kernel_tile(const BwdParams& p, int linear,
   }
 }
 
+template <class T, int kD>
+__device__ __forceinline__ void dkdv_kernel_tile(const BwdParams& p, int linear, unsigned char* smem) {
+  if constexpr (DkdvConfig<kD>::kRegisterResident) dkdv_register_tile<T, kD>(p, linear, smem);
+  else dkdv_staged_tile<T, kD>(p, linear, smem);
+}
+
 template <int kD>
 struct DqConfig {
-  static constexpr int kM = kDqTileQ;
+  static constexpr int kM = dq_tile_q(kD);
   static constexpr int kN = dq_tile_k(kD);
   static constexpr int kWarps = 4;
+  static constexpr int kMTiles = kM / (16 * kWarps);  // 16-row m-tiles per warp, kWarps * 16 rows apart
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kSmemBytes = (2 * kM + 2 * kN) * kD * 2;
 };
@@ -260,11 +450,11 @@ struct DqConfig {
 template <class T, int kD>
 __device__ __forceinline__ void dq_kernel_tile(const BwdParams& p, int linear, unsigned char* smem) {
   using Cfg = DqConfig<kD>;
-  constexpr int kM = Cfg::kM, kN = Cfg::kN, kThreads = Cfg::kThreads;
+  constexpr int kM = Cfg::kM, kN = Cfg::kN, kThreads = Cfg::kThreads, kMT = Cfg::kMTiles;
+  constexpr int kStride = 16 * Cfg::kWarps;
   constexpr int kDSteps = kD / 16;
   constexpr int kNBlocks = kN / 8;
   constexpr int kDBlocks = kD / 8;
-  using SD = Swizzled<kD>;
 
   const uint32_t sQ = smem_addr(smem);
   const uint32_t sdO = sQ + kM * kD * 2;
@@ -277,7 +467,7 @@ __device__ __forceinline__ void dq_kernel_tile(const BwdParams& p, int linear, u
   const int q_base = tile * kM;
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int warp_row = warp * 16;
-  const int my_row0 = q_base + warp_row + lane / 4;
+  const int my_row0 = q_base + warp_row + lane / 4;  // + mt * kStride + r * 8
 
   const int64_t q_stride = int64_t{p.hq} * p.d;
   const int64_t kv_stride = int64_t{p.hkv} * p.d;
@@ -298,15 +488,19 @@ __device__ __forceinline__ void dq_kernel_tile(const BwdParams& p, int linear, u
   if (item < item_end) issue_kv((p.list.items[item].k0 / kN) * kN);
   cp_async_commit();
 
-  float lse2[2], delta[2];
+  float lse2[kMT][2], delta[kMT][2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    lse2[r] = load_lse2(p, my_row0 + r * 8, head);
-    delta[r] = load_delta(p, my_row0 + r * 8, head);
-  }
-  float acc[kDBlocks][4];
+  for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-  for (int i = 0; i < kDBlocks; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    for (int r = 0; r < 2; ++r) {
+      lse2[mt][r] = load_lse2(p, my_row0 + mt * kStride + r * 8, head);
+      delta[mt][r] = load_delta(p, my_row0 + mt * kStride + r * 8, head);
+    }
+  float acc[kMT][kDBlocks][4];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int i = 0; i < kDBlocks; ++i) acc[mt][i][0] = acc[mt][i][1] = acc[mt][i][2] = acc[mt][i][3] = 0.0f;
 
   const FragAddr<kD> qo_a(sQ, warp_row + (lane % 16), lane / 16);
   const FragAddr<kD> kv_b(sK, (lane % 8) + (lane / 16) * 8, (lane / 8) % 2);
@@ -315,64 +509,84 @@ __device__ __forceinline__ void dq_kernel_tile(const BwdParams& p, int linear, u
   constexpr uint32_t kKV = kN * kD * 2;  // sV - sK
 
   for (; item < item_end; ++item) {
-    const WorkItem w = p.list.items[item];
-    const int k0 = (w.k0 / kN) * kN;
+    const int k0 = (p.list.items[item].k0 / kN) * kN;
+    const int flags = p.list.items[item].flags;
     const int next_k0 = item + 1 < item_end ? (p.list.items[item + 1].k0 / kN) * kN : 0;  // fetched early
     cp_async_wait<0>();
     __syncthreads();
 
-    float s[kNBlocks][4], dpv[kNBlocks][4];
+    float s[kMT][kNBlocks][4], dpv[kMT][kNBlocks][4];
 #pragma unroll
-    for (int i = 0; i < kNBlocks; ++i)
+    for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[i][e] = dpv[i][e] = 0.0f;
+      for (int i = 0; i < kNBlocks; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][i][e] = dpv[mt][i][e] = 0.0f;
 #pragma unroll
     for (int ks = 0; ks < kDSteps; ++ks) {
-      uint32_t aq[4], ao[4];
-      const uint32_t a_addr = qo_a.at(0, ks);
-      ldmatrix_x4(aq, a_addr);
-      ldmatrix_x4(ao, a_addr + kQO);
+      uint32_t aq[kMT][4], ao[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        const uint32_t a_addr = qo_a.at(mt * kStride, ks);
+        ldmatrix_x4(aq[mt], a_addr);
+        ldmatrix_x4(ao[mt], a_addr + kQO);
+      }
 #pragma unroll
       for (int nb = 0; nb < kN / 16; ++nb) {
         const uint32_t b_addr = kv_b.at(nb * 16, ks);
         uint32_t bk[4], bv[4];
         ldmatrix_x4(bk, b_addr);
         ldmatrix_x4(bv, b_addr + kKV);
-        Mma<T>::run(s[2 * nb], aq, bk[0], bk[1]);
-        Mma<T>::run(s[2 * nb + 1], aq, bk[2], bk[3]);
-        Mma<T>::run(dpv[2 * nb], ao, bv[0], bv[1]);
-        Mma<T>::run(dpv[2 * nb + 1], ao, bv[2], bv[3]);
-      }
-    }
-    const bool masked = (w.flags & kWorkMasked) != 0;
-    KeyInterval keys[2] = {{0, 1 << 30}, {0, 1 << 30}};
-    if (masked) keys[0] = item_keys(w, my_row0), keys[1] = item_keys(w, my_row0 + 8);
-    with_softcap(p, [&](auto softcap) {
 #pragma unroll
-      for (int nb = 0; nb < kNBlocks; ++nb) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = e / 2;
-          const int col = k0 + nb * 8 + (lane % 4) * 2 + (e % 2);
-          const bool kept = keys[r].contains(col);
-          s[nb][e] = bwd_cell<decltype(softcap)::value>(p, s[nb][e], dpv[nb][e], lse2[r], delta[r], kept).ds;
+        for (int mt = 0; mt < kMT; ++mt) {
+          Mma<T>::run(s[mt][2 * nb], aq[mt], bk[0], bk[1]);
+          Mma<T>::run(s[mt][2 * nb + 1], aq[mt], bk[2], bk[3]);
+          Mma<T>::run(dpv[mt][2 * nb], ao[mt], bv[0], bv[1]);
+          Mma<T>::run(dpv[mt][2 * nb + 1], ao[mt], bv[2], bv[3]);
         }
       }
-    });
+    }
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      KeyInterval keys[2] = {{0, 1 << 30}, {0, 1 << 30}};
+      if (flags & kWorkMasked) {
+        const WorkItem w = p.list.items[item];  // an L1 hit; keeps the bounds out of the loop's registers
+        keys[0] = item_keys(w, my_row0 + mt * kStride);
+        keys[1] = item_keys(w, my_row0 + mt * kStride + 8);
+      }
+      with_softcap(p, [&](auto softcap) {
+#pragma unroll
+        for (int nb = 0; nb < kNBlocks; ++nb) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = e / 2;
+            const int col = k0 + nb * 8 + (lane % 4) * 2 + (e % 2);
+            s[mt][nb][e] = bwd_cell<decltype(softcap)::value>(p, s[mt][nb][e], dpv[mt][nb][e], lse2[mt][r],
+                                                              delta[mt][r], keys[r].contains(col)).ds;
+          }
+        }
+      });
+    }
     // dQ += dS K.
 #pragma unroll
     for (int t = 0; t < kN / 16; ++t) {
-      uint32_t a[4];
-      a[0] = Mma<T>::pack(s[2 * t][0], s[2 * t][1]);
-      a[1] = Mma<T>::pack(s[2 * t][2], s[2 * t][3]);
-      a[2] = Mma<T>::pack(s[2 * t + 1][0], s[2 * t + 1][1]);
-      a[3] = Mma<T>::pack(s[2 * t + 1][2], s[2 * t + 1][3]);
+      uint32_t a[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        a[mt][0] = Mma<T>::pack(s[mt][2 * t][0], s[mt][2 * t][1]);
+        a[mt][1] = Mma<T>::pack(s[mt][2 * t][2], s[mt][2 * t][3]);
+        a[mt][2] = Mma<T>::pack(s[mt][2 * t + 1][0], s[mt][2 * t + 1][1]);
+        a[mt][3] = Mma<T>::pack(s[mt][2 * t + 1][2], s[mt][2 * t + 1][3]);
+      }
 #pragma unroll
       for (int dp = 0; dp < kD / 16; ++dp) {
         uint32_t b[4];
         ldmatrix_x4_trans(b, k_t.at(t * 16, dp));
-        Mma<T>::run(acc[2 * dp], a, b[0], b[1]);
-        Mma<T>::run(acc[2 * dp + 1], a, b[2], b[3]);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          Mma<T>::run(acc[mt][2 * dp], a[mt], b[0], b[1]);
+          Mma<T>::run(acc[mt][2 * dp + 1], a[mt], b[2], b[3]);
+        }
       }
     }
     __syncthreads();
@@ -382,18 +596,20 @@ __device__ __forceinline__ void dq_kernel_tile(const BwdParams& p, int linear, u
   cp_async_wait<0>();
 
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = my_row0 + r * 8;
-    if (row >= p.tq) continue;
-    const int64_t base = row * q_stride + int64_t{head} * p.d;
+  for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
-    for (int i = 0; i < kDBlocks; ++i) {
-      const int col = i * 8 + (lane % 4) * 2;
-      if (col < p.d) store_pair<T>(p.dq, base + col, acc[i][2 * r], acc[i][2 * r + 1], p.grad_fp32);
+    for (int r = 0; r < 2; ++r) {
+      const int row = my_row0 + mt * kStride + r * 8;
+      if (row >= p.tq) continue;
+      const int64_t base = row * q_stride + int64_t{head} * p.d;
+#pragma unroll
+      for (int i = 0; i < kDBlocks; ++i) {
+        const int col = i * 8 + (lane % 4) * 2;
+        if (col < p.d) store_pair<T>(p.dq, base + col, acc[mt][i][2 * r], acc[mt][i][2 * r + 1], p.grad_fp32);
+      }
     }
   }
 }
-
 
 // Plain grid (one block per work index; the hardware balances best when no SM margin is asked for).
 template <class T, int kD>

@@ -106,6 +106,7 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
 
     // S = Q K^T for this warp's kMT m-tiles.
     float s[kMT][kNBlocks][4];
+    uint32_t p_frag[kMT][kN / 16][4];
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -168,6 +169,14 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
           acc[mt][i][2 * r + 1] *= scale_old;
         }
       }
+      // P as 16-bit A fragments right away: half the registers of the fp32 tile while P V waits for V.
+#pragma unroll
+      for (int t = 0; t < kN / 16; ++t) {
+        p_frag[mt][t][0] = Mma<T>::pack(s[mt][2 * t][0], s[mt][2 * t][1]);
+        p_frag[mt][t][1] = Mma<T>::pack(s[mt][2 * t][2], s[mt][2 * t][3]);
+        p_frag[mt][t][2] = Mma<T>::pack(s[mt][2 * t + 1][0], s[mt][2 * t + 1][1]);
+        p_frag[mt][t][3] = Mma<T>::pack(s[mt][2 * t + 1][2], s[mt][2 * t + 1][3]);
+      }
     }
 
     // V ready; K is free: fetch the next item's K while P V runs.
@@ -181,22 +190,14 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
     // O += P V.
 #pragma unroll
     for (int t = 0; t < kN / 16; ++t) {
-      uint32_t a[kMT][4];
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        a[mt][0] = Mma<T>::pack(s[mt][2 * t][0], s[mt][2 * t][1]);
-        a[mt][1] = Mma<T>::pack(s[mt][2 * t][2], s[mt][2 * t][3]);
-        a[mt][2] = Mma<T>::pack(s[mt][2 * t + 1][0], s[mt][2 * t + 1][1]);
-        a[mt][3] = Mma<T>::pack(s[mt][2 * t + 1][2], s[mt][2 * t + 1][3]);
-      }
 #pragma unroll
       for (int dp = 0; dp < kD / 16; ++dp) {
         uint32_t b[4];
         ldmatrix_x4_trans(b, v_addr.at(t * 16, dp));
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
-          Mma<T>::run(acc[mt][2 * dp], a[mt], b[0], b[1]);
-          Mma<T>::run(acc[mt][2 * dp + 1], a[mt], b[2], b[3]);
+          Mma<T>::run(acc[mt][2 * dp], p_frag[mt][t], b[0], b[1]);
+          Mma<T>::run(acc[mt][2 * dp + 1], p_frag[mt][t], b[2], b[3]);
         }
       }
     }

@@ -19,10 +19,14 @@ struct QMajor {
     const int32_t sq = s.q.size(), sk = s.k.size();
     if (sq == 0 || sk == 0) return {0, 0};
     switch (s.type) {
-      case MaskType::Full: return s.q;
-      case MaskType::Causal: return {std::max(s.q.start, s.q.end - sk), s.q.end};  // q >= qe - Sk
-      case MaskType::InvCausal: return {s.q.start, std::min(s.q.end, s.q.start + sk)};  // q < qs + Sk
-      case MaskType::BiCausal: return sq <= sk ? s.q : Range{0, 0};
+      case MaskType::Full:
+        return s.q;
+      case MaskType::Causal:
+        return {std::max(s.q.start, s.q.end - sk), s.q.end};  // q >= qe - Sk
+      case MaskType::InvCausal:
+        return {s.q.start, std::min(s.q.end, s.q.start + sk)};  // q < qs + Sk
+      case MaskType::BiCausal:
+        return sq <= sk ? s.q : Range{0, 0};
     }
     return {0, 0};
   }

@@ -39,7 +39,8 @@ TEST(EngineMultiTile, EmptyRowsAndQOverlapBf16) {
   mask.slices.push_back(make_slice(0, 520, 0, 130, MaskType::Causal));
   mask.slices.push_back(make_slice(0, 520, 130, 260, MaskType::InvCausal));
   mask.slices.push_back(make_slice(100, 300, 260, 400, MaskType::Full));
-  EXPECT_TRUE(check_case(mask, config_for(DType::BF16, 2, 2, 64), fresh_seed(), "q_overlap_sq_gt_sk_520x400"));
+  EXPECT_TRUE(
+      check_case(mask, config_for(DType::BF16, 2, 2, 64), fresh_seed(), "q_overlap_sq_gt_sk_520x400"));
 }
 
 TEST(EngineDeterminism, BitwiseIdenticalForAnyThreadCount) {

@@ -84,11 +84,11 @@ TEST(Tiling, RandomMasksMatchBruteForce) {
   const uint64_t seed = std::random_device{}();
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<int32_t> total(1, 48), tile(1, 17), count(1, 12);
-  for (int trial = 0; trial < 300; ++trial) {
+  for (int trial = 0; trial < 1000; ++trial) {
     const Mask mask = random_mask(rng, total(rng), total(rng), count(rng));
     const int32_t tq = tile(rng), tk = tile(rng);
-    const std::string where = "seed " + std::to_string(seed) + " trial " + std::to_string(trial) +
-                              " tiles " + std::to_string(tq) + "x" + std::to_string(tk);
+    const std::string where = "seed " + std::to_string(seed) + " trial " + std::to_string(trial) + " tiles " +
+                              std::to_string(tq) + "x" + std::to_string(tk);
     check_lists(mask, by_q_tile(mask, tq, tk), true, where + " by_q");
     check_lists(mask, by_k_tile(mask, tk, tq), false, where + " by_k");
     if (HasFatalFailure()) return;
@@ -104,8 +104,8 @@ TEST(Tiling, EverySliceShapeWithSqNotEqualSk) {
         mask.total_q = sq + 3;
         mask.total_k = sk + 2;
         mask.slices.push_back({{2, 2 + sq}, {1, 1 + sk}, static_cast<MaskType>(type)});
-        const std::string where = "type " + std::to_string(type) + " sq " + std::to_string(sq) +
-                                  " sk " + std::to_string(sk);
+        const std::string where =
+            "type " + std::to_string(type) + " sq " + std::to_string(sq) + " sk " + std::to_string(sk);
         for (int32_t tq : {1, 2, 4})
           for (int32_t tk : {1, 3, 8}) {
             check_lists(mask, by_q_tile(mask, tq, tk), true, where + " by_q");
