@@ -12,6 +12,10 @@
 #include "magi/env.hpp"
 #include "magi/error.hpp"
 
+#if MAGI_ATTN_CUDA_BACKEND  // defined by src/cuda when the kernels are part of the library
+#include "cuda/backend.hpp"
+#endif
+
 namespace magi {
 
 std::string_view to_string(SinkLayout layout) {
@@ -61,8 +65,13 @@ Backend resolve_backend(const AttentionOptions& options, Device device) {
     throw InvalidArgument("backend cpu needs host tensors, but the tensors are on a CUDA device");
   if (backend == Backend::Cuda && device.type != DeviceType::CUDA)
     throw InvalidArgument("backend cuda needs CUDA device tensors, but the tensors are on the CPU");
+#if MAGI_ATTN_CUDA_BACKEND
+  if (device.type == DeviceType::CUDA && backend == Backend::Reference)
+    throw NotAvailable("backend reference has no GPU engine yet (allowed for CUDA tensors: cuda, auto)");
+#else
   if (device.type == DeviceType::CUDA)
-    throw NotAvailable("CUDA tensors given, but this build has no CUDA backend yet (allowed: CPU tensors)");
+    throw NotAvailable("CUDA tensors given, but this build has no CUDA backend (allowed: CPU tensors)");
+#endif
   return backend;
 }
 
@@ -169,19 +178,21 @@ cpu::EngineOptions engine_options(const AttentionOptions& o, const Shapes& s, DT
   return e;
 }
 
-// ---- plan cache: plans are keyed by the full mask and shapes (compared exactly, not only hashed) ----
+// ---- plan caches: plans are keyed by the full mask, shapes and place (compared exactly, not hashed) ----
 
 struct PlanKey {
   std::vector<Slice> slices;
   int32_t total_q, total_k, hq, hkv, d;
+  int32_t device;       // -1 for host plans
+  StreamHandle stream;  // a GPU plan's workspace serves one stream at a time
   bool operator==(const PlanKey&) const = default;
 };
 
+template <class PlanT>
 class PlanCache {
  public:
-  std::shared_ptr<const cpu::Plan> get(const Mask& mask, const Shapes& s) {
-    PlanKey key{mask.slices, mask.total_q, mask.total_k, static_cast<int32_t>(s.hq),
-                static_cast<int32_t>(s.hkv), static_cast<int32_t>(s.d)};
+  template <class Make>
+  std::shared_ptr<PlanT> get(PlanKey key, const Mask& mask, Make make) {
     {
       std::lock_guard lock(mutex_);
       for (auto it = entries_.begin(); it != entries_.end(); ++it) {
@@ -192,7 +203,7 @@ class PlanCache {
       }
     }
     validate(mask);  // full check (incl. overlap) once per distinct mask
-    auto plan = cpu::make_plan(mask, key.hq, key.hkv, key.d);
+    std::shared_ptr<PlanT> plan = make();
     std::lock_guard lock(mutex_);
     entries_.emplace_front(std::move(key), plan);
     if (entries_.size() > kCapacity) entries_.pop_back();
@@ -202,23 +213,44 @@ class PlanCache {
  private:
   static constexpr size_t kCapacity = 16;
   std::mutex mutex_;
-  std::list<std::pair<PlanKey, std::shared_ptr<const cpu::Plan>>> entries_;
+  std::list<std::pair<PlanKey, std::shared_ptr<PlanT>>> entries_;
 };
 
-PlanCache& plan_cache() {
-  static PlanCache cache;
-  return cache;
-}
-
-std::shared_ptr<const cpu::Plan> plan_for(const Mask& mask, const Shapes& s) {
+PlanKey plan_key(const Mask& mask, const Shapes& s, int32_t device, StreamHandle stream) {
   validate_bounds(mask);  // cheap; protects memory even when the overlap check is cached
   if (env::get_bool("MAGI_ATTENTION_SANITY_CHECK")) validate(mask);
-  return plan_cache().get(mask, s);
+  return {mask.slices, mask.total_q, mask.total_k, static_cast<int32_t>(s.hq), static_cast<int32_t>(s.hkv),
+          static_cast<int32_t>(s.d), device, stream};
 }
+
+std::shared_ptr<const cpu::Plan> cpu_plan_for(const Mask& mask, const Shapes& s) {
+  static PlanCache<const cpu::Plan> cache;
+  PlanKey key = plan_key(mask, s, -1, nullptr);
+  return cache.get(std::move(key), mask, [&] { return cpu::make_plan(mask, s.hq, s.hkv, s.d); });
+}
+
+#if MAGI_ATTN_CUDA_BACKEND
+std::shared_ptr<cuda::Plan> cuda_plan_for(const Mask& mask, const Shapes& s, int32_t device, StreamHandle stream) {
+  static PlanCache<cuda::Plan> cache;
+  PlanKey key = plan_key(mask, s, device, stream);
+  return cache.get(std::move(key), mask, [&] { return cuda::make_plan(mask, s.hq, s.hkv, s.d, device); });
+}
+
+cuda::Options cuda_options(const cpu::EngineOptions& e, bool forward_pass) {
+  cuda::Options o;
+  o.softmax_scale = e.softmax_scale;
+  o.softcap = e.softcap;
+  o.sink_layout = e.sink_layout;
+  o.sm_margin = static_cast<int32_t>(env::get_int(forward_pass ? "MAGI_ATTENTION_FFA_FORWARD_SM_MARGIN"
+                                                               : "MAGI_ATTENTION_FFA_BACKWARD_SM_MARGIN"));
+  o.profile = env::get_bool("MAGI_ATTENTION_PROFILE_MODE");
+  return o;
+}
+#endif
 
 }  // namespace
 
-void forward(const Mask& mask, const ForwardArgs& a, const AttentionOptions& options, StreamHandle /*stream*/) {
+void forward(const Mask& mask, const ForwardArgs& a, const AttentionOptions& options, StreamHandle stream) {
   env::ensure_validated();
   const Shapes s = check_qkv(mask, a.q, a.k, a.v);
   const Backend backend = resolve_backend(options, a.q.device);
@@ -236,11 +268,18 @@ void forward(const Mask& mask, const ForwardArgs& a, const AttentionOptions& opt
     require_device(a.max_logits, "max_logits", a.q.device);
   }
   const cpu::EngineOptions eo = engine_options(options, s, a.q.dtype, backend);
-  const auto plan = plan_for(mask, s);
-  cpu::forward(*plan, a, eo);
+#if MAGI_ATTN_CUDA_BACKEND
+  if (backend == Backend::Cuda) {
+    require_dtype(a.q, "q", {DType::BF16, DType::F16});  // the GPU kernels take 16-bit inputs
+    cuda::forward(*cuda_plan_for(mask, s, a.q.device.index, stream), a, cuda_options(eo, true),
+                  static_cast<cudaStream_t>(stream));
+    return;
+  }
+#endif
+  cpu::forward(*cpu_plan_for(mask, s), a, eo);
 }
 
-void backward(const Mask& mask, const BackwardArgs& a, const AttentionOptions& options, StreamHandle /*stream*/) {
+void backward(const Mask& mask, const BackwardArgs& a, const AttentionOptions& options, StreamHandle stream) {
   env::ensure_validated();
   const Shapes s = check_qkv(mask, a.q, a.k, a.v);
   const Backend backend = resolve_backend(options, a.q.device);
@@ -273,8 +312,15 @@ void backward(const Mask& mask, const BackwardArgs& a, const AttentionOptions& o
     throw InvalidArgument("dsink given but options.sink_layout is none (allowed: sh, ssh)");
   }
   const cpu::EngineOptions eo = engine_options(options, s, dt, backend);
-  const auto plan = plan_for(mask, s);
-  cpu::backward(*plan, a, eo);
+#if MAGI_ATTN_CUDA_BACKEND
+  if (backend == Backend::Cuda) {
+    require_dtype(a.q, "q", {DType::BF16, DType::F16});
+    cuda::backward(*cuda_plan_for(mask, s, a.q.device.index, stream), a, cuda_options(eo, false),
+                   static_cast<cudaStream_t>(stream));
+    return;
+  }
+#endif
+  cpu::backward(*cpu_plan_for(mask, s), a, eo);
 }
 
 }  // namespace magi

@@ -1,8 +1,9 @@
-// Backward flash kernels. Deterministic by construction (no atomics):
+// Backward flash kernels. Deterministic by construction (no atomics on values):
 //  - dk/dv: one block = one k tile (64 keys) of one kv head; it walks the by_k_tile items of its tile for
-//    every q head of the GQA group, recomputing P^T and dS^T (staged in shared memory), and accumulates
-//    dV += P^T dO, dK += dS^T Q in registers.
-//  - dq: one block = one q tile (64 rows) of one q head over the by_q_tile items, dQ += dS K.
+//    every q head of the GQA group, recomputing P^T and dS^T, and accumulates dV += P^T dO, dK += dS^T Q
+//    in registers (D <= 128: P^T / dS^T stay in registers; D 256: staged in shared memory).
+//  - dq: one block = one q tile (128 rows; 64 for D 256) of one q head over the by_q_tile items,
+//    dQ += dS K, recomputing S and dP.
 #pragma once
 
 #include <type_traits>
@@ -245,7 +246,6 @@ __device__ __forceinline__ void dkdv_staged_tile(const BwdParams& p, int linear,
   constexpr int kM = Cfg::kM, kN = Cfg::kN, kThreads = Cfg::kThreads, kStages = Cfg::kStages;
   constexpr int kDSteps = kD / 16;
   constexpr int kHalfD = kD / 2;
-  using SD = Swizzled<kD>;
   using SM = Swizzled<kM>;
 
   const uint32_t sK = smem_addr(smem);

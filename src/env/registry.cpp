@@ -145,12 +145,12 @@ std::vector<Variable> make_registry() {
               "overlaps local compute, at the cost of keeping the last remote k/v; experimental."),
       integer("MAGI_ATTENTION_FFA_FORWARD_SM_MARGIN",
               {.rule = kSmMarginRule, .compute = sm_margin_default}, "0", "", kPerformance,
-              not_yet("planned: GPU kernels overlapped with communication (SMs left to comm kernels)"),
+              kImplemented,
               "Number of GPU SMs the forward attention kernel leaves free for concurrent "
               "communication kernels."),
       integer("MAGI_ATTENTION_FFA_BACKWARD_SM_MARGIN",
               {.rule = kSmMarginRule, .compute = sm_margin_default}, "0", "", kPerformance,
-              not_yet("planned: GPU kernels overlapped with communication (SMs left to comm kernels)"),
+              kImplemented,
               "Number of GPU SMs the backward attention kernel leaves free for concurrent "
               "communication kernels."),
       boolean("MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT", "0", kPerformance,
@@ -170,7 +170,7 @@ std::vector<Variable> make_registry() {
               kImplemented,
               "Capacity of the least-recently-used cache of distributed-attention runtime plans."),
       integer("CUDA_DEVICE_MAX_CONNECTIONS", {.value = "8"}, "1", "32", kPerformance,
-              not_yet("planned: GPU communication/compute overlap (it decides the SM-margin defaults)"),
+              kImplemented,
               "CUDA driver setting: hardware work queues shared by all streams; more queues let "
               "communication and compute overlap."),
 
@@ -188,8 +188,8 @@ std::vector<Variable> make_registry() {
               "Use only deterministic algorithms, so repeated runs give bitwise-identical results "
               "(the CPU engine always is)."),
       boolean("MAGI_ATTENTION_PROFILE_MODE", "0", kDebug,
-              not_yet("planned: GPU kernel profiling"),
-              "Record profiling data for the attention kernels; for development only."),
+              kImplemented,
+              "Print per-kernel GPU timings (CUDA events; synchronises) for every call; for development only."),
       choice("MAGI_ATTENTION_LOG_LEVEL", "warn", {"error", "warn", "info", "debug"}, kDebug,
              kImplemented,
              "Which diagnostics reach stderr: error silences warnings, info and debug add detail."),

@@ -166,7 +166,11 @@ TEST(EnvRegistry, ImplementedAreExactlyWhatThisBuildHonours) {
                                                      "MAGI_ATTENTION_BACKWARD_HIGH_PRECISION_REDUCE",
                                                      "MAGI_ATTENTION_DSINK_ALL_REDUCE_OP",
                                                      "MAGI_ATTENTION_HIERARCHICAL_COMM",
-                                                     "MAGI_ATTENTION_DIST_ATTN_RUNTIME_DICT_SIZE"}));
+                                                     "MAGI_ATTENTION_DIST_ATTN_RUNTIME_DICT_SIZE",
+                                                     // GPU kernels
+                                                     "MAGI_ATTENTION_FFA_FORWARD_SM_MARGIN",
+                                                     "MAGI_ATTENTION_FFA_BACKWARD_SM_MARGIN",
+                                                     "MAGI_ATTENTION_PROFILE_MODE", "CUDA_DEVICE_MAX_CONNECTIONS"}));
 }
 
 TEST(EnvRegistry, TheNewerSeedWinsWhereTheSeedsDiffer) {
@@ -197,7 +201,7 @@ TEST(EnvRegistry, SpecificEntries) {
     EXPECT_EQ(variable.default_value, "") << "computed, not fixed";
     EXPECT_NE(variable.default_rule.find("CUDA_DEVICE_MAX_CONNECTIONS"), std::string_view::npos);
     EXPECT_NE(variable.computed_default, nullptr);
-    EXPECT_EQ(variable.status, Status::NotYet);
+    EXPECT_EQ(variable.status, Status::Implemented);
   }
   for (const char* python_only : {"MAGI_ATTENTION_FA4_BACKEND", "MAGI_ATTENTION_FFA_FA4_CACHE_DIR",
                                   "MAGI_ATTENTION_CPP_BACKEND", "MAGI_ATTENTION_PREBUILD_FFA",
@@ -205,7 +209,7 @@ TEST(EnvRegistry, SpecificEntries) {
     EXPECT_EQ(find(python_only)->status, Status::NotApplicable) << python_only;
   }
   for (const char* distributed : {"MAGI_ATTENTION_QO_COMM", "MAGI_ATTENTION_NATIVE_GRPCOLL",
-                                  "MAGI_ATTENTION_FORWARD_HIGH_PRECISION_REDUCE", "MAGI_ATTENTION_PROFILE_MODE"}) {
+                                  "MAGI_ATTENTION_FORWARD_HIGH_PRECISION_REDUCE"}) {
     EXPECT_EQ(find(distributed)->status, Status::NotYet) << distributed;
   }
 }
