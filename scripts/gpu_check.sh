@@ -71,7 +71,8 @@ if [ $RUN_BENCH = 1 ]; then
   t0=$(date +%s)
   BENCH_ARGS=()
   PEER_ARGS=()
-  [ $QUICK = 1 ] && BENCH_ARGS=(--quick)
+  BENCH_ARGS=(--deterministic)
+  [ $QUICK = 1 ] && BENCH_ARGS+=(--quick)
   "$BUILD/bench/cuda/flash_bench" --cases "$LOGS/cases.json" "${BENCH_ARGS[@]}" > "$LOGS/bench_magi.csv" 2> "$LOGS/bench_magi.err"
   note "flash_bench rc $? ($(( $(date +%s) - t0 )) s)"
   [ $RUN_PEERS = 1 ] || PEER_ARGS=(--skip-all)
@@ -86,7 +87,7 @@ for path in sys.argv[1:]:
         key = (r["mask"], int(r["head_dim"]))
         if key not in rows: rows[key] = {}; order.append(key)
         rows[key][r["impl"]] = (float(r["fwd_tflops"]), float(r["bwd_tflops"]))
-impls = ["magi", "sdpa_cudnn", "sdpa_flash", "flex"]
+impls = ["magi", "magi_det", "sdpa_cudnn", "sdpa_flash", "flex"]
 print("\nTFLOP/s fwd/bwd (bf16, 16 heads, 2x8k tokens), same GPU, same run")
 print(f"{'mask':26s} {'D':>4s} " + " ".join(f"{i:>13s}" for i in impls))
 for key in order:

@@ -7,6 +7,13 @@
 #include <string_view>
 #include <vector>
 
+// kept_keys / kept_queries are also compiled for the GPU so that every CUDA engine uses these exact rules.
+#if defined(__CUDACC__)
+#define MAGI_MASK_HOST_DEVICE __host__ __device__
+#else
+#define MAGI_MASK_HOST_DEVICE
+#endif
+
 namespace magi {
 
 enum class MaskType : int32_t {
@@ -40,7 +47,7 @@ struct Slice {
 
 // Keys kept by `slice` for global query row `q`: always one contiguous half-open interval (maybe empty).
 // Columns kept for global key `k`: likewise contiguous. These two functions define the mask semantics.
-constexpr Range kept_keys(const Slice& s, int32_t q) {
+MAGI_MASK_HOST_DEVICE constexpr Range kept_keys(const Slice& s, int32_t q) {
   if (q < s.q.start || q >= s.q.end) return {0, 0};
   int32_t lo = s.k.start, hi = s.k.end;
   if (s.type == MaskType::Causal || s.type == MaskType::BiCausal) {
@@ -54,7 +61,7 @@ constexpr Range kept_keys(const Slice& s, int32_t q) {
   return lo < hi ? Range{lo, hi} : Range{0, 0};
 }
 
-constexpr Range kept_queries(const Slice& s, int32_t k) {
+MAGI_MASK_HOST_DEVICE constexpr Range kept_queries(const Slice& s, int32_t k) {
   if (k < s.k.start || k >= s.k.end) return {0, 0};
   int32_t lo = s.q.start, hi = s.q.end;
   if (s.type == MaskType::Causal || s.type == MaskType::BiCausal) {

@@ -8,12 +8,14 @@
 #include <cstdio>
 #include <iostream>
 #include <limits>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <thread>
 
 #include "cli/accuracy.hpp"
 #include "cli/commands.hpp"
+#include "cli/device_buffers.hpp"
 #include "cli/documents.hpp"
 #include "cli/host_tensor.hpp"
 #include "cli/options.hpp"
@@ -87,7 +89,7 @@ int demo_command(std::span<const std::string> args) {
        {"heads-kv", "H", "key/value heads, divides --heads-q (default 2)"},
        {"head-dim", "D", "head dimension, a multiple of 8 (default 128)"},
        {"dtype", "DTYPE", "bf16|fp16|fp32|fp64 (default fp32 on the CPU, bf16 on CUDA)"},
-       {"backend", "NAME", "auto|cpu|cuda|reference (default auto)"},
+       {"backend", "NAME", "auto|cpu|cuda|reference (default auto: GPU 0 when present, else cpu)"},
        {"seed", "S", "seed of documents and inputs (default: random, printed)"},
        {"threads", "N", "CPU threads (default 0 = all cores)"},
        {"block", "B", "block size of the block-causal mask inside documents (default 128)"},
@@ -111,9 +113,13 @@ int demo_command(std::span<const std::string> args) {
   AttentionOptions attention;
   if (auto text = options.get("backend")) attention.backend = parse_backend(*text, "--backend");
   attention.num_threads = static_cast<int32_t>(options.get_int("threads", 0, 0, 4096));
-  const Backend backend = resolve_backend(attention, Device{});
+  const bool gpu = runs_on_gpu(attention.backend);  // --backend cuda without a GPU fails here
   const DType dtype = options.has("dtype") ? parse_dtype(*options.get("dtype"), "--dtype")
-                                           : (backend == Backend::Cuda ? DType::BF16 : DType::F32);
+                      : gpu && attention.backend != Backend::Reference ? DType::BF16
+                                                                      : DType::F32;
+  if (gpu) attention.backend = gpu_backend(attention.backend, dtype);
+  const Device device = gpu ? Device{DeviceType::CUDA, 0} : Device{};
+  const Backend backend = resolve_backend(attention, device);
   const DType wide = dtype == DType::F64 ? DType::F64 : DType::F32;
 
   Progress progress("magi-attn demo:");
@@ -132,29 +138,45 @@ int demo_command(std::span<const std::string> args) {
   for (HostTensor* t : {&out, &lse, &dq, &dk, &dv}) t->fill(nan);
   progress.end();
 
+  // On the GPU every tensor gets a device copy (uploaded once); the timed calls include a stream sync.
+  std::optional<DeviceMirror> mirror;
+  if (gpu) mirror.emplace();
+  auto place = [&](HostTensor& t) { return mirror ? (*mirror)(t) : t.view(); };
+  const StreamHandle stream = mirror ? mirror->stream() : nullptr;
+  auto finish = [&] {
+    if (mirror) mirror->synchronize();
+  };
   ForwardArgs fwd;
-  fwd.q = q.view();
-  fwd.k = k.view();
-  fwd.v = v.view();
-  fwd.out = out.view();
-  fwd.lse = lse.view();
+  fwd.q = place(q);
+  fwd.k = place(k);
+  fwd.v = place(v);
+  fwd.out = place(out);
+  fwd.lse = place(lse);
   progress.begin("forward");
-  const auto [fwd_seconds, fwd_runs] = median_seconds([&] { forward(mask, fwd, attention); });
+  const auto [fwd_seconds, fwd_runs] = median_seconds([&] {
+    forward(mask, fwd, attention, stream);
+    finish();
+  });
   progress.end();
 
   BackwardArgs bwd;
-  bwd.q = q.view();
-  bwd.k = k.view();
-  bwd.v = v.view();
-  bwd.out = out.view();
-  bwd.lse = lse.view();
-  bwd.dout = dout.view();
-  bwd.dq = dq.view();
-  bwd.dk = dk.view();
-  bwd.dv = dv.view();
+  bwd.q = fwd.q;
+  bwd.k = fwd.k;
+  bwd.v = fwd.v;
+  bwd.out = fwd.out;
+  bwd.lse = fwd.lse;
+  bwd.dout = place(dout);
+  bwd.dq = place(dq);
+  bwd.dk = place(dk);
+  bwd.dv = place(dv);
   progress.begin("backward");
-  const auto [bwd_seconds, bwd_runs] = median_seconds([&] { backward(mask, bwd, attention); });
+  const auto [bwd_seconds, bwd_runs] = median_seconds([&] {
+    backward(mask, bwd, attention, stream);
+    finish();
+  });
   progress.end();
+  if (mirror)
+    for (HostTensor* t : {&out, &lse, &dq}) mirror->download(*t);
 
   // ---- check sampled rows against the fp64 reference on the same (rounded) inputs ----
   progress.begin("checking against the fp64 reference");
@@ -176,7 +198,7 @@ int demo_command(std::span<const std::string> args) {
   HostTensor dq_ref(DType::F64, q_ref.shape()), dk_ref(DType::F64, k.shape()), dv_ref(DType::F64, v.shape());
   for (HostTensor* t : {&out_ref, &lse_ref, &dq_ref}) t->fill(nan);
   AttentionOptions reference = attention;
-  reference.backend = Backend::Reference;
+  reference.backend = Backend::Reference;  // on host tensors: the CPU fp64 engine
   ForwardArgs ref_fwd;
   ref_fwd.q = q_ref.view();
   ref_fwd.k = k_ref.view();
@@ -216,7 +238,7 @@ int demo_command(std::span<const std::string> args) {
   char line[256];
   std::ostringstream os;
   os << "magi-attn demo: packed documents, forward + backward on " << to_string(backend)
-     << (backend == Backend::Cuda ? "" : " (" + std::to_string(threads) + " threads)") << ", " << to_string(dtype)
+     << (gpu ? " (GPU: " + gpu_name() + ")" : " (" + std::to_string(threads) + " threads)") << ", " << to_string(dtype)
      << ", seed " << seed << "\n";
   os << "  mask      " << cu_seqlens.size() - 1 << " documents of " << shortest << " .. " << longest
      << " tokens (lognormal), block-causal inside (block " << block << "): " << mask.slices.size() << " slices\n";

@@ -3,9 +3,11 @@
 #include <chrono>
 #include <iomanip>
 #include <iostream>
+#include <optional>
 #include <sstream>
 
 #include "cli/commands.hpp"
+#include "cli/device_buffers.hpp"
 #include "cli/host_tensor.hpp"
 #include "cli/options.hpp"
 #include "cli/run_files.hpp"
@@ -37,45 +39,69 @@ int run_command(std::span<const std::string> args) {
   }
 
   const RunSettings settings = parse_run_settings(options);  // cheap checks first
+  const bool gpu = runs_on_gpu(settings.attention.backend);  // --backend cuda without a GPU fails here
   RunInputs in = load_run_inputs(options, settings);
-  const AttentionOptions& attention = settings.attention;
+  AttentionOptions attention = settings.attention;
   const Mask& mask = in.mask;
   const DType dtype = in.dtype, wide = wide_dtype(dtype);
+  if (gpu) attention.backend = gpu_backend(attention.backend, dtype);
   HostTensor out_t(wide, {in.q.shape()[0], in.q.shape()[1], in.q.shape()[2]}), lse_t(wide, {in.q.shape()[0], in.q.shape()[1]});
+  HostTensor dq_t, dk_t, dv_t, dsink_t;
+  if (in.has_dout()) {
+    dq_t = HostTensor(wide, in.q.shape());
+    dk_t = HostTensor(wide, in.k.shape());
+    dv_t = HostTensor(wide, in.v.shape());
+    if (in.has_sink()) dsink_t = HostTensor(DType::F32, in.sink.shape());
+  }
+
+  // On the GPU every tensor gets a device copy; results come back before the files are written.
+  std::optional<DeviceMirror> mirror;
+  if (gpu) mirror.emplace();
+  auto place = [&](HostTensor& t) { return mirror ? (*mirror)(t) : t.view(); };
+  const StreamHandle stream = mirror ? mirror->stream() : nullptr;
+  auto finish = [&] {
+    if (mirror) mirror->synchronize();
+  };
 
   ForwardArgs fwd;
-  fwd.q = in.q.view();
-  fwd.k = in.k.view();
-  fwd.v = in.v.view();
-  fwd.sink = in.sink.view();
-  fwd.out = out_t.view();
-  fwd.lse = lse_t.view();
+  fwd.q = place(in.q);
+  fwd.k = place(in.k);
+  fwd.v = place(in.v);
+  fwd.sink = place(in.sink);
+  fwd.out = place(out_t);
+  fwd.lse = place(lse_t);
   const auto fwd_start = std::chrono::steady_clock::now();
-  forward(mask, fwd, attention);
+  forward(mask, fwd, attention, stream);
+  finish();
   const double fwd_ms = milliseconds_since(fwd_start);
+
+  double bwd_ms = 0.0;
+  if (in.has_dout()) {
+    BackwardArgs bwd;
+    bwd.q = fwd.q;
+    bwd.k = fwd.k;
+    bwd.v = fwd.v;
+    bwd.out = fwd.out;
+    bwd.lse = fwd.lse;
+    bwd.dout = place(in.dout);
+    bwd.sink = fwd.sink;
+    bwd.dq = place(dq_t);
+    bwd.dk = place(dk_t);
+    bwd.dv = place(dv_t);
+    bwd.dsink = place(dsink_t);
+    const auto bwd_start = std::chrono::steady_clock::now();
+    backward(mask, bwd, attention, stream);
+    finish();
+    bwd_ms = milliseconds_since(bwd_start);
+  }
+  if (mirror)
+    for (HostTensor* t : {&out_t, &lse_t, &dq_t, &dk_t, &dv_t, &dsink_t})
+      if (!t->shape().empty()) mirror->download(*t);
 
   OutputFiles files;
   files.emplace_back("out.npy", as_fp32_npy(out_t));
   files.emplace_back("lse.npy", as_fp32_npy(lse_t));
-  double bwd_ms = 0.0;
   if (in.has_dout()) {
-    HostTensor dq_t(wide, in.q.shape()), dk_t(wide, in.k.shape()), dv_t(wide, in.v.shape()), dsink_t;
-    if (in.has_sink()) dsink_t = HostTensor(DType::F32, in.sink.shape());
-    BackwardArgs bwd;
-    bwd.q = in.q.view();
-    bwd.k = in.k.view();
-    bwd.v = in.v.view();
-    bwd.out = out_t.view();
-    bwd.lse = lse_t.view();
-    bwd.dout = in.dout.view();
-    bwd.sink = in.sink.view();
-    bwd.dq = dq_t.view();
-    bwd.dk = dk_t.view();
-    bwd.dv = dv_t.view();
-    bwd.dsink = dsink_t.view();
-    const auto bwd_start = std::chrono::steady_clock::now();
-    backward(mask, bwd, attention);
-    bwd_ms = milliseconds_since(bwd_start);
     files.emplace_back("dq.npy", as_fp32_npy(dq_t));
     files.emplace_back("dk.npy", as_fp32_npy(dk_t));
     files.emplace_back("dv.npy", as_fp32_npy(dv_t));
@@ -85,7 +111,9 @@ int run_command(std::span<const std::string> args) {
   write_outputs(settings.out_dir, files);
   std::ostringstream summary;
   summary << std::fixed << std::setprecision(3) << "magi-attn run: " << mask.slices.size() << " slices, area "
-          << mask.area() << ", " << to_string(dtype) << " on " << to_string(resolve_backend(attention, Device{}))
+          << mask.area() << ", " << to_string(dtype) << " on "
+          << to_string(resolve_backend(attention, gpu ? Device{DeviceType::CUDA, 0} : Device{}))
+          << (gpu ? " (GPU: " + gpu_name() + ")" : std::string())
           << "; forward " << fwd_ms << " ms";
   if (in.has_dout()) summary << ", backward " << bwd_ms << " ms";
   summary << "; wrote";

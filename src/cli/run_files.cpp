@@ -54,7 +54,8 @@ std::vector<OptionSpec> run_file_options() {
           {"dtype", "DTYPE", "compute dtype bf16|fp16|fp32|fp64 (default: the dtype of q.npy); inputs are rounded to it"},
           {"softmax-scale", "X", "scale of q.k (default D^-0.5)"},
           {"softcap", "X", "> 0: s = softcap * tanh(s / softcap) (default 0 = off)"},
-          {"backend", "NAME", "auto|cpu|cuda|reference (default auto)"},
+          {"backend", "NAME", "auto|cpu|cuda|reference (default auto: GPU 0 when present, else cpu; on the GPU, fp32/fp64\n"
+           "                    run on the exact reference engine, bf16/fp16 on the cuda kernels)"},
           {"threads", "N", "CPU threads (default 0 = all cores)"},
           {"out-dir", "DIR", "output folder, created if missing"}};
 }

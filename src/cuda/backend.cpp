@@ -162,7 +162,8 @@ class StageTimer {
 struct Plan {
   int32_t tq = 0, tk = 0, hq = 0, hkv = 0, d = 0, padded_d = 0, device = 0;
   DeviceList fwd, dkdv, dq;
-  int64_t fwd_items = 0, dkdv_items = 0, dq_items = 0;
+  DeviceList dkdv_fused;  // the default backward's k tiles (dq by atomics), see detail::dkdv_tile_k
+  int64_t fwd_items = 0, dkdv_items = 0, dq_items = 0, dkdv_fused_items = 0;
   void* arena = nullptr;
   size_t arena_bytes = 0;
   int32_t tq_pad = 0;
@@ -170,29 +171,38 @@ struct Plan {
   float* lse2 = nullptr;   // [Hq][tq_pad]
   int32_t* counters = nullptr;  // persistent-grid work counters: forward, dk/dv, dq
 
-  // fp32 dout is converted to 16 bits here; sized on first use (the only lazy allocation).
-  mutable std::mutex dout16_mutex;
+  // fp32 dout is converted to 16 bits here; the fp32 dq accumulator of the default (non-deterministic)
+  // backward when dq is 16-bit. Both sized on first use (the only lazy allocations).
+  mutable std::mutex lazy_mutex;
   mutable void* dout16 = nullptr;
+  mutable float* dq_accum = nullptr;
 
   Plan() = default;
   Plan(const Plan&) = delete;
   Plan& operator=(const Plan&) = delete;
   ~Plan() {
-    if (arena != nullptr || dout16 != nullptr) {
+    if (arena != nullptr || dout16 != nullptr || dq_accum != nullptr) {
       int previous = 0;
       cudaGetDevice(&previous);
       cudaSetDevice(device);
       cudaFree(arena);
       cudaFree(dout16);
+      cudaFree(dq_accum);
       cudaSetDevice(previous);
     }
   }
 
   void* dout16_buffer() const {
-    std::lock_guard lock(dout16_mutex);
+    std::lock_guard lock(lazy_mutex);
     if (dout16 == nullptr)
       check(cudaMalloc(&dout16, static_cast<size_t>(tq) * hq * d * 2 + 16), "cudaMalloc (dout conversion)");
     return dout16;
+  }
+  float* dq_accum_buffer() const {
+    std::lock_guard lock(lazy_mutex);
+    if (dq_accum == nullptr)
+      check(cudaMalloc(&dq_accum, static_cast<size_t>(tq) * hq * d * 4 + 16), "cudaMalloc (dq accumulator)");
+    return dq_accum;
   }
 };
 
@@ -223,6 +233,11 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   const int fwd_k = detail::fwd_tile_k(plan->padded_d);
   const HostList fwd = convert(mask, tiling::by_q_tile(mask, fwd_q, fwd_k), true);
   const HostList dkdv = convert(mask, tiling::by_k_tile(mask, detail::kDkdvTileK, detail::kDkdvTileQ), false);
+  const int fused_k = detail::dkdv_tile_k(plan->padded_d, true);
+  const bool fused_shared = fused_k == detail::kDkdvTileK;
+  HostList fused_own;
+  if (!fused_shared) fused_own = convert(mask, tiling::by_k_tile(mask, fused_k, detail::kDkdvTileQ), false);
+  const HostList& dkdv_fused = fused_shared ? dkdv : fused_own;
   const int dq_k = detail::dq_tile_k(plan->padded_d);
   const int dq_q = detail::dq_tile_q(plan->padded_d);
   const bool dq_shared = dq_k == fwd_k && dq_q == fwd_q;
@@ -248,6 +263,7 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   const Offsets o_fwd = append_list(fwd);
   const Offsets o_dkdv = append_list(dkdv);
   const Offsets o_dq = dq_shared ? o_fwd : append_list(dq_own);
+  const Offsets o_fused = fused_shared ? o_dkdv : append_list(fused_own);
   const size_t delta_at = align_up(staging.size());
   plan->tq_pad = (plan->tq + 63) / 64 * 64 + 64;
   const size_t stats_bytes = static_cast<size_t>(plan->tq_pad) * plan->hq * sizeof(float);
@@ -271,6 +287,8 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   plan->fwd = make_list(fwd, o_fwd);
   plan->dkdv = make_list(dkdv, o_dkdv);
   plan->dq = make_list(dq, o_dq);
+  plan->dkdv_fused = make_list(dkdv_fused, o_fused);
+  plan->dkdv_fused_items = static_cast<int64_t>(dkdv_fused.items.size());
   plan->fwd_items = static_cast<int64_t>(fwd.items.size());
   plan->dkdv_items = static_cast<int64_t>(dkdv.items.size());
   plan->dq_items = static_cast<int64_t>(dq.items.size());
@@ -457,23 +475,43 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
   p.softcap_post = t.softcap_post;
   p.grad_fp32 = a.dq.dtype == DType::F32;
   detail::BwdParams dkdv = p;
-  dkdv.list = plan.dkdv;
   dkdv.work_counter = plan.counters + 1;
   dkdv.grad_fp32 = a.dk.dtype == DType::F32;
   dkdv.dv_fp32 = a.dv.dtype == DType::F32;
   detail::BwdParams dq = p;
   dq.list = plan.dq;
   dq.work_counter = plan.counters + 2;
-  const int dkdv_blocks = plan.dkdv.num_tiles * plan.hkv;
   const int dq_blocks = plan.dq.num_tiles * plan.hq;
+  // Default: dq by fp32 atomics inside the dk/dv kernel, straight into an fp32 dq (the atomics add 4
+  // floats: 16-byte alignment), else into the plan's accumulator and converted after. Deterministic: the
+  // separate dq kernel.
+  const bool fused_dq = !o.deterministic;
+  const size_t dq_elements = static_cast<size_t>(plan.tq) * plan.hq * plan.d;
+  const bool dq_in_place = dq.grad_fp32 && reinterpret_cast<uintptr_t>(a.dq.data) % 16 == 0;
+  dkdv.list = fused_dq ? plan.dkdv_fused : plan.dkdv;
+  const int dkdv_blocks = dkdv.list.num_tiles * plan.hkv;
+  if (fused_dq) {
+    dkdv.dq_accum = dq_in_place ? static_cast<float*>(a.dq.data) : plan.dq_accum_buffer();
+    check(cudaMemsetAsync(dkdv.dq_accum, 0, dq_elements * 4, stream), "cudaMemsetAsync (dq accumulator)");
+  }
   timer.end();
-  timer.begin("dkdv_kernel + dq_kernel");
+  timer.begin(fused_dq ? "dkdv_kernel (dq by atomics)" : "dkdv_kernel + dq_kernel");
   if (tag == detail::kBf16)
     run_backward<detail::kBf16>(plan.padded_d, dkdv, dkdv_blocks, dq, dq_blocks, o.sm_margin, stream);
   else run_backward<detail::kFp16>(plan.padded_d, dkdv, dkdv_blocks, dq, dq_blocks, o.sm_margin, stream);
   timer.end();
-  timer.report("cuda backward, " + std::to_string(plan.dkdv_items) + " dk/dv items, " +
-               std::to_string(plan.dq_items) + " dq items");
+  if (fused_dq && !dq_in_place) {
+    timer.begin("dq conversion");
+    if (dq.grad_fp32)
+      check(cudaMemcpyAsync(a.dq.data, dkdv.dq_accum, dq_elements * 4, cudaMemcpyDeviceToDevice, stream),
+            "cudaMemcpyAsync (dq)");
+    else detail::launch_convert(tag, dkdv.dq_accum, a.dq.data, static_cast<int64_t>(dq_elements), stream);
+    timer.end();
+  }
+  timer.report("cuda backward, " +
+               (fused_dq ? std::to_string(plan.dkdv_fused_items) + " dk/dv items (dq by atomics)"
+                         : std::to_string(plan.dkdv_items) + " dk/dv items, " + std::to_string(plan.dq_items) +
+                               " dq items"));
 }
 
 }  // namespace magi::cuda

@@ -3,8 +3,9 @@
 // A plan turns a mask into the kernels' device work lists once and owns its device workspace. Execution
 // enqueues kernels on the caller's stream only: no host synchronisation, no allocation (except the first
 // backward call with fp32 dout, which sizes a conversion buffer), so forward + backward can be captured
-// in a CUDA graph. Results are deterministic by construction (no atomics on values; max_logits uses an
-// order-independent atomic max).
+// in a CUDA graph. With Options::deterministic every result is bitwise reproducible (no atomics on values;
+// max_logits uses an order-independent atomic max); by default dq is accumulated with fp32 atomics (faster,
+// not bitwise reproducible), everything else stays reproducible.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -24,6 +25,9 @@ struct Options {
   SinkLayout sink_layout = SinkLayout::None;
   int32_t sm_margin = 0;  // SMs the persistent grids leave free (MAGI_ATTENTION_FFA_{FORWARD,BACKWARD}_SM_MARGIN)
   bool profile = false;   // MAGI_ATTENTION_PROFILE_MODE: time each kernel with CUDA events and print (syncs)
+  // MAGI_ATTENTION_DETERMINISTIC_MODE / AttentionOptions::deterministic: bitwise-reproducible backward
+  // (a separate dq kernel recomputes S and dP) instead of dq accumulated with fp32 atomics.
+  bool deterministic = false;
 };
 
 struct Plan;

@@ -1,9 +1,11 @@
-// Backward flash kernels. Deterministic by construction (no atomics on values):
+// Backward flash kernels.
 //  - dk/dv: one block = one k tile (64 keys) of one kv head; it walks the by_k_tile items of its tile for
 //    every q head of the GQA group, recomputing P^T and dS^T, and accumulates dV += P^T dO, dK += dS^T Q
 //    in registers (D <= 128: P^T / dS^T stay in registers; D 256: staged in shared memory).
-//  - dq: one block = one q tile (128 rows; 64 for D 256) of one q head over the by_q_tile items,
-//    dQ += dS K, recomputing S and dP.
+//  - Deterministic mode, no atomics on values: a dq kernel, one block = one q tile (128 rows; 64 for
+//    D 256) of one q head over the by_q_tile items, dQ += dS K, recomputing S and dP (7 GEMMs).
+//  - Default mode: the dk/dv kernel (kDq) also adds dQ += dS K for each chunk into an fp32 buffer with
+//    atomics (5 GEMMs, FA2's scheme); the atomics' order varies, so dq is not bitwise reproducible.
 #pragma once
 
 #include <type_traits>
@@ -47,19 +49,85 @@ __device__ __forceinline__ float load_delta(const BwdParams& prm, int row, int h
   return prm.delta[int64_t{head} * prm.tq_pad + row];
 }
 
-template <int kD>
+template <int kD, bool kDq>
 struct DkdvConfig {
-  static constexpr int kM = kDkdvTileQ;  // q rows per item chunk
-  static constexpr int kN = kDkdvTileK;  // keys per block
-  // D <= 128: 4 warps, each owns 16 keys end to end (P^T, dS^T stay in registers, one barrier per step).
-  // D 256: 8 warps, P^T and dS^T staged in shared memory, d columns split between warp halves.
+  static constexpr int kM = kDkdvTileQ;             // q rows per item chunk
+  static constexpr int kN = dkdv_tile_k(kD, kDq);  // keys per block
+  // D <= 128: one warp per 16 keys, each owns its keys end to end (P^T, dS^T stay in registers, one
+  // barrier per step). D 256: 8 warps, P^T and dS^T staged in shared memory, d columns split between warp
+  // halves.
   static constexpr bool kRegisterResident = kD <= 128;
-  static constexpr int kWarps = kRegisterResident ? 4 : 8;
+  static constexpr int kWarps = kRegisterResident ? kN / 16 : 8;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kStages = kD <= 128 ? 2 : 1;  // double-buffered Q/dO where shared memory allows
   static constexpr int kStagedPdS = kRegisterResident ? 0 : 2 * kN * kM;
   static constexpr int kSmemBytes = (2 * kN * kD + kStages * 2 * kM * kD + kStagedPdS) * 2 + kStages * 2 * kM * 4;
+  // With dq accumulation the register-resident path also stages dS^T ([kN][kM + 8]) for dQ += dS K.
+  static constexpr int smem_bytes() { return kSmemBytes + (kDq && kRegisterResident ? kN * (kM + 8) * 2 : 0); }
 };
+
+// dQ += dS K for one 64-row chunk, added to p.dq_accum with atomics. dS^T ([kN keys][64 rows]) and K
+// ([kN][kD]) are in shared memory: `ds_t` addresses this thread's ldmatrix row of dS^T for keys [0, 16)
+// (the next 16 keys are kDsRowBytes * 16 further), `k_t` the K^T fragments with this warp's column offset
+// folded in. Warp w computes rows [16 (w % 4), +16) and columns [(w / 4) kCols, +kCols), 64 columns at a
+// time to bound live registers.
+template <class T, int kD, int kN, int kCols, int kDsRowBytes>
+__device__ __forceinline__ void accumulate_dq(const BwdParams& p, uint32_t ds_t, const FragAddr<kD>& k_t, int q0,
+                                              int head, int warp, int lane) {
+  constexpr int kChunk = kCols < 64 ? kCols : 64;
+  const int col_base = (warp / 4) * kCols;
+  const int row0 = q0 + (warp % 4) * 16 + lane / 4;
+  const int64_t q_stride = int64_t{p.hq} * p.d;
+#pragma unroll
+  for (int c = 0; c < kCols / kChunk; ++c) {
+    float acc[kChunk / 8][4];
+#pragma unroll
+    for (int i = 0; i < kChunk / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < kN / 16; ++kk) {
+      uint32_t a[4];
+      ldmatrix_x4_trans(a, ds_t + kk * 16 * kDsRowBytes);
+#pragma unroll
+      for (int dp = 0; dp < kChunk / 16; ++dp) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, k_t.at(kk * 16, c * (kChunk / 16) + dp));
+        Mma<T>::run(acc[2 * dp], a, b[0], b[1]);
+        Mma<T>::run(acc[2 * dp + 1], a, b[2], b[3]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row0 + r * 8;
+      const bool row_valid = row < p.tq;  // no early exit: the whole warp shuffles below
+      float* base = p.dq_accum + row * q_stride + int64_t{head} * p.d;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      // Hopper's vector atomics: lanes 2j and 2j + 1 trade halves so that each adds 4 consecutive
+      // columns (the even lane of column block i, the odd lane of block i + 1): a quarter of the ops.
+      const bool odd = lane & 1;
+#pragma unroll
+      for (int i = 0; i < kChunk / 8; i += 2) {
+        const float give0 = odd ? acc[i][2 * r] : acc[i + 1][2 * r];
+        const float give1 = odd ? acc[i][2 * r + 1] : acc[i + 1][2 * r + 1];
+        const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1);
+        const float got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
+        const int col = col_base + c * kChunk + (i + (odd ? 1 : 0)) * 8 + ((lane % 4) & 2) * 2;
+        const float4 v = odd ? make_float4(got0, got1, acc[i + 1][2 * r], acc[i + 1][2 * r + 1])
+                             : make_float4(acc[i][2 * r], acc[i][2 * r + 1], got0, got1);
+        if (row_valid && col < p.d) atomicAdd(reinterpret_cast<float4*>(base + col), v);
+      }
+#else
+#pragma unroll
+      for (int i = 0; i < kChunk / 8; ++i) {
+        const int col = col_base + c * kChunk + i * 8 + (lane % 4) * 2;
+        if (row_valid && col < p.d) {
+          atomicAdd(base + col, acc[i][2 * r]);
+          atomicAdd(base + col + 1, acc[i][2 * r + 1]);
+        }
+      }
+#endif
+    }
+  }
+}
 
 // Rows (q) that a work item keeps for key k: the transpose of item_keys, via kept_queries' bounds.
 __device__ __forceinline__ KeyInterval item_queries(const WorkItem& w, int k) {
@@ -70,11 +138,11 @@ __device__ __forceinline__ KeyInterval item_queries(const WorkItem& w, int k) {
   return {lo, hi};
 }
 
-// dk/dv for D <= 128: each of the 4 warps owns 16 keys; S^T and dP^T come out of the tensor cores in the
+// dk/dv for D <= 128: each warp owns 16 keys; S^T and dP^T come out of the tensor cores in the
 // layout of the A operand of dV += P^T dO and dK += dS^T Q, so P^T and dS^T never leave registers.
-template <class T, int kD>
+template <class T, int kD, bool kDq>
 __device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linear, unsigned char* smem) {
-  using Cfg = DkdvConfig<kD>;
+  using Cfg = DkdvConfig<kD, kDq>;
   constexpr int kM = Cfg::kM, kN = Cfg::kN, kThreads = Cfg::kThreads, kStages = Cfg::kStages;
   constexpr int kDSteps = kD / 16;
   constexpr int kQBlocks = kM / 8;  // 8-wide q column blocks of S^T
@@ -85,6 +153,10 @@ __device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linea
   const uint32_t sdO0 = sQ0 + kStages * kM * kD * 2;  // [stage][kM][kD]
   float* const sLse = reinterpret_cast<float*>(smem + (sdO0 + kStages * kM * kD * 2 - sK));  // [stage][kM]
   float* const sDelta = sLse + kStages * kM;                                                // [stage][kM]
+  // kDq: dS^T as [kN][kM + 8] (padded rows: the stores and the ldmatrix reads are conflict-free, and
+  // every address is one register + an immediate).
+  constexpr int kDsRowBytes = (kM + 8) * 2;
+  const uint32_t sdS = smem_addr(sDelta + kStages * kM);
 
   const int tile = p.list.order[linear / p.hkv];
   const int kv_head = linear % p.hkv;
@@ -142,6 +214,11 @@ __device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linea
   const FragAddr<kD> qo_t(sQ0, (lane % 8) + ((lane / 8) % 2) * 8, lane / 16);        // B^T: Q, dO
   constexpr uint32_t kKV = kN * kD * 2;            // sV - sK
   constexpr uint32_t kQO = kStages * kM * kD * 2;  // sdO - sQ
+  const uint32_t ds_store = sdS + (warp * 16 + lane / 4) * kDsRowBytes + (lane % 4) * 4;
+  const uint32_t ds_load = sdS + ((lane % 8) + (lane / 16) * 8) * kDsRowBytes + ((warp % 4) * 2 + (lane / 8) % 2) * 16;
+  // dQ: warps split the chunk's 4 row blocks x (kWarps / 4) column groups.
+  constexpr int kDqCols = kD / (Cfg::kWarps / 4);
+  const FragAddr<kD> k_t(sK, lane % 16, (warp / 4) * (kDqCols / 8) + lane / 16);  // B^T: K rows = keys
 
   for (int it = 0; it < total; ++it) {
     const int stage = kStages == 2 ? it & 1 : 0;
@@ -201,6 +278,11 @@ __device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linea
         a_p[t][half + 1] = Mma<T>::pack(pv[2], pv[3]);
         a_ds[t][half] = Mma<T>::pack(dsv[0], dsv[1]);
         a_ds[t][half + 1] = Mma<T>::pack(dsv[2], dsv[3]);
+        if constexpr (kDq) {  // dS^T for dQ += dS K after the barrier below
+          const uint32_t at = ds_store + nb * 16;
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(a_ds[t][half]));
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at + 8 * kDsRowBytes), "r"(a_ds[t][half + 1]));
+        }
       }
     });
 
@@ -218,6 +300,10 @@ __device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linea
         Mma<T>::run(dk[2 * dp], a_ds[t], bq[0], bq[1]);
         Mma<T>::run(dk[2 * dp + 1], a_ds[t], bq[2], bq[3]);
       }
+    }
+    if constexpr (kDq) {
+      __syncthreads();  // every warp's dS^T keys are staged
+      accumulate_dq<T, kD, kN, kDqCols, kDsRowBytes>(p, ds_load, k_t, q0, kv_head * group + it / count, warp, lane);
     }
     current = next;
     next = after_next;
@@ -240,9 +326,9 @@ __device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linea
   }
 }
 
-template <class T, int kD>
+template <class T, int kD, bool kDq>
 __device__ __forceinline__ void dkdv_staged_tile(const BwdParams& p, int linear, unsigned char* smem) {
-  using Cfg = DkdvConfig<kD>;
+  using Cfg = DkdvConfig<kD, kDq>;
   constexpr int kM = Cfg::kM, kN = Cfg::kN, kThreads = Cfg::kThreads, kStages = Cfg::kStages;
   constexpr int kDSteps = kD / 16;
   constexpr int kHalfD = kD / 2;
@@ -405,6 +491,14 @@ __device__ __forceinline__ void dkdv_staged_tile(const BwdParams& p, int linear,
         Mma<T>::run(dk[2 * dp + 1], ads, bq[2], bq[3]);
       }
     }
+    if constexpr (kDq) {
+      FragAddr<kD> k_t = qo_t;  // same pattern (and column half) as the Q/dO B^T fragments, over K
+      k_t.base = qo_t.base - (sQ0 - sK);
+      // dS^T is Swizzled<kM>: with the row's XOR fixed by lane % 8, each 16 keys are 16 rows further.
+      const uint32_t ds_load = sdS + ((lane % 8) + (lane / 16) * 8) * kM * 2 +
+                               ((((warp % 4) * 2 + (lane / 8) % 2)) ^ (lane % 8)) * 16;
+      accumulate_dq<T, kD, kN, kHalfD, kM * 2>(p, ds_load, k_t, q0, kv_head * group + it / count, warp, lane);
+    }
     if (kStages == 1) {
       __syncthreads();
       if (it + 1 < total) issue_loads(next, it + 1, 0);
@@ -431,10 +525,10 @@ __device__ __forceinline__ void dkdv_staged_tile(const BwdParams& p, int linear,
   }
 }
 
-template <class T, int kD>
+template <class T, int kD, bool kDq>
 __device__ __forceinline__ void dkdv_kernel_tile(const BwdParams& p, int linear, unsigned char* smem) {
-  if constexpr (DkdvConfig<kD>::kRegisterResident) dkdv_register_tile<T, kD>(p, linear, smem);
-  else dkdv_staged_tile<T, kD>(p, linear, smem);
+  if constexpr (DkdvConfig<kD, kDq>::kRegisterResident) dkdv_register_tile<T, kD, kDq>(p, linear, smem);
+  else dkdv_staged_tile<T, kD, kDq>(p, linear, smem);
 }
 
 template <int kD>
@@ -612,22 +706,22 @@ __device__ __forceinline__ void dq_kernel_tile(const BwdParams& p, int linear, u
 }
 
 // Plain grid (one block per work index; the hardware balances best when no SM margin is asked for).
-template <class T, int kD>
-__global__ void __launch_bounds__(DkdvConfig<kD>::kThreads) dkdv_kernel(const BwdParams p) {
+template <class T, int kD, bool kDq>
+__global__ void __launch_bounds__(DkdvConfig<kD, kDq>::kThreads) dkdv_kernel(const BwdParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
-  dkdv_kernel_tile<T, kD>(p, static_cast<int>(blockIdx.x), smem);
+  dkdv_kernel_tile<T, kD, kDq>(p, static_cast<int>(blockIdx.x), smem);
 }
 
 // Persistent grid: block b starts with work b, then takes the next unclaimed index from a counter, so the
 // plan's heaviest-first order is kept and blocks balance dynamically. Each work index is computed the
 // same way whichever block takes it, so results do not depend on the schedule.
-template <class T, int kD>
-__global__ void __launch_bounds__(DkdvConfig<kD>::kThreads) dkdv_kernel_persistent(const BwdParams p, int num_work) {
+template <class T, int kD, bool kDq>
+__global__ void __launch_bounds__(DkdvConfig<kD, kDq>::kThreads) dkdv_kernel_persistent(const BwdParams p, int num_work) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int next_work;
   int linear = static_cast<int>(blockIdx.x);
   while (linear < num_work) {
-    dkdv_kernel_tile<T, kD>(p, linear, smem);
+    dkdv_kernel_tile<T, kD, kDq>(p, linear, smem);
     if (threadIdx.x == 0) next_work = atomicAdd(p.work_counter, 1) + static_cast<int>(gridDim.x);
     __syncthreads();  // also: the next work item reuses shared memory
     linear = next_work;

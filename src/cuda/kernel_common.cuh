@@ -122,20 +122,36 @@ struct FragAddr {
 
 // Copies rows [0, kRows) x cols [0, kCols) of a strided global tile into a swizzled shared tile.
 // Rows >= rows_valid and columns >= cols_valid become zeros. `fallback` is any valid global address.
+// When each pass of the threads covers a multiple of 8 whole rows, a thread keeps its column chunk and its
+// row's swizzle in every pass: its addresses are one base + a pass immediate (few live registers).
 template <int kRows, int kCols, int kThreads, class T>
 __device__ __forceinline__ void load_tile_async(uint32_t smem, const T* global, int64_t row_stride, int rows_valid,
                                                 int cols_valid, const T* fallback) {
   constexpr int kChunksPerRow = kCols / 8;
   constexpr int kTotal = kRows * kChunksPerRow;
   static_assert(kTotal % kThreads == 0, "tile must divide evenly among threads");
+  if constexpr (kThreads % kChunksPerRow == 0 && (kThreads / kChunksPerRow) % 8 == 0) {
+    constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+    const int row0 = static_cast<int>(threadIdx.x) / kChunksPerRow;
+    const int col = (static_cast<int>(threadIdx.x) % kChunksPerRow) * 8;
+    const uint32_t dst = smem + Swizzled<kCols>::offset(row0, col);
+    const T* src = global + row0 * row_stride + col;
+    const bool col_valid = col < cols_valid;
 #pragma unroll
-  for (int i = 0; i < kTotal / kThreads; ++i) {
-    const int index = i * kThreads + static_cast<int>(threadIdx.x);
-    const int row = index / kChunksPerRow;
-    const int col = (index % kChunksPerRow) * 8;
-    const bool valid = row < rows_valid && col < cols_valid;
-    const T* src = valid ? global + row * row_stride + col : fallback;
-    cp_async16(smem + Swizzled<kCols>::offset(row, col), src, valid);
+    for (int i = 0; i < kTotal / kThreads; ++i) {
+      const bool valid = col_valid && row0 + i * kRowsPerPass < rows_valid;
+      cp_async16(dst + i * kRowsPerPass * kCols * 2, valid ? src + i * kRowsPerPass * row_stride : fallback, valid);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kTotal / kThreads; ++i) {
+      const int index = i * kThreads + static_cast<int>(threadIdx.x);
+      const int row = index / kChunksPerRow;
+      const int col = (index % kChunksPerRow) * 8;
+      const bool valid = row < rows_valid && col < cols_valid;
+      const T* src = valid ? global + row * row_stride + col : fallback;
+      cp_async16(smem + Swizzled<kCols>::offset(row, col), src, valid);
+    }
   }
 }
 

@@ -36,9 +36,17 @@ struct DeviceList {
 constexpr int fwd_warps(int /*padded_head_dim*/) { return 4; }
 constexpr int fwd_tile_q(int padded_head_dim) { return padded_head_dim <= 128 ? 128 : 64; }
 constexpr int fwd_tile_k(int padded_head_dim) { return padded_head_dim <= 128 ? 64 : 32; }
-// Backward: dk/dv blocks of 64 keys x 64-row q chunks (8 warps); dq blocks of 4 warps.
+// Backward: dk/dv blocks of 64 keys x 64-row q chunks; dq blocks of 4 warps. The default (dq by atomics)
+// dk/dv kernel takes 128 keys per block up to D 128: each chunk's dQ atomics then cover twice the keys
+// (half the atomic traffic of 64-key tiles).
 constexpr int kDkdvTileK = 64;
 constexpr int kDkdvTileQ = 64;
+#ifndef MAGI_CUDA_FUSED_DKDV_TILE_K  // build-time override for experiments (64 or 128)
+#define MAGI_CUDA_FUSED_DKDV_TILE_K 128
+#endif
+constexpr int dkdv_tile_k(int padded_head_dim, bool dq_atomics) {
+  return dq_atomics && padded_head_dim <= 128 ? MAGI_CUDA_FUSED_DKDV_TILE_K : kDkdvTileK;
+}
 // dq: 128 rows (two m-tiles per warp) x 32 keys up to D 128 beat 64 x 64 (165 vs 159 bwd TFLOP/s, H200).
 constexpr int dq_tile_q(int padded_head_dim) { return padded_head_dim <= 128 ? 128 : 64; }
 constexpr int dq_tile_k(int /*padded_head_dim*/) { return 32; }
@@ -82,6 +90,9 @@ struct BwdParams {
   int32_t dv_fp32;
   int32_t* work_counter;  // persistent grid: next work index (zeroed before each launch)
   DeviceList list;  // by_q_tile for dq, by_k_tile for dk/dv
+  // Non-deterministic mode: the dk/dv kernel also adds dQ = dS K into this zeroed fp32 [Tq, Hq, D] buffer
+  // with atomics (5 GEMMs instead of 7) and the dq kernel is skipped. Null: deterministic two-kernel path.
+  float* dq_accum;
 };
 
 }  // namespace magi::cuda::detail

@@ -79,7 +79,29 @@ __global__ void dsink_sh_kernel(const float* sink, const float* lse, const float
   if (threadIdx.x == 0) dsink[index] = static_cast<float>(-partial[0]);
 }
 
+// Four elements per thread: a 16-byte load, two 4-byte stores (the destination is only pair-aligned, like
+// every 16-bit output of these kernels).
+template <class T>
+__global__ void convert_kernel(const float4* src, uint32_t* dst, int64_t n4) {
+  const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (i >= n4) return;
+  const float4 v = src[i];
+  dst[2 * i] = Mma<T>::pack(v.x, v.y);
+  dst[2 * i + 1] = Mma<T>::pack(v.z, v.w);
+}
+
 }  // namespace
+
+void launch_convert(int dtype, const float* src, void* dst, int64_t n, cudaStream_t stream) {
+  const int64_t n4 = n / 4;
+  if (n4 == 0) return;
+  const unsigned blocks = static_cast<unsigned>((n4 + 255) / 256);
+  const auto* s = reinterpret_cast<const float4*>(src);
+  auto* d = static_cast<uint32_t*>(dst);
+  if (dtype == kBf16) convert_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(s, d, n4);
+  else convert_kernel<__half><<<blocks, 256, 0, stream>>>(s, d, n4);
+  check_launch("convert_kernel");
+}
 
 void launch_fill(float* data, int64_t n, float value, cudaStream_t stream) {
   if (n == 0) return;

@@ -73,11 +73,13 @@ class DeviceTensor {
   std::vector<int64_t> shape_;
 };
 
-inline cuda::Options cuda_options(const CaseConfig& c) {
+// deterministic: the two-kernel backward (bitwise reproducible); otherwise dq by fp32 atomics (default).
+inline cuda::Options cuda_options(const CaseConfig& c, bool deterministic = false) {
   cuda::Options o;
   o.softmax_scale = c.softmax_scale.value_or(1.0 / std::sqrt(static_cast<double>(c.head_dim)));
   o.softcap = c.softcap;
   o.sink_layout = c.sink_layout;
+  o.deterministic = deterministic;
   return o;
 }
 
@@ -134,15 +136,16 @@ struct DeviceCase {
 
 // Forward (and backward when config.backward) through the CUDA backend, judged by SPEC section 5.
 inline testing::AssertionResult check_cuda_case(const Mask& mask, const CaseConfig& c, uint64_t seed,
-                                                std::string_view name) {
+                                                std::string_view name, bool deterministic = false) {
   std::ostringstream context_stream;
-  context_stream << "case " << name << ", " << c.describe() << ", seed " << seed;
+  context_stream << "case " << name << ", " << c.describe() << (deterministic ? ", deterministic" : "") << ", seed "
+                 << seed;
   const std::string context = context_stream.str();
   try {
     CaseData d = make_case(mask, c, seed);
     DeviceCase dev(d, c);
     auto plan = cuda::make_plan(mask, c.heads_q, c.heads_kv, c.head_dim, 0);
-    const cuda::Options o = cuda_options(c);
+    const cuda::Options o = cuda_options(c, deterministic);
     cudaStream_t stream = nullptr;
     cuda::forward(*plan, dev.forward_args(), o, stream);
     MAGI_CUDA_CHECK(cudaStreamSynchronize(stream));

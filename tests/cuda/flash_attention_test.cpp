@@ -135,6 +135,24 @@ TEST(CudaBackend, EmptyMaskGivesZerosAndMinusInf) {
   EXPECT_TRUE(check_cuda_case(mask, c, fresh_seed(), "mostly empty"));
 }
 
+// The deterministic (two-kernel) backward against the reference: q-overlap, GQA, every tile, sink, softcap,
+// fp32 gradients. (Every other case runs the default path, dq by atomics.)
+TEST(CudaBackend, DeterministicModeMatchesReference) {
+  const uint64_t seed = fresh_seed();
+  CaseConfig gqa = config(DType::BF16, 8, 2, 128);
+  EXPECT_TRUE(check_cuda_case(cases::mixed_types_q_overlap(), gqa, seed, "mixed types, q-overlap", true));
+  std::mt19937_64 rng(seed);
+  const Mask mask = random_rectangles(rng, 512, 640, 40);
+  CaseConfig d64 = config(DType::F16, 4, 2, 64);
+  d64.sink_layout = SinkLayout::SH;
+  d64.sink_len = 3;
+  EXPECT_TRUE(check_cuda_case(mask, d64, seed + 1, "random 512x640, sh sink", true));
+  CaseConfig d256 = config(DType::BF16, 2, 1, 256);
+  d256.softcap = 20.0;
+  d256.fp32_outputs = true;
+  EXPECT_TRUE(check_cuda_case(mask, d256, seed + 2, "random 512x640, d256 softcap fp32", true));
+}
+
 // Runs forward + backward twice on the same inputs and requires bitwise-identical results.
 TEST(CudaBackend, DeterministicAcrossRuns) {
   const uint64_t seed = fresh_seed();
@@ -146,8 +164,8 @@ TEST(CudaBackend, DeterministicAcrossRuns) {
   std::vector<HostTensor> first;
   for (int run = 0; run < 2; ++run) {
     dev.poison();
-    cuda::forward(*plan, dev.forward_args(), cuda_options(c), nullptr);
-    cuda::backward(*plan, dev.backward_args(), cuda_options(c), nullptr);
+    cuda::forward(*plan, dev.forward_args(), cuda_options(c, true), nullptr);
+    cuda::backward(*plan, dev.backward_args(), cuda_options(c, true), nullptr);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     std::vector<HostTensor> now = {dev.out.download(), dev.lse.download(), dev.dq.download(), dev.dk.download(),
                                    dev.dv.download()};
@@ -161,7 +179,23 @@ TEST(CudaBackend, DeterministicAcrossRuns) {
   }
 }
 
-// Captures forward + backward in a CUDA graph, replays it, and compares with the eager results.
+// Same results from two runs: bitwise, except dq of the default mode (fp32 atomics in varying order),
+// which must agree within the gradient tolerance.
+testing::AssertionResult same_results(const std::vector<HostTensor>& a, const std::vector<HostTensor>& b,
+                                      bool deterministic, DType dtype, const std::string& context) {
+  const char* names[] = {"out", "lse", "dq", "dk", "dv", "dsink"};
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!a[i].defined()) continue;
+    auto ok = !deterministic && std::string(names[i]) == "dq"
+                  ? check_close("dq", b[i].values(), a[i].values(), Quantity::Grad, dtype, context)
+                  : check_bitwise_equal(names[i], a[i], b[i], context);
+    if (!ok) return ok;
+  }
+  return testing::AssertionSuccess();
+}
+
+// Captures forward + backward in a CUDA graph (both backward modes), replays it, and compares with the
+// eager results.
 TEST(CudaBackend, GraphCaptureAndReplay) {
   const uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
@@ -173,37 +207,40 @@ TEST(CudaBackend, GraphCaptureAndReplay) {
   auto plan = cuda::make_plan(mask, c.heads_q, c.heads_kv, c.head_dim, 0);
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-
-  cuda::forward(*plan, dev.forward_args(), cuda_options(c), stream);
-  cuda::backward(*plan, dev.backward_args(), cuda_options(c), stream);
-  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-  std::vector<HostTensor> eager = {dev.out.download(), dev.lse.download(), dev.dq.download(),
-                                   dev.dk.download(), dev.dv.download(), dev.dsink.download()};
-
-  cudaGraph_t graph;
-  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
-  cuda::forward(*plan, dev.forward_args(), cuda_options(c), stream);
-  cuda::backward(*plan, dev.backward_args(), cuda_options(c), stream);
-  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-  cudaGraphExec_t exec;
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-  for (int replay = 0; replay < 2; ++replay) {
+  for (bool deterministic : {true, false}) {
+    const cuda::Options o = cuda_options(c, deterministic);
+    const std::string context = std::string(deterministic ? "deterministic" : "default") + ", seed " +
+                                std::to_string(seed);
     dev.poison();
-    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    cuda::forward(*plan, dev.forward_args(), o, stream);
+    cuda::backward(*plan, dev.backward_args(), o, stream);
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    std::vector<HostTensor> now = {dev.out.download(), dev.lse.download(), dev.dq.download(),
-                                   dev.dk.download(), dev.dv.download(), dev.dsink.download()};
-    const char* names[] = {"out", "lse", "dq", "dk", "dv", "dsink"};
-    for (size_t i = 0; i < now.size(); ++i)
-      EXPECT_TRUE(check_bitwise_equal(names[i], eager[i], now[i], "seed " + std::to_string(seed)));
+    std::vector<HostTensor> eager = {dev.out.download(), dev.lse.download(), dev.dq.download(),
+                                     dev.dk.download(), dev.dv.download(), dev.dsink.download()};
+
+    cudaGraph_t graph;
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+    cuda::forward(*plan, dev.forward_args(), o, stream);
+    cuda::backward(*plan, dev.backward_args(), o, stream);
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    cudaGraphExec_t exec;
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    for (int replay = 0; replay < 2; ++replay) {
+      dev.poison();
+      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      std::vector<HostTensor> now = {dev.out.download(), dev.lse.download(), dev.dq.download(),
+                                     dev.dk.download(), dev.dv.download(), dev.dsink.download()};
+      EXPECT_TRUE(same_results(eager, now, deterministic, c.dtype, context));
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
 }
 
-// A persistent grid squeezed onto one SM (every block walks many tiles) must give the same bits as the
-// full grid, for forward and backward; profile mode must not change results either.
+// A persistent grid squeezed onto one SM (every block walks many tiles) must give the same results as the
+// full grid, for forward and backward in both modes; profile mode must not change results either.
 TEST(CudaBackend, SmMarginAndProfileModeKeepResults) {
   const uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
@@ -214,24 +251,26 @@ TEST(CudaBackend, SmMarginAndProfileModeKeepResults) {
   auto plan = cuda::make_plan(mask, c.heads_q, c.heads_kv, c.head_dim, 0);
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
-  std::vector<HostTensor> reference;
-  for (int margin : {0, sms - 1}) {
-    cuda::Options o = cuda_options(c);
-    o.sm_margin = margin;
-    o.profile = margin != 0;
-    dev.poison();
-    cuda::forward(*plan, dev.forward_args(), o, nullptr);
-    cuda::backward(*plan, dev.backward_args(), o, nullptr);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    std::vector<HostTensor> now = {dev.out.download(), dev.lse.download(), dev.dq.download(), dev.dk.download(),
-                                   dev.dv.download()};
-    if (margin == 0) {
-      reference = std::move(now);
-      continue;
+  for (bool deterministic : {true, false}) {
+    std::vector<HostTensor> reference;
+    for (int margin : {0, sms - 1}) {
+      cuda::Options o = cuda_options(c, deterministic);
+      o.sm_margin = margin;
+      o.profile = margin != 0;
+      dev.poison();
+      cuda::forward(*plan, dev.forward_args(), o, nullptr);
+      cuda::backward(*plan, dev.backward_args(), o, nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      std::vector<HostTensor> now = {dev.out.download(), dev.lse.download(), dev.dq.download(),
+                                     dev.dk.download(), dev.dv.download()};
+      if (margin == 0) {
+        reference = std::move(now);
+        continue;
+      }
+      EXPECT_TRUE(same_results(reference, now, deterministic, c.dtype,
+                               std::string(deterministic ? "deterministic" : "default") + ", seed " +
+                                   std::to_string(seed)));
     }
-    const char* names[] = {"out", "lse", "dq", "dk", "dv"};
-    for (size_t i = 0; i < now.size(); ++i)
-      EXPECT_TRUE(check_bitwise_equal(names[i], reference[i], now[i], "seed " + std::to_string(seed)));
   }
 }
 

@@ -43,26 +43,35 @@ void launch_forward(const FwdParams& params, int num_blocks, int sm_margin, cuda
   check_launch("forward_kernel");
 }
 
+template <class T, int kD, bool kDq>
+void launch_dkdv(const BwdParams& dkdv, int dkdv_blocks, int sm_margin, cudaStream_t stream) {
+  constexpr int smem = DkdvConfig<kD, kDq>::smem_bytes();
+  constexpr int kThreads = DkdvConfig<kD, kDq>::kThreads;
+  if (sm_margin <= 0) {
+    auto kernel = dkdv_kernel<T, kD, kDq>;
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    kernel<<<dkdv_blocks, kThreads, smem, stream>>>(dkdv);
+  } else {
+    auto kernel = dkdv_kernel_persistent<T, kD, kDq>;
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    const int grid = persistent_grid(kernel, kThreads, smem, dkdv_blocks, sm_margin);
+    cudaMemsetAsync(dkdv.work_counter, 0, sizeof(int32_t), stream);
+    kernel<<<grid, kThreads, smem, stream>>>(dkdv, dkdv_blocks);
+  }
+  check_launch("dkdv_kernel");
+}
+
+// dkdv.dq_accum set: one fused kernel (dq by atomics), the dq kernel is not launched.
 template <int kDtype, int kD>
 void launch_backward(const BwdParams& dkdv, int dkdv_blocks, const BwdParams& dq, int dq_blocks, int sm_margin,
                      cudaStream_t stream) {
   using T = DtypeOf<kDtype>;
+  const bool fused = dkdv.dq_accum != nullptr;
   if (dkdv_blocks > 0) {
-    using Cfg = DkdvConfig<kD>;
-    if (sm_margin <= 0) {
-      auto kernel = dkdv_kernel<T, kD>;
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-      kernel<<<dkdv_blocks, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(dkdv);
-    } else {
-      auto kernel = dkdv_kernel_persistent<T, kD>;
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-      const int grid = persistent_grid(kernel, Cfg::kThreads, Cfg::kSmemBytes, dkdv_blocks, sm_margin);
-      cudaMemsetAsync(dkdv.work_counter, 0, sizeof(int32_t), stream);
-      kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(dkdv, dkdv_blocks);
-    }
-    check_launch("dkdv_kernel");
+    if (fused) launch_dkdv<T, kD, true>(dkdv, dkdv_blocks, sm_margin, stream);
+    else launch_dkdv<T, kD, false>(dkdv, dkdv_blocks, sm_margin, stream);
   }
-  if (dq_blocks > 0) {
+  if (dq_blocks > 0 && !fused) {
     using Cfg = DqConfig<kD>;
     if (sm_margin <= 0) {
       auto kernel = dq_kernel<T, kD>;

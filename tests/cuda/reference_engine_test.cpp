@@ -1,0 +1,334 @@
+// The exact GPU reference engine (src/cuda/reference) against the naive CPU fp64 reference by SPEC section 5
+// (fp64: max error 1e-10 relative to max |ref|; fp32: rel L2 1e-5; bf16/fp16 inputs: their bounds) on every
+// SPEC section 7 case and random rectangles, with GQA, softcap, sh/ssh sinks (incl. -inf sinks), empty rows;
+// forward and backward. Also: bitwise determinism, CUDA-graph replay, and the public API's routing of
+// backend `reference` on device tensors.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_test_support.hpp"
+#include "cuda/reference/reference_engine.hpp"
+#include "reference/naive_attention.hpp"
+#include "reference/random_inputs.hpp"
+
+namespace magi::test {
+namespace {
+
+namespace ref_engine = magi::cuda::reference;
+
+// Device buffers of one case; outputs NaN-poisoned at construction and by poison().
+struct GpuBuffers {
+  DeviceTensor q, k, v, sink, dout;
+  DeviceTensor out, lse, max_logits, dq, dk, dv, dsink;
+
+  GpuBuffers(const CaseData& d, const CaseConfig& c)
+      : q(d.q), k(d.k), v(d.v), sink(d.sink), dout(d.dout_tensor),
+        out(HostTensor::poisoned(c.out_dtype(), {d.mask.total_q, c.heads_q, c.head_dim})),
+        lse(HostTensor::poisoned(c.lse_dtype(), {d.mask.total_q, c.heads_q})),
+        max_logits(c.max_logits ? HostTensor::poisoned(DType::F32, {c.heads_q}) : HostTensor()),
+        dq(HostTensor::poisoned(c.dq_dtype(), d.q.shape())),
+        dk(HostTensor::poisoned(c.dk_dtype(), d.k.shape())),
+        dv(HostTensor::poisoned(c.dv_dtype(), d.v.shape())),
+        dsink(d.sink.defined() ? HostTensor::poisoned(DType::F32, d.sink.shape()) : HostTensor()) {}
+
+  void poison() {
+    for (DeviceTensor* t : {&out, &lse, &max_logits, &dq, &dk, &dv, &dsink}) {
+      if (!t->defined()) continue;
+      const HostTensor now = t->download();
+      t->upload(HostTensor::poisoned(now.dtype(), now.shape()));
+    }
+  }
+  ForwardArgs forward_args() const {
+    ForwardArgs a;
+    a.q = q.view();
+    a.k = k.view();
+    a.v = v.view();
+    a.sink = sink.view();
+    a.out = out.view();
+    a.lse = lse.view();
+    a.max_logits = max_logits.view();
+    return a;
+  }
+  BackwardArgs backward_args() const {
+    BackwardArgs a;
+    a.q = q.view();
+    a.k = k.view();
+    a.v = v.view();
+    a.out = out.view();
+    a.lse = lse.view();
+    a.dout = dout.view();
+    a.sink = sink.view();
+    a.dq = dq.view();
+    a.dk = dk.view();
+    a.dv = dv.view();
+    a.dsink = dsink.view();
+    return a;
+  }
+  // Every output, downloaded (for bitwise comparisons).
+  std::vector<std::pair<std::string, HostTensor>> results() const {
+    std::vector<std::pair<std::string, HostTensor>> r;
+    const std::pair<const char*, const DeviceTensor*> all[] = {{"out", &out}, {"lse", &lse}, {"max_logits", &max_logits},
+                                                              {"dq", &dq},   {"dk", &dk},   {"dv", &dv},
+                                                              {"dsink", &dsink}};
+    for (const auto& [name, t] : all)
+      if (t->defined()) r.emplace_back(name, t->download());
+    return r;
+  }
+};
+
+ref_engine::Options engine_options(const CaseConfig& c) {
+  return {c.softmax_scale.value_or(1.0 / std::sqrt(static_cast<double>(c.head_dim))), c.softcap, c.sink_layout};
+}
+
+// Elements zero by structure: rows keeping no key (out, dq) and keys no row keeps (dk, dv).
+struct StructuralZeros {
+  std::vector<uint8_t> q_rows, k_rows;
+};
+StructuralZeros structural_zeros(const Mask& mask, const CaseConfig& c) {
+  const std::vector<uint8_t> keep = dense_keep(mask);
+  const size_t tq = mask.total_q, tk = mask.total_k;
+  std::vector<uint8_t> row_empty(tq, 1), key_unread(tk, 1);
+  for (size_t t = 0; t < tq; ++t)
+    for (size_t k = 0; k < tk; ++k)
+      if (keep[t * tk + k]) row_empty[t] = key_unread[k] = 0;
+  StructuralZeros z;
+  for (size_t t = 0; t < tq; ++t) z.q_rows.insert(z.q_rows.end(), static_cast<size_t>(c.heads_q) * c.head_dim, row_empty[t]);
+  for (size_t k = 0; k < tk; ++k) z.k_rows.insert(z.k_rows.end(), static_cast<size_t>(c.heads_kv) * c.head_dim, key_unread[k]);
+  return z;
+}
+
+std::string context_of(std::string_view name, const CaseConfig& c, uint64_t seed) {
+  std::ostringstream os;
+  os << "case " << name << ", " << c.describe() << " (GPU reference engine), seed " << seed;
+  return os.str();
+}
+
+testing::AssertionResult check_engine_case(const Mask& mask, const CaseConfig& c, uint64_t seed, std::string_view name) {
+  const std::string context = context_of(name, c, seed);
+  try {
+    CaseData d = make_case(mask, c, seed);
+    GpuBuffers dev(d, c);
+    auto plan = ref_engine::make_plan(mask, c.heads_q, c.heads_kv, c.head_dim, 0);
+    const ref_engine::Options o = engine_options(c);
+    ref_engine::forward(*plan, dev.forward_args(), o, nullptr);
+    MAGI_CUDA_CHECK(cudaDeviceSynchronize());
+    const ReferenceForward ref = reference_forward(d.problem);
+    const StructuralZeros zeros = structural_zeros(mask, c);
+    if (auto ok = check_close("out", dev.out.download().values(), ref.out, Quantity::Out, c.dtype, context, zeros.q_rows); !ok)
+      return ok;
+    if (auto ok = check_close("lse", dev.lse.download().values(), ref.lse, Quantity::Lse, c.lse_judged_as(), context); !ok)
+      return ok;
+    if (c.max_logits)
+      if (auto ok = check_close("max_logits", dev.max_logits.download().values(), ref.max_logits, Quantity::MaxLogits,
+                                c.dtype, context);
+          !ok)
+        return ok;
+    if (!c.backward) return testing::AssertionSuccess();
+    ref_engine::backward(*plan, dev.backward_args(), o, nullptr);
+    MAGI_CUDA_CHECK(cudaDeviceSynchronize());
+    const ReferenceGrads g = reference_backward(d.problem, d.dout);
+    const DType judged = c.lse_judged_as();
+    if (auto ok = check_close("dq", dev.dq.download().values(), g.dq, Quantity::Grad, judged, context, zeros.q_rows); !ok)
+      return ok;
+    if (auto ok = check_close("dk", dev.dk.download().values(), g.dk, Quantity::Grad, judged, context, zeros.k_rows); !ok)
+      return ok;
+    if (auto ok = check_close("dv", dev.dv.download().values(), g.dv, Quantity::Grad, judged, context, zeros.k_rows); !ok)
+      return ok;
+    if (d.sink.defined())
+      if (auto ok = check_dsink(dev.dsink.download().values(), g.dsink, g.dsink_magnitude, judged, context); !ok)
+        return ok;
+    return testing::AssertionSuccess();
+  } catch (const std::exception& e) {
+    return testing::AssertionFailure() << "threw: " << e.what() << " [" << context << "]";
+  }
+}
+
+// ---- every SPEC section 7 case (CPU-sized) under several feature mixes ----
+
+std::vector<EngineCase> spec_cases() {
+  std::vector<CaseConfig> configs;
+  configs.push_back(config_for(DType::F64, 2, 1, 64));  // GQA
+  {
+    CaseConfig c = config_for(DType::F64, 4, 2, 40);  // softcap + per-row sinks, D not a tile size
+    c.softcap = 5.0;
+    c.sink_layout = SinkLayout::SSH;
+    c.sink_len = 3;
+    configs.push_back(c);
+  }
+  {
+    CaseConfig c = config_for(DType::F64, 2, 2, 64);  // shared sinks, some -inf
+    c.sink_layout = SinkLayout::SH;
+    c.sink_neg_inf = true;
+    configs.push_back(c);
+  }
+  {
+    CaseConfig c = config_for(DType::F32, 4, 2, 128);
+    c.softcap = 3.0;
+    c.sink_layout = SinkLayout::SH;
+    c.sink_len = 2;
+    configs.push_back(c);
+  }
+  {
+    CaseConfig c = config_for(DType::F32, 1, 1, 256);
+    c.sink_layout = SinkLayout::SSH;
+    c.sink_len = 1;
+    c.softmax_scale = 0.07;
+    configs.push_back(c);
+  }
+  {
+    CaseConfig c = config_for(DType::BF16, 4, 2, 64);
+    c.fp32_outputs = true;
+    configs.push_back(c);
+  }
+  {
+    CaseConfig c = config_for(DType::F16, 2, 1, 128);
+    c.sink_layout = SinkLayout::SSH;
+    configs.push_back(c);
+  }
+  std::vector<EngineCase> out;
+  for (const cases::Named& named : cases::all())
+    for (const CaseConfig& c : configs) out.push_back({case_name(named.name, c), fixed_mask(named.mask), c});
+  {
+    CaseConfig c = config_for(DType::F32, 8, 8, 128);
+    c.sink_layout = SinkLayout::SSH;
+    out.push_back({case_name("rect_1k_1k_100", c), random_rectangles_mask(1024, 1024, 100), c});
+  }
+  {
+    CaseConfig c = config_for(DType::F64, 4, 2, 64);
+    c.softcap = 4.0;
+    c.sink_layout = SinkLayout::SH;
+    out.push_back({case_name("rect_1k_2k_1000", c), random_rectangles_mask(1024, 2048, 1000), c});
+  }
+  {
+    CaseConfig c = config_for(DType::F64, 4, 4, 32);
+    c.fp32_lse = true;  // fp64 inputs with the default fp32 lse buffer: fp32 bounds for lse and grads
+    out.push_back({case_name("rect_2k_1k_300", c), random_rectangles_mask(2048, 1024, 300), c});
+  }
+  return out;
+}
+
+class ReferenceEngine : public testing::TestWithParam<EngineCase> {};
+
+TEST_P(ReferenceEngine, MatchesNaiveFp64Reference) {
+  const EngineCase& c = GetParam();
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed ^ 0x9e3779b97f4a7c15ull);
+  const Mask mask = c.mask(rng);
+  auto result = check_engine_case(mask, c.config, seed, c.name);
+  if (!result && mask.slices.size() <= 200) result << "\nmask: " << mask_to_json(mask);
+  EXPECT_TRUE(result);
+}
+
+INSTANTIATE_TEST_SUITE_P(All, ReferenceEngine, testing::ValuesIn(spec_cases()), EngineCaseName{});
+
+// ---- determinism, graph replay, API routing ----
+
+struct Prepared {
+  Mask mask;
+  CaseConfig config;
+  uint64_t seed;
+  CaseData data;
+};
+
+Prepared prepared_case(DType dtype) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  CaseConfig c = config_for(dtype, 4, 2, 64);
+  c.softcap = 2.0;
+  c.sink_layout = SinkLayout::SH;
+  Mask mask = cases::mixed_types_q_overlap();
+  CaseData d = make_case(mask, c, seed);
+  return {mask, c, seed, std::move(d)};
+}
+
+TEST(ReferenceEngineRuns, BitwiseDeterministic) {
+  Prepared p = prepared_case(DType::F32);
+  const std::string context = context_of("mixed_types_q_overlap", p.config, p.seed);
+  GpuBuffers dev(p.data, p.config);
+  auto plan = ref_engine::make_plan(p.mask, p.config.heads_q, p.config.heads_kv, p.config.head_dim, 0);
+  auto run = [&] {
+    dev.poison();
+    ref_engine::forward(*plan, dev.forward_args(), engine_options(p.config), nullptr);
+    ref_engine::backward(*plan, dev.backward_args(), engine_options(p.config), nullptr);
+    MAGI_CUDA_CHECK(cudaDeviceSynchronize());
+    return dev.results();
+  };
+  const auto first = run(), second = run();
+  ASSERT_EQ(first.size(), 7u) << context;
+  for (size_t i = 0; i < first.size(); ++i)
+    EXPECT_TRUE(check_bitwise_equal(first[i].first, first[i].second, second[i].second, context));
+}
+
+TEST(ReferenceEngineRuns, GraphReplayEqualsEagerRun) {
+  Prepared p = prepared_case(DType::F64);
+  const std::string context = context_of("mixed_types_q_overlap", p.config, p.seed);
+  GpuBuffers dev(p.data, p.config);
+  auto plan = ref_engine::make_plan(p.mask, p.config.heads_q, p.config.heads_kv, p.config.head_dim, 0);
+  cudaStream_t stream = nullptr;
+  MAGI_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  ref_engine::forward(*plan, dev.forward_args(), engine_options(p.config), stream);
+  ref_engine::backward(*plan, dev.backward_args(), engine_options(p.config), stream);
+  MAGI_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const auto eager = dev.results();
+  dev.poison();
+
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  MAGI_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  ref_engine::forward(*plan, dev.forward_args(), engine_options(p.config), stream);
+  ref_engine::backward(*plan, dev.backward_args(), engine_options(p.config), stream);
+  MAGI_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  MAGI_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  MAGI_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  MAGI_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const auto replayed = dev.results();
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  ASSERT_EQ(eager.size(), replayed.size());
+  for (size_t i = 0; i < eager.size(); ++i)
+    EXPECT_TRUE(check_bitwise_equal(eager[i].first, eager[i].second, replayed[i].second, context));
+}
+
+// magi::forward / backward with Backend::Reference on device tensors run this engine: bitwise equal to
+// calling it directly.
+TEST(ReferenceEngineRuns, PublicApiRoutesReferenceOnDeviceTensors) {
+  Prepared p = prepared_case(DType::F64);
+  const std::string context = context_of("mixed_types_q_overlap", p.config, p.seed);
+  GpuBuffers direct(p.data, p.config), api(p.data, p.config);
+  auto plan = ref_engine::make_plan(p.mask, p.config.heads_q, p.config.heads_kv, p.config.head_dim, 0);
+  ref_engine::forward(*plan, direct.forward_args(), engine_options(p.config), nullptr);
+  ref_engine::backward(*plan, direct.backward_args(), engine_options(p.config), nullptr);
+  AttentionOptions options = p.config.options();
+  options.backend = Backend::Reference;
+  try {
+    magi::forward(p.mask, api.forward_args(), options, nullptr);
+    magi::backward(p.mask, api.backward_args(), options, nullptr);
+  } catch (const std::exception& e) {
+    FAIL() << "the API threw: " << e.what() << " [" << context << "]";
+  }
+  MAGI_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto a = direct.results(), b = api.results();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(check_bitwise_equal(a[i].first, a[i].second, b[i].second, context));
+}
+
+TEST(ReferenceEngineRuns, EmptyMaskGivesZerosAndMinusInf) {
+  Mask mask;
+  mask.total_q = 70;
+  mask.total_k = 33;
+  CaseConfig c = config_for(DType::F32, 2, 1, 24);
+  const uint64_t seed = fresh_seed();
+  EXPECT_TRUE(check_engine_case(mask, c, seed, "empty_mask"));
+}
+
+}  // namespace
+}  // namespace magi::test
