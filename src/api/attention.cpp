@@ -14,6 +14,7 @@
 
 #if MAGI_ATTN_CUDA_BACKEND  // defined by src/cuda when the kernels are part of the library
 #include "cuda/backend.hpp"
+#include "cuda/reference/reference_engine.hpp"
 #endif
 
 namespace magi {
@@ -65,10 +66,7 @@ Backend resolve_backend(const AttentionOptions& options, Device device) {
     throw InvalidArgument("backend cpu needs host tensors, but the tensors are on a CUDA device");
   if (backend == Backend::Cuda && device.type != DeviceType::CUDA)
     throw InvalidArgument("backend cuda needs CUDA device tensors, but the tensors are on the CPU");
-#if MAGI_ATTN_CUDA_BACKEND
-  if (device.type == DeviceType::CUDA && backend == Backend::Reference)
-    throw NotAvailable("backend reference has no GPU engine yet (allowed for CUDA tensors: cuda, auto)");
-#else
+#if !MAGI_ATTN_CUDA_BACKEND
   if (device.type == DeviceType::CUDA)
     throw NotAvailable("CUDA tensors given, but this build has no CUDA backend (allowed: CPU tensors)");
 #endif
@@ -236,6 +234,19 @@ std::shared_ptr<cuda::Plan> cuda_plan_for(const Mask& mask, const Shapes& s, int
   return cache.get(std::move(key), mask, [&] { return cuda::make_plan(mask, s.hq, s.hkv, s.d, device); });
 }
 
+// The exact GPU engine (backend reference on device tensors): its own plans (device mask lists, fp64 rows).
+std::shared_ptr<cuda::reference::Plan> reference_plan_for(const Mask& mask, const Shapes& s, int32_t device,
+                                                          StreamHandle stream) {
+  static PlanCache<cuda::reference::Plan> cache;
+  PlanKey key = plan_key(mask, s, device, stream);
+  return cache.get(std::move(key), mask,
+                   [&] { return cuda::reference::make_plan(mask, s.hq, s.hkv, s.d, device); });
+}
+
+cuda::reference::Options reference_options(const cpu::EngineOptions& e) {
+  return {e.softmax_scale, e.softcap, e.sink_layout};
+}
+
 cuda::Options cuda_options(const cpu::EngineOptions& e, bool forward_pass) {
   cuda::Options o;
   o.softmax_scale = e.softmax_scale;
@@ -273,6 +284,11 @@ void forward(const Mask& mask, const ForwardArgs& a, const AttentionOptions& opt
     require_dtype(a.q, "q", {DType::BF16, DType::F16});  // the GPU kernels take 16-bit inputs
     cuda::forward(*cuda_plan_for(mask, s, a.q.device.index, stream), a, cuda_options(eo, true),
                   static_cast<cudaStream_t>(stream));
+    return;
+  }
+  if (backend == Backend::Reference && a.q.device.type == DeviceType::CUDA) {
+    cuda::reference::forward(*reference_plan_for(mask, s, a.q.device.index, stream), a, reference_options(eo),
+                             static_cast<cudaStream_t>(stream));
     return;
   }
 #endif
@@ -317,6 +333,11 @@ void backward(const Mask& mask, const BackwardArgs& a, const AttentionOptions& o
     require_dtype(a.q, "q", {DType::BF16, DType::F16});
     cuda::backward(*cuda_plan_for(mask, s, a.q.device.index, stream), a, cuda_options(eo, false),
                    static_cast<cudaStream_t>(stream));
+    return;
+  }
+  if (backend == Backend::Reference && a.q.device.type == DeviceType::CUDA) {
+    cuda::reference::backward(*reference_plan_for(mask, s, a.q.device.index, stream), a, reference_options(eo),
+                              static_cast<cudaStream_t>(stream));
     return;
   }
 #endif

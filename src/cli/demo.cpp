@@ -249,7 +249,9 @@ int demo_command(std::span<const std::string> args) {
      << ", " << head_dim << "]\n";
   auto timing = [&](const char* name, double seconds, int runs, double flops) {
     const std::string runs_text = runs == 1 ? "1 run" : "median of " + std::to_string(runs) + " runs";
-    std::snprintf(line, sizeof line, "  %-9s %8.3f s  %s  (%s)\n", name, seconds, rate_text(flops, seconds).c_str(),
+    // GPU calls take well under a second: milliseconds keep their digits.
+    std::snprintf(line, sizeof line, "  %-9s %8.3f %s  %s  (%s)\n", name, seconds < 1.0 ? seconds * 1e3 : seconds,
+                  seconds < 1.0 ? "ms" : "s ", rate_text(flops, seconds).c_str(),
                   runs_text.c_str());
     os << line;
   };

@@ -55,7 +55,7 @@ std::vector<OptionSpec> run_file_options() {
           {"softmax-scale", "X", "scale of q.k (default D^-0.5)"},
           {"softcap", "X", "> 0: s = softcap * tanh(s / softcap) (default 0 = off)"},
           {"backend", "NAME", "auto|cpu|cuda|reference (default auto: GPU 0 when present, else cpu; on the GPU, fp32/fp64\n"
-           "                    run on the exact reference engine, bf16/fp16 on the cuda kernels)"},
+           "                        run on the exact reference engine, bf16/fp16 on the cuda kernels)"},
           {"threads", "N", "CPU threads (default 0 = all cores)"},
           {"out-dir", "DIR", "output folder, created if missing"}};
 }
