@@ -3,9 +3,11 @@
 // (document lengths etc.) as JSON so that scripts/bench_peers.py measures the peers on the same masks.
 //
 // usage: flash_bench [--cases out.json] [--reps N] [--quick] [--only MASK] [--dims 64,128,256] [--seq 8192]
-//                    [--deterministic]
+//                    [--deterministic] [--sm-margin N] [--impl NAME]
 //   2 sequences of --seq tokens (16 heads, bf16); --quick = D 128 only. The backward runs in the default
 //   mode (dq by atomics); --deterministic also times the deterministic backward (rows `magi_det`).
+//   --sm-margin N: persistent grids leaving N SMs free (the API's default is 4 when
+//   CUDA_DEVICE_MAX_CONNECTIONS > 1); --impl names the rows (default `magi`).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -141,6 +143,8 @@ int main(int argc, char** argv) {
   std::string only, dims_arg;
   int32_t seq = 8192;
   bool deterministic_too = false;
+  int sm_margin = 0;
+  std::string impl = "magi";
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--cases") && i + 1 < argc) cases_path = argv[++i];
     else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
@@ -149,6 +153,8 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--dims") && i + 1 < argc) dims_arg = argv[++i];
     else if (!std::strcmp(argv[i], "--seq") && i + 1 < argc) seq = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--deterministic")) deterministic_too = true;
+    else if (!std::strcmp(argv[i], "--sm-margin") && i + 1 < argc) sm_margin = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--impl") && i + 1 < argc) impl = argv[++i];
   }
   const int32_t batch = 2, heads = 16;
   const std::vector<Case> cases = make_cases(seq, batch);
@@ -224,6 +230,7 @@ int main(int argc, char** argv) {
     ba.dv = view3(dv);
     magi::cuda::Options options;
     options.softmax_scale = 1.0 / std::sqrt(static_cast<double>(d));
+    options.sm_margin = sm_margin;
 
     for (const Case& c : cases) {
       if (!only.empty() && c.name != only) continue;
@@ -233,14 +240,15 @@ int main(int argc, char** argv) {
       const int64_t area = c.mask.area();
       const double fwd_tf = magi::flops_forward(area, heads, d) / (fwd_ms * 1e-3) / 1e12;
       const double bwd_tf = magi::flops_backward(area, heads, d) / (bwd_ms * 1e-3) / 1e12;
-      std::printf("magi,%s,%d,%d,%.1f,%.1f,%.3f,%.3f\n", c.name.c_str(), total, d, fwd_tf, bwd_tf, fwd_ms, bwd_ms);
+      std::printf("%s,%s,%d,%d,%.1f,%.1f,%.3f,%.3f\n", impl.c_str(), c.name.c_str(), total, d, fwd_tf, bwd_tf, fwd_ms,
+                  bwd_ms);
       if (deterministic_too) {
         magi::cuda::Options det = options;
         det.deterministic = true;
         const double det_ms = time_ms([&] { magi::cuda::backward(*plan, ba, det, stream); }, reps, stream);
         const double det_tf = magi::flops_backward(area, heads, d) / (det_ms * 1e-3) / 1e12;
-        std::printf("magi_det,%s,%d,%d,%.1f,%.1f,%.3f,%.3f\n", c.name.c_str(), total, d, fwd_tf, det_tf, fwd_ms,
-                    det_ms);
+        std::printf("%s_det,%s,%d,%d,%.1f,%.1f,%.3f,%.3f\n", impl.c_str(), c.name.c_str(), total, d, fwd_tf, det_tf,
+                    fwd_ms, det_ms);
       }
       std::fflush(stdout);
     }

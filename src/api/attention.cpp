@@ -247,8 +247,9 @@ cuda::reference::Options reference_options(const cpu::EngineOptions& e) {
   return {e.softmax_scale, e.softcap, e.sink_layout};
 }
 
-cuda::Options cuda_options(const cpu::EngineOptions& e, bool forward_pass) {
+cuda::Options cuda_options(const cpu::EngineOptions& e, const AttentionOptions& options, bool forward_pass) {
   cuda::Options o;
+  o.deterministic = options.deterministic.value_or(env::get_bool("MAGI_ATTENTION_DETERMINISTIC_MODE"));
   o.softmax_scale = e.softmax_scale;
   o.softcap = e.softcap;
   o.sink_layout = e.sink_layout;
@@ -282,7 +283,7 @@ void forward(const Mask& mask, const ForwardArgs& a, const AttentionOptions& opt
 #if MAGI_ATTN_CUDA_BACKEND
   if (backend == Backend::Cuda) {
     require_dtype(a.q, "q", {DType::BF16, DType::F16});  // the GPU kernels take 16-bit inputs
-    cuda::forward(*cuda_plan_for(mask, s, a.q.device.index, stream), a, cuda_options(eo, true),
+    cuda::forward(*cuda_plan_for(mask, s, a.q.device.index, stream), a, cuda_options(eo, options, true),
                   static_cast<cudaStream_t>(stream));
     return;
   }
@@ -331,7 +332,7 @@ void backward(const Mask& mask, const BackwardArgs& a, const AttentionOptions& o
 #if MAGI_ATTN_CUDA_BACKEND
   if (backend == Backend::Cuda) {
     require_dtype(a.q, "q", {DType::BF16, DType::F16});
-    cuda::backward(*cuda_plan_for(mask, s, a.q.device.index, stream), a, cuda_options(eo, false),
+    cuda::backward(*cuda_plan_for(mask, s, a.q.device.index, stream), a, cuda_options(eo, options, false),
                    static_cast<cudaStream_t>(stream));
     return;
   }

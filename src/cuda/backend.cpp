@@ -161,6 +161,7 @@ class StageTimer {
 
 struct Plan {
   int32_t tq = 0, tk = 0, hq = 0, hkv = 0, d = 0, padded_d = 0, device = 0;
+  int32_t smem_optin = 0;  // the device's per-block shared-memory limit (opt-in)
   DeviceList fwd, dkdv, dq;
   DeviceList dkdv_fused;  // the default backward's k tiles (dq by atomics), see detail::dkdv_tile_k
   int64_t fwd_items = 0, dkdv_items = 0, dq_items = 0, dkdv_fused_items = 0;
@@ -270,6 +271,8 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   const size_t total = delta_at + 2 * align_up(stats_bytes) + 256;
 
   DeviceGuard guard(device);
+  check(cudaDeviceGetAttribute(&plan->smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+        "cudaDeviceGetAttribute");
   check(cudaMalloc(&plan->arena, total), "cudaMalloc (plan)");
   plan->arena_bytes = total;
   check(cudaMemcpy(plan->arena, staging.data(), staging.size(), cudaMemcpyHostToDevice), "cudaMemcpy (plan)");
@@ -485,7 +488,7 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
   // Default: dq by fp32 atomics inside the dk/dv kernel, straight into an fp32 dq (the atomics add 4
   // floats: 16-byte alignment), else into the plan's accumulator and converted after. Deterministic: the
   // separate dq kernel.
-  const bool fused_dq = !o.deterministic;
+  const bool fused_dq = !o.deterministic && detail::dkdv_smem_bytes(plan.padded_d, true) <= plan.smem_optin;
   const size_t dq_elements = static_cast<size_t>(plan.tq) * plan.hq * plan.d;
   const bool dq_in_place = dq.grad_fp32 && reinterpret_cast<uintptr_t>(a.dq.data) % 16 == 0;
   dkdv.list = fused_dq ? plan.dkdv_fused : plan.dkdv;

@@ -60,10 +60,7 @@ struct DkdvConfig {
   static constexpr int kWarps = kRegisterResident ? kN / 16 : 8;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kStages = kD <= 128 ? 2 : 1;  // double-buffered Q/dO where shared memory allows
-  static constexpr int kStagedPdS = kRegisterResident ? 0 : 2 * kN * kM;
-  static constexpr int kSmemBytes = (2 * kN * kD + kStages * 2 * kM * kD + kStagedPdS) * 2 + kStages * 2 * kM * 4;
-  // With dq accumulation the register-resident path also stages dS^T ([kN][kM + 8]) for dQ += dS K.
-  static constexpr int smem_bytes() { return kSmemBytes + (kDq && kRegisterResident ? kN * (kM + 8) * 2 : 0); }
+  static constexpr int kSmemBytes = dkdv_smem_bytes(kD, kDq);  // laid out by the tile functions
 };
 
 // dQ += dS K for one 64-row chunk, added to p.dq_accum with atomics. dS^T ([kN keys][64 rows]) and K
@@ -153,9 +150,12 @@ __device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linea
   const uint32_t sdO0 = sQ0 + kStages * kM * kD * 2;  // [stage][kM][kD]
   float* const sLse = reinterpret_cast<float*>(smem + (sdO0 + kStages * kM * kD * 2 - sK));  // [stage][kM]
   float* const sDelta = sLse + kStages * kM;                                                // [stage][kM]
-  // kDq: dS^T as [kN][kM + 8] (padded rows: the stores and the ldmatrix reads are conflict-free, and
-  // every address is one register + an immediate).
+  // kDq: dS^T as [2][kN][kM + 8] (padded rows: the stores and the ldmatrix reads are conflict-free, and
+  // every address is one register + an immediate). Chunk i's dS^T goes to buffer i % 2; its dQ += dS K runs
+  // at the end of iteration i + 1, after the barrier that iteration starts with, overlapping other warps'
+  // work; no barrier of its own.
   constexpr int kDsRowBytes = (kM + 8) * 2;
+  constexpr uint32_t kDsBytes = kN * kDsRowBytes;
   const uint32_t sdS = smem_addr(sDelta + kStages * kM);
 
   const int tile = p.list.order[linear / p.hkv];
@@ -219,6 +219,7 @@ __device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linea
   // dQ: warps split the chunk's 4 row blocks x (kWarps / 4) column groups.
   constexpr int kDqCols = kD / (Cfg::kWarps / 4);
   const FragAddr<kD> k_t(sK, lane % 16, (warp / 4) * (kDqCols / 8) + lane / 16);  // B^T: K rows = keys
+  int prev_q0 = 0, prev_head = 0;  // kDq: the chunk whose dQ is pending
 
   for (int it = 0; it < total; ++it) {
     const int stage = kStages == 2 ? it & 1 : 0;
@@ -278,8 +279,8 @@ __device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linea
         a_p[t][half + 1] = Mma<T>::pack(pv[2], pv[3]);
         a_ds[t][half] = Mma<T>::pack(dsv[0], dsv[1]);
         a_ds[t][half + 1] = Mma<T>::pack(dsv[2], dsv[3]);
-        if constexpr (kDq) {  // dS^T for dQ += dS K after the barrier below
-          const uint32_t at = ds_store + nb * 16;
+        if constexpr (kDq) {  // dS^T for dQ += dS K in the next iteration
+          const uint32_t at = ds_store + (it & 1) * kDsBytes + nb * 16;
           asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(a_ds[t][half]));
           asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at + 8 * kDsRowBytes), "r"(a_ds[t][half + 1]));
         }
@@ -302,13 +303,23 @@ __device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linea
       }
     }
     if constexpr (kDq) {
-      __syncthreads();  // every warp's dS^T keys are staged
-      accumulate_dq<T, kD, kN, kDqCols, kDsRowBytes>(p, ds_load, k_t, q0, kv_head * group + it / count, warp, lane);
+      if (it > 0)
+        accumulate_dq<T, kD, kN, kDqCols, kDsRowBytes>(p, ds_load + ((it - 1) & 1) * kDsBytes, k_t, prev_q0, prev_head,
+                                                       warp, lane);
+      prev_q0 = q0;
+      prev_head = kv_head * group + it / count;
     }
     current = next;
     next = after_next;
   }
   cp_async_wait<0>();
+  if constexpr (kDq) {
+    if (total > 0) {
+      __syncthreads();  // the last chunk's dS^T is staged
+      accumulate_dq<T, kD, kN, kDqCols, kDsRowBytes>(p, ds_load + ((total - 1) & 1) * kDsBytes, k_t, prev_q0,
+                                                     prev_head, warp, lane);
+    }
+  }
 
 #pragma unroll
   for (int r = 0; r < 2; ++r) {

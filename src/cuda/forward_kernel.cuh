@@ -22,20 +22,14 @@ struct FwdConfig {
   static constexpr int kSmemBytes = (kM + 2 * kN) * kD * 2;
 };
 
-// Logits of one m-tile in log2 units (softcap or plain scale); the branch is hoisted out of the loops.
+// Softcapped logits of one m-tile, in log2 units. Without softcap the logits stay raw: the scale is folded
+// into the exp2 argument (one FFMA per element) and into the row maxima.
 template <int kNBlocks>
-__device__ __forceinline__ void scale_logits(float (&s)[kNBlocks][4], const FwdParams& p) {
-  if (p.softcap > 0.0f) {
+__device__ __forceinline__ void softcap_logits(float (&s)[kNBlocks][4], const FwdParams& p) {
 #pragma unroll
-    for (int nb = 0; nb < kNBlocks; ++nb)
+  for (int nb = 0; nb < kNBlocks; ++nb)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[nb][e] = p.softcap_post * tanhf(s[nb][e] * p.softcap_pre);
-  } else {
-#pragma unroll
-    for (int nb = 0; nb < kNBlocks; ++nb)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[nb][e] *= p.scale_log2;
-  }
+    for (int e = 0; e < 4; ++e) s[nb][e] = p.softcap_post * tanhf(s[nb][e] * p.softcap_pre);
 }
 
 template <class T, int kD>
@@ -77,7 +71,9 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
   cp_async_commit();
 
   float acc[kMT][kDBlocks][4];
-  float row_max[kMT][2], row_sum[kMT][2];
+  float row_max[kMT][2], row_sum[kMT][2];  // row_max in logit units (raw, or log2 when softcapped)
+  const bool softcapped = p.softcap > 0.0f;
+  const float logit_scale = softcapped ? 1.0f : p.scale_log2;
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
@@ -130,7 +126,7 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
 
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
-      scale_logits(s[mt], p);
+      if (softcapped) softcap_logits(s[mt], p);
       if (flags & kWorkMasked) {
         const WorkItem w = p.list.items[item];
         const int row = my_row0 + mt * Cfg::kMTileStride;
@@ -152,14 +148,14 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
         for (int nb = 0; nb < kNBlocks; ++nb) mx = fmaxf(mx, fmaxf(s[mt][nb][2 * r], s[mt][nb][2 * r + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float base = mx == -INFINITY ? 0.0f : mx;
-        const float scale_old = fast_exp2(row_max[mt][r] - base);
+        const float base = mx == -INFINITY ? 0.0f : mx * logit_scale;  // log2 units
+        const float scale_old = fast_exp2(row_max[mt][r] * logit_scale - base);
         row_max[mt][r] = mx;
         float sum = 0.0f;
 #pragma unroll
         for (int nb = 0; nb < kNBlocks; ++nb) {
-          s[mt][nb][2 * r] = fast_exp2(s[mt][nb][2 * r] - base);
-          s[mt][nb][2 * r + 1] = fast_exp2(s[mt][nb][2 * r + 1] - base);
+          s[mt][nb][2 * r] = fast_exp2(fmaf(s[mt][nb][2 * r], logit_scale, -base));
+          s[mt][nb][2 * r + 1] = fast_exp2(fmaf(s[mt][nb][2 * r + 1], logit_scale, -base));
           sum += s[mt][nb][2 * r] + s[mt][nb][2 * r + 1];
         }
         row_sum[mt][r] = row_sum[mt][r] * scale_old + sum;
@@ -215,8 +211,9 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
       const int row = my_row0 + mt * Cfg::kMTileStride + r * 8;
       const bool has_keys = sum > 0.0f;
-      block_max = fmaxf(block_max, row_max[mt][r]);
-      float lse2 = has_keys ? row_max[mt][r] + log2f(sum) : -INFINITY;  // log2 units
+      const float row_max2 = row_max[mt][r] * logit_scale;  // log2 units
+      block_max = fmaxf(block_max, row_max2);
+      float lse2 = has_keys ? row_max2 + log2f(sum) : -INFINITY;
       float factor = has_keys ? 1.0f / sum : 0.0f;
       if (p.sink_kind != kSinkNone && row < p.tq) {
         // lse~ = log(exp(lse) + sum_s exp(sink_s)), in log2 units here.

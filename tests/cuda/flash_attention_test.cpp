@@ -153,6 +153,17 @@ TEST(CudaBackend, DeterministicModeMatchesReference) {
   EXPECT_TRUE(check_cuda_case(mask, d256, seed + 2, "random 512x640, d256 softcap fp32", true));
 }
 
+// A small deterministic-mode case (the sanitizer runs it: the dq kernel and the 64-key dk/dv kernel).
+TEST(CudaBackend, DeterministicModeSmallCase) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  const Mask mask = random_rectangles(rng, 300, 260, 12);
+  CaseConfig c = config(DType::F16, 4, 2, 64);
+  EXPECT_TRUE(check_cuda_case(mask, c, seed + 1, "random 300x260", true));
+  CaseConfig d256 = config(DType::BF16, 2, 1, 256);
+  EXPECT_TRUE(check_cuda_case(mask, d256, seed + 2, "random 300x260, d256", true));
+}
+
 // Runs forward + backward twice on the same inputs and requires bitwise-identical results.
 TEST(CudaBackend, DeterministicAcrossRuns) {
   const uint64_t seed = fresh_seed();

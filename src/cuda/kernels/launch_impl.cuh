@@ -45,7 +45,7 @@ void launch_forward(const FwdParams& params, int num_blocks, int sm_margin, cuda
 
 template <class T, int kD, bool kDq>
 void launch_dkdv(const BwdParams& dkdv, int dkdv_blocks, int sm_margin, cudaStream_t stream) {
-  constexpr int smem = DkdvConfig<kD, kDq>::smem_bytes();
+  constexpr int smem = DkdvConfig<kD, kDq>::kSmemBytes;
   constexpr int kThreads = DkdvConfig<kD, kDq>::kThreads;
   if (sm_margin <= 0) {
     auto kernel = dkdv_kernel<T, kD, kDq>;
