@@ -17,6 +17,10 @@
 #include "common/lse_merge.hpp"
 #include "magi/env.hpp"
 
+#if MAGI_ATTN_WITH_NCCL
+#include "dist/gpu_runtime.hpp"
+#endif
+
 namespace magi::dist {
 namespace {
 
@@ -146,7 +150,33 @@ PlanSummary DistAttnRuntime::summary() const {
   return s;
 }
 
+#if MAGI_ATTN_WITH_NCCL
+gpu::State& DistAttnRuntime::gpu_state() const {
+  std::lock_guard lock(gpu_mutex_);
+  if (!gpu_state_) gpu_state_ = gpu::make_state(*this);
+  return *gpu_state_;
+}
+#endif
+
+namespace {
+// Device tensors go to the NCCL path (gpu_runtime.cpp) when it is built.
+bool on_device(const TensorView& q) {
+  if (q.device.type != DeviceType::CUDA) return false;
+#if !MAGI_ATTN_WITH_NCCL
+  throw NotAvailable("q: CUDA tensors given, but this build has no NCCL engine for distributed attention "
+                     "(allowed: host tensors with the MPI engine)");
+#endif
+  return true;
+}
+}  // namespace
+
 void DistAttnRuntime::forward(const ForwardArgs& a) const {
+  if (on_device(a.q)) {
+#if MAGI_ATTN_WITH_NCCL
+    gpu::forward(*this, gpu_state(), a);
+#endif
+    return;
+  }
   const int64_t lq = dispatch_.q.local_tokens(), lk = dispatch_.k.local_tokens();
   const int32_t hq = heads_.heads_q, hkv = heads_.heads_kv, d = heads_.head_dim;
   require_rows(a.q, "q", lq, 3);
@@ -211,6 +241,12 @@ void DistAttnRuntime::forward(const ForwardArgs& a) const {
 }
 
 void DistAttnRuntime::backward(const BackwardArgs& a) const {
+  if (on_device(a.q)) {
+#if MAGI_ATTN_WITH_NCCL
+    gpu::backward(*this, gpu_state(), a);
+#endif
+    return;
+  }
   const int64_t lq = dispatch_.q.local_tokens(), lk = dispatch_.k.local_tokens();
   const int32_t hq = heads_.heads_q, hkv = heads_.heads_kv, d = heads_.head_dim;
   for (auto [t, name] : {std::pair{&a.q, "q"}, {&a.out, "out"}, {&a.dout, "dout"}, {&a.dq, "dq"}})
@@ -465,8 +501,10 @@ RuntimeKey make_runtime_key(const Mask& mask, const HeadShape& heads, std::share
     throw InvalidArgument("heads: need Hq % Hkv == 0 and D a positive multiple of 8, got Hq=" +
                           std::to_string(heads.heads_q) + " Hkv=" + std::to_string(heads.heads_kv) +
                           " D=" + std::to_string(heads.head_dim));
+#if !MAGI_ATTN_WITH_NCCL
   if (config.attention.backend == Backend::Cuda)
     throw NotAvailable("distributed attention with backend cuda needs the NCCL engine (allowed here: cpu, reference, auto)");
+#endif
   comm->set_timeout(config.comm_timeout_seconds);
   validate_bounds(mask);
 
@@ -511,8 +549,34 @@ RuntimeKey make_runtime_key(const Mask& mask, const HeadShape& heads, std::share
   return RuntimeKey(std::move(runtime));
 }
 
+// Device tensors: a local one on the NCCL communicator's device (the global one on the device or host).
+static bool device_rows(const RuntimeKey& key, const Partition& p, const TensorView& global, const TensorView& local) {
+  if (global.device.type != DeviceType::CUDA && local.device.type != DeviceType::CUDA) return false;
+#if MAGI_ATTN_WITH_NCCL
+  require_same_row_shape(global, local);
+  if (global.ndim < 1 || global.shape[0] != p.total)
+    throw InvalidArgument("global: expected " + std::to_string(p.total) + " rows, got " + shape_string(global));
+  if (local.ndim < 1 || local.shape[0] != p.local_tokens())
+    throw InvalidArgument("local: expected " + std::to_string(p.local_tokens()) + " rows, got " + shape_string(local));
+  if ((global.data == nullptr && global.numel() > 0) || (local.data == nullptr && local.numel() > 0))
+    throw InvalidArgument("global, local: null data pointer");
+  (void)key;
+  return true;
+#else
+  (void)key;
+  (void)p;
+  throw NotAvailable("dispatch/undispatch: CUDA tensors given, but this build has no NCCL engine (allowed: CPU)");
+#endif
+}
+
 void dispatch(const RuntimeKey& key, Axis axis, const TensorView& global, const TensorView& local) {
   const Partition& p = partition(key, axis);
+  if (device_rows(key, p, global, local)) {
+#if MAGI_ATTN_WITH_NCCL
+    gpu::dispatch(key.runtime(), p, global, local);
+#endif
+    return;
+  }
   require_same_row_shape(global, local);
   const int64_t row = row_bytes_of(global, "global", p.total);
   if (row_bytes_of(local, "local", p.local_tokens()) != row && p.total > 0)
@@ -528,6 +592,12 @@ void dispatch(const RuntimeKey& key, Axis axis, const TensorView& global, const 
 
 void undispatch(const RuntimeKey& key, Axis axis, const TensorView& local, const TensorView& global) {
   const Partition& p = partition(key, axis);
+  if (device_rows(key, p, global, local)) {
+#if MAGI_ATTN_WITH_NCCL
+    gpu::undispatch(key.runtime(), p, local, global);
+#endif
+    return;
+  }
   require_same_row_shape(global, local);
   const int64_t row = row_bytes_of(local, "local", p.local_tokens());
   row_bytes_of(global, "global", p.total);

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 
 #include "dist/comm_plan.hpp"
 #include "dist/dispatch.hpp"
@@ -11,6 +12,10 @@
 #include "magi/dist.hpp"
 
 namespace magi::dist {
+
+namespace gpu {
+struct State;  // device streams, events and staging buffers (gpu_runtime.cpp)
+}
 
 class DistAttnRuntime {
  public:
@@ -29,6 +34,8 @@ class DistAttnRuntime {
   const HeadShape& heads() const { return heads_; }
   const DistConfig& config() const { return config_; }
   PlanSummary summary() const;
+  bool backward_high_precision() const { return backward_high_precision_; }
+  DsinkReduceOp dsink_op() const { return dsink_op_; }
 
  private:
   HeadShape heads_;
@@ -40,6 +47,11 @@ class DistAttnRuntime {
   int32_t rank_;
   Dispatch dispatch_;
   CommPlan plan_;
+  // Device tensors (NCCL engine): built on the first device call, then reused. Declared last: released
+  // before the communicator.
+  gpu::State& gpu_state() const;
+  mutable std::mutex gpu_mutex_;
+  mutable std::shared_ptr<gpu::State> gpu_state_;
 };
 
 }  // namespace magi::dist

@@ -1,0 +1,505 @@
+// Distributed attention on GPUs (NCCL engine), one process per GPU (forked, or under mpirun): TFLOP/s
+// per GPU (SPEC section 6: FLOPs / (max time over ranks * cp)) of calc_attn forward and backward for
+// full, causal, varlen full and varlen causal masks over `tokens per GPU x cp` tokens, against the
+// single-GPU kernel (magi::forward / magi::backward, backend cuda) on the same mask kind at `tokens per
+// GPU` tokens, measured in the same run. Prints a table on rank 0.
+//   dist_attn_gpu_bench (this file's program) [--tokens-per-gpu N] [--heads H] [--head-dim D] [--overlaps 0,1,2]
+//                       [--iters N] [--chunk-size N] [--ring 0|1]
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "comm/nccl_communicator.hpp"
+#include "comm/nccl_local_launch.hpp"
+#include "dist/band.hpp"
+#include "dist/gpu_kernels.hpp"
+#include "magi/dist.hpp"
+#include "magi/flops.hpp"
+
+namespace {
+
+using magi::comm::NcclCommunicator;
+
+struct Options {
+  int32_t tokens_per_gpu = 16384;
+  int32_t heads = 16;
+  int32_t head_dim = 128;
+  int32_t chunk_size = 512;
+  int32_t iters = 20;
+  int32_t warmup = 3;
+  std::vector<int32_t> overlaps{0, 1, 2};
+  bool ring = true;  // measure the ring-attention baseline
+};
+
+void check(cudaError_t code, const char* what) {
+  if (code != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(code));
+}
+
+// Long-tailed document lengths (Pareto alpha 1.2, min 256, at most 8192), fixed seed, summing to total.
+std::vector<int32_t> long_tailed_cu_seqlens(int32_t total, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  std::vector<int32_t> cu{0};
+  while (cu.back() < total) {
+    const double x = 256.0 / std::pow(1.0 - u(rng), 1.0 / 1.2);
+    int32_t len = std::max(64, static_cast<int32_t>(std::min(x, 8192.0)) / 64 * 64);
+    cu.push_back(std::min(total, cu.back() + len));
+  }
+  return cu;
+}
+
+magi::Mask make_mask(const std::string& kind, int32_t total) {
+  if (kind == "full") return magi::masks::full(total, total);
+  if (kind == "causal") return magi::masks::causal(total, total);
+  if (kind == "varlen_full") return magi::masks::varlen_full(long_tailed_cu_seqlens(total, 42));
+  return magi::masks::varlen_causal(long_tailed_cu_seqlens(total, 42));
+}
+
+class Buffer {
+ public:
+  explicit Buffer(size_t bytes) {
+    check(cudaMalloc(&ptr_, bytes), "cudaMalloc");
+    check(cudaMemset(ptr_, 0, bytes), "cudaMemset");
+  }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer() { cudaFree(ptr_); }
+  void* get() const { return ptr_; }
+
+ private:
+  void* ptr_ = nullptr;
+};
+
+// Random bf16 values (normal, std 1) on the device: one block of 1M values drawn once (per seed offset),
+// repeated over the buffer (drawing 10^8 normals per buffer would dominate the run).
+void fill_random(void* dst, int64_t n, uint64_t seed) {
+  constexpr int64_t kBlock = 1 << 20;
+  static std::vector<uint16_t> block = [] {
+    std::mt19937_64 rng(12345);
+    std::normal_distribution<float> normal(0.f, 1.f);
+    std::vector<uint16_t> values(static_cast<size_t>(kBlock + 4096));
+    for (auto& h : values) {
+      const float f = normal(rng);
+      uint32_t bits;
+      std::memcpy(&bits, &f, 4);
+      h = static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+    }
+    return values;
+  }();
+  const uint16_t* src = block.data() + seed % 4096;  // different tensors start at different offsets
+  auto* out = static_cast<uint16_t*>(dst);
+  for (int64_t at = 0; at < n; at += kBlock)
+    check(cudaMemcpy(out + at, src, static_cast<size_t>(std::min(kBlock, n - at)) * 2, cudaMemcpyHostToDevice),
+          "cudaMemcpy");
+}
+
+magi::TensorView view(const Buffer& b, magi::DType dtype, std::initializer_list<int64_t> shape, int32_t device) {
+  return magi::TensorView(b.get(), dtype, shape, magi::Device{magi::DeviceType::CUDA, device});
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Every rank's value; the max.
+double max_over_ranks(NcclCommunicator& comm, double mine) {
+  std::vector<double> all(static_cast<size_t>(comm.size()));
+  comm.allgather(&mine, sizeof(mine), all.data());
+  return *std::max_element(all.begin(), all.end());
+}
+
+struct Timing {
+  double fwd_ms = 0, bwd_ms = 0;
+};
+
+// Median over iterations of the slowest rank's time per call (host clock around each call; calc_attn
+// returns once its results are on the device).
+Timing time_distributed(NcclCommunicator& comm, const std::shared_ptr<NcclCommunicator>& comm_ptr,
+                        const magi::Mask& mask, const Options& o, int32_t overlap, magi::dist::PlanSummary* summary) {
+  using namespace magi;
+  dist::DistConfig config;
+  config.chunk_size = o.chunk_size;
+  config.overlap_degree = overlap;
+  config.attention.backend = Backend::Cuda;
+  const dist::HeadShape heads{o.heads, o.heads, o.head_dim};
+  const dist::RuntimeKey key = dist::make_runtime_key(mask, heads, comm_ptr, config);
+  *summary = key.summary();
+  const int64_t lq = key.local_q_tokens(), lk = key.local_k_tokens(), h = o.heads, d = o.head_dim;
+  const int32_t dev = comm.cuda_device();
+  Buffer q(lq * h * d * 2), k(lk * h * d * 2), v(lk * h * d * 2), out(lq * h * d * 2), lse(lq * h * 4),
+      dout(lq * h * d * 2), dq(lq * h * d * 2), dk(lk * h * d * 2), dv(lk * h * d * 2);
+  fill_random(q.get(), lq * h * d, 1 + comm.rank());
+  fill_random(k.get(), lk * h * d, 100 + comm.rank());
+  fill_random(v.get(), lk * h * d, 200 + comm.rank());
+  fill_random(dout.get(), lq * h * d, 300 + comm.rank());
+  ForwardArgs f;
+  f.q = view(q, DType::BF16, {lq, h, d}, dev);
+  f.k = view(k, DType::BF16, {lk, h, d}, dev);
+  f.v = view(v, DType::BF16, {lk, h, d}, dev);
+  f.out = view(out, DType::BF16, {lq, h, d}, dev);
+  f.lse = view(lse, DType::F32, {lq, h}, dev);
+  BackwardArgs b;
+  b.q = f.q;
+  b.k = f.k;
+  b.v = f.v;
+  b.out = f.out;
+  b.lse = f.lse;
+  b.dout = view(dout, DType::BF16, {lq, h, d}, dev);
+  b.dq = view(dq, DType::BF16, {lq, h, d}, dev);
+  b.dk = view(dk, DType::BF16, {lk, h, d}, dev);
+  b.dv = view(dv, DType::BF16, {lk, h, d}, dev);
+  std::vector<double> fwd, bwd;
+  for (int32_t i = 0; i < o.warmup + o.iters; ++i) {
+    comm.barrier();
+    auto t0 = std::chrono::steady_clock::now();
+    dist::calc_attn(key, f);
+    const double tf = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    comm.barrier();
+    t0 = std::chrono::steady_clock::now();
+    dist::calc_attn_backward(key, b);
+    const double tb = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const double max_f = max_over_ranks(comm, tf), max_b = max_over_ranks(comm, tb);
+    if (i >= o.warmup) fwd.push_back(max_f), bwd.push_back(max_b);
+  }
+  return {median(fwd), median(bwd)};
+}
+
+// The single-GPU kernel on this rank's GPU, CUDA events, median.
+Timing time_single(const magi::Mask& mask, const Options& o, int32_t dev) {
+  using namespace magi;
+  const int64_t t = mask.total_q, h = o.heads, d = o.head_dim;
+  Buffer q(t * h * d * 2), k(t * h * d * 2), v(t * h * d * 2), out(t * h * d * 2), lse(t * h * 4), dout(t * h * d * 2),
+      dq(t * h * d * 2), dk(t * h * d * 2), dv(t * h * d * 2);
+  fill_random(q.get(), t * h * d, 1);
+  fill_random(k.get(), t * h * d, 2);
+  fill_random(v.get(), t * h * d, 3);
+  fill_random(dout.get(), t * h * d, 4);
+  ForwardArgs f;
+  f.q = view(q, DType::BF16, {t, h, d}, dev);
+  f.k = view(k, DType::BF16, {t, h, d}, dev);
+  f.v = view(v, DType::BF16, {t, h, d}, dev);
+  f.out = view(out, DType::BF16, {t, h, d}, dev);
+  f.lse = view(lse, DType::F32, {t, h}, dev);
+  BackwardArgs b;
+  b.q = f.q;
+  b.k = f.k;
+  b.v = f.v;
+  b.out = f.out;
+  b.lse = f.lse;
+  b.dout = view(dout, DType::BF16, {t, h, d}, dev);
+  b.dq = view(dq, DType::BF16, {t, h, d}, dev);
+  b.dk = view(dk, DType::BF16, {t, h, d}, dev);
+  b.dv = view(dv, DType::BF16, {t, h, d}, dev);
+  AttentionOptions options;
+  options.backend = Backend::Cuda;
+  cudaEvent_t e0, e1, e2;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  cudaEventCreate(&e2);
+  std::vector<double> fwd, bwd;
+  for (int32_t i = 0; i < o.warmup + o.iters; ++i) {
+    cudaEventRecord(e0, nullptr);
+    forward(mask, f, options);
+    cudaEventRecord(e1, nullptr);
+    backward(mask, b, options);
+    cudaEventRecord(e2, nullptr);
+    check(cudaEventSynchronize(e2), "cudaEventSynchronize");
+    float ms_f = 0, ms_b = 0;
+    cudaEventElapsedTime(&ms_f, e0, e1);
+    cudaEventElapsedTime(&ms_b, e1, e2);
+    if (i >= o.warmup) fwd.push_back(ms_f), bwd.push_back(ms_b);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaEventDestroy(e2);
+  return {median(fwd), median(bwd)};
+}
+
+
+// ---- ring-attention baseline (zigzag) ----
+// Rank r holds chunks r and 2cp-1-r of 2cp equal chunks (q and kv). Step s computes the local q against
+// the kv of rank r - s, received from r - 1 while step s - 1 computed (double buffer). Backward: the kv
+// travels the same way; each step's partial dk/dv is added to an fp32 accumulator that travels with it
+// and reaches its owner after cp hops.
+
+// The part of `mask` with q in rank qr's zigzag rows and k in rank kr's, in local coordinates.
+magi::Mask zigzag_stage_mask(const magi::Mask& mask, int32_t cp, int32_t qr, int32_t kr) {
+  const int32_t c = mask.total_q / (2 * cp);
+  const int32_t q_chunks[2] = {qr, 2 * cp - 1 - qr}, k_chunks[2] = {kr, 2 * cp - 1 - kr};
+  magi::Mask out;
+  out.total_q = 2 * c;
+  out.total_k = 2 * c;
+  for (const magi::Slice& slice : mask.slices)
+    for (int32_t a = 0; a < 2; ++a)
+      for (int32_t b = 0; b < 2; ++b) {
+        const magi::Range rows{q_chunks[a] * c, (q_chunks[a] + 1) * c}, cols{k_chunks[b] * c, (k_chunks[b] + 1) * c};
+        const magi::dist::Band band = magi::dist::clip(magi::dist::band_of(slice), rows, cols);
+        if (magi::dist::area(band) == 0) continue;
+        magi::dist::append_slices(magi::dist::shift(band, a * c - rows.start, b * c - cols.start), out.slices);
+      }
+  return out;
+}
+
+class StreamEvents {
+ public:
+  explicit StreamEvents(size_t n) : events_(n) {
+    for (auto& e : events_) check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+  }
+  ~StreamEvents() {
+    for (auto& e : events_) cudaEventDestroy(e);
+  }
+  cudaEvent_t operator[](size_t i) const { return events_[i]; }
+
+ private:
+  std::vector<cudaEvent_t> events_;
+};
+
+// Sends `bytes` of each send buffer to rank + 1 and receives as many from rank - 1, one NCCL group.
+void ring_shift(NcclCommunicator& comm, std::initializer_list<std::pair<const void*, void*>> buffers, int64_t bytes,
+                cudaStream_t stream) {
+  const int32_t n = comm.size(), me = comm.rank();
+  std::vector<int64_t> send(static_cast<size_t>(n), 0), recv(static_cast<size_t>(n), 0), zeros(static_cast<size_t>(n), 0);
+  send[(me + 1) % n] = bytes;
+  recv[(me + n - 1) % n] = bytes;
+  ncclGroupStart();
+  for (const auto& [from, to] : buffers) comm.enqueue_all_to_all_v(from, send, zeros, to, recv, zeros, stream);
+  ncclGroupEnd();
+}
+
+Timing time_ring(NcclCommunicator& comm, const magi::Mask& mask, const Options& o) {
+  using namespace magi;
+  namespace g = magi::dist::gpu;
+  const int32_t cp = comm.size(), me = comm.rank(), dev = comm.cuda_device();
+  const int64_t l = mask.total_q / cp, h = o.heads, d = o.head_dim, kv_elems = l * h * d;
+  std::vector<Mask> stage_masks;
+  for (int32_t s = 0; s < cp; ++s) stage_masks.push_back(zigzag_stage_mask(mask, cp, me, (me - s + cp) % cp));
+  // The stages of all ranks must cover the mask exactly once.
+  double my_area = 0;
+  for (const Mask& m : stage_masks) my_area += static_cast<double>(m.area());
+  std::vector<double> areas(static_cast<size_t>(cp));
+  comm.allgather(&my_area, sizeof(my_area), areas.data());
+  double total_area = 0;
+  for (double a : areas) total_area += a;
+  if (total_area != static_cast<double>(mask.area()))
+    throw std::runtime_error("ring baseline: stage masks cover " + std::to_string(total_area) + " cells, the mask " +
+                             std::to_string(mask.area()));
+  Buffer q(kv_elems * 2), k(kv_elems * 2), v(kv_elems * 2), out(kv_elems * 2), lse(l * h * 4), dout(kv_elems * 2),
+      dq(kv_elems * 2), dk(kv_elems * 2), dv(kv_elems * 2);
+  Buffer bk0(kv_elems * 2), bk1(kv_elems * 2), bv0(kv_elems * 2), bv1(kv_elems * 2);
+  Buffer acc_out(kv_elems * 4), acc_lse(l * h * 4), part_out(kv_elems * 4), part_lse(l * h * 4);
+  Buffer acc_dq(kv_elems * 4), part_dq(kv_elems * 4), part_dk(kv_elems * 4), part_dv(kv_elems * 4);
+  Buffer dk0(kv_elems * 4), dk1(kv_elems * 4), dv0(kv_elems * 4), dv1(kv_elems * 4);
+  fill_random(q.get(), kv_elems, 1 + me);
+  fill_random(k.get(), kv_elems, 100 + me);
+  fill_random(v.get(), kv_elems, 200 + me);
+  fill_random(dout.get(), kv_elems, 300 + me);
+  void* bufk[2] = {bk0.get(), bk1.get()};
+  void* bufv[2] = {bv0.get(), bv1.get()};
+  float* bufdk[2] = {static_cast<float*>(dk0.get()), static_cast<float*>(dk1.get())};
+  float* bufdv[2] = {static_cast<float*>(dv0.get()), static_cast<float*>(dv1.get())};
+  const auto cur_k = [&](int32_t s) { return s == 0 ? k.get() : bufk[s % 2]; };
+  const auto cur_v = [&](int32_t s) { return s == 0 ? v.get() : bufv[s % 2]; };
+  cudaStream_t compute;
+  check(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking), "cudaStreamCreate");
+  const cudaStream_t comm_stream = comm.comm_stream();
+  StreamEvents kv_arrived(cp + 1), dk_arrived(cp + 1), computed(cp + 1);
+  cudaEvent_t done;
+  check(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
+  AttentionOptions options;
+  options.backend = Backend::Cuda;
+  const auto tv = [&](void* p, DType t, std::initializer_list<int64_t> shape) {
+    return TensorView(p, t, shape, Device{DeviceType::CUDA, dev});
+  };
+  const int64_t kv_bytes = kv_elems * 2, acc_bytes = kv_elems * 4;
+
+  const auto forward_pass = [&] {
+    g::fill(static_cast<float*>(acc_out.get()), 0.f, kv_elems, compute);
+    g::fill(static_cast<float*>(acc_lse.get()), -INFINITY, l * h, compute);
+    for (int32_t s = 0; s < cp; ++s) {
+      if (s + 1 < cp) {  // fetch step s + 1's kv while step s computes
+        if (s > 0) check(cudaStreamWaitEvent(comm_stream, computed[s - 1], 0), "cudaStreamWaitEvent");
+        ring_shift(comm, {{cur_k(s), bufk[(s + 1) % 2]}, {cur_v(s), bufv[(s + 1) % 2]}}, kv_bytes, comm_stream);
+        check(cudaEventRecord(kv_arrived[s + 1], comm_stream), "cudaEventRecord");
+      }
+      if (s > 0) check(cudaStreamWaitEvent(compute, kv_arrived[s], 0), "cudaStreamWaitEvent");
+      if (!stage_masks[s].slices.empty()) {
+        ForwardArgs f;
+        f.q = tv(q.get(), DType::BF16, {l, h, d});
+        f.k = tv(cur_k(s), DType::BF16, {l, h, d});
+        f.v = tv(cur_v(s), DType::BF16, {l, h, d});
+        f.out = tv(part_out.get(), DType::F32, {l, h, d});
+        f.lse = tv(part_lse.get(), DType::F32, {l, h});
+        forward(stage_masks[s], f, options, compute);
+        g::lse_merge(static_cast<float*>(acc_out.get()), static_cast<float*>(acc_lse.get()),
+                     static_cast<float*>(part_out.get()), static_cast<float*>(part_lse.get()), l * h, d, compute);
+      }
+      check(cudaEventRecord(computed[s], compute), "cudaEventRecord");
+    }
+    g::convert(static_cast<float*>(acc_out.get()), out.get(), g::Element::BF16, kv_elems, compute);
+    g::convert(static_cast<float*>(acc_lse.get()), lse.get(), g::Element::F32, l * h, compute);
+    check(cudaEventRecord(done, compute), "cudaEventRecord");
+    comm.wait_event(done, "ring forward");
+  };
+
+  const auto backward_pass = [&] {
+    g::fill(bufdk[0], 0.f, kv_elems, compute);
+    g::fill(bufdv[0], 0.f, kv_elems, compute);
+    for (int32_t s = 0; s < cp; ++s) {
+      if (s + 1 < cp) {
+        if (s > 0) check(cudaStreamWaitEvent(comm_stream, computed[s - 1], 0), "cudaStreamWaitEvent");
+        ring_shift(comm, {{cur_k(s), bufk[(s + 1) % 2]}, {cur_v(s), bufv[(s + 1) % 2]}}, kv_bytes, comm_stream);
+        check(cudaEventRecord(kv_arrived[s + 1], comm_stream), "cudaEventRecord");
+      }
+      if (s > 0) check(cudaStreamWaitEvent(compute, kv_arrived[s], 0), "cudaStreamWaitEvent");
+      float* dq_target = s == 0 ? static_cast<float*>(acc_dq.get()) : static_cast<float*>(part_dq.get());
+      if (!stage_masks[s].slices.empty()) {
+        BackwardArgs b;
+        b.q = tv(q.get(), DType::BF16, {l, h, d});
+        b.k = tv(cur_k(s), DType::BF16, {l, h, d});
+        b.v = tv(cur_v(s), DType::BF16, {l, h, d});
+        b.out = tv(out.get(), DType::BF16, {l, h, d});
+        b.lse = tv(lse.get(), DType::F32, {l, h});
+        b.dout = tv(dout.get(), DType::BF16, {l, h, d});
+        b.dq = tv(dq_target, DType::F32, {l, h, d});
+        b.dk = tv(part_dk.get(), DType::F32, {l, h, d});
+        b.dv = tv(part_dv.get(), DType::F32, {l, h, d});
+        backward(stage_masks[s], b, options, compute);
+        if (s > 0) g::add(static_cast<float*>(acc_dq.get()), static_cast<float*>(part_dq.get()), kv_elems, compute);
+      } else {
+        if (s == 0) g::fill(static_cast<float*>(acc_dq.get()), 0.f, kv_elems, compute);
+        g::fill(static_cast<float*>(part_dk.get()), 0.f, kv_elems, compute);
+        g::fill(static_cast<float*>(part_dv.get()), 0.f, kv_elems, compute);
+      }
+      // The accumulator of the kv held at step s arrived from rank - 1 (step 0: zeros, our own).
+      if (s > 0) check(cudaStreamWaitEvent(compute, dk_arrived[s], 0), "cudaStreamWaitEvent");
+      g::add(bufdk[s % 2], static_cast<float*>(part_dk.get()), kv_elems, compute);
+      g::add(bufdv[s % 2], static_cast<float*>(part_dv.get()), kv_elems, compute);
+      check(cudaEventRecord(computed[s], compute), "cudaEventRecord");
+      check(cudaStreamWaitEvent(comm_stream, computed[s], 0), "cudaStreamWaitEvent");
+      ring_shift(comm, {{bufdk[s % 2], bufdk[(s + 1) % 2]}, {bufdv[s % 2], bufdv[(s + 1) % 2]}}, acc_bytes, comm_stream);
+      check(cudaEventRecord(dk_arrived[s + 1], comm_stream), "cudaEventRecord");
+    }
+    // After cp hops each accumulator is back with its owner.
+    check(cudaStreamWaitEvent(compute, dk_arrived[cp], 0), "cudaStreamWaitEvent");
+    g::convert(static_cast<float*>(acc_dq.get()), dq.get(), g::Element::BF16, kv_elems, compute);
+    g::convert(bufdk[cp % 2], dk.get(), g::Element::BF16, kv_elems, compute);
+    g::convert(bufdv[cp % 2], dv.get(), g::Element::BF16, kv_elems, compute);
+    check(cudaEventRecord(done, compute), "cudaEventRecord");
+    comm.wait_event(done, "ring backward");
+  };
+
+  std::vector<double> fwd, bwd;
+  for (int32_t i = 0; i < o.warmup + o.iters; ++i) {
+    comm.barrier();
+    auto t0 = std::chrono::steady_clock::now();
+    forward_pass();
+    const double tf = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    comm.barrier();
+    t0 = std::chrono::steady_clock::now();
+    backward_pass();
+    const double tb = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const double max_f = max_over_ranks(comm, tf), max_b = max_over_ranks(comm, tb);
+    if (i >= o.warmup) fwd.push_back(max_f), bwd.push_back(max_b);
+  }
+  cudaEventDestroy(done);
+  cudaStreamDestroy(compute);
+  return {median(fwd), median(bwd)};
+}
+
+double tflops(double flops, double ms) { return flops / (ms * 1e-3) / 1e12; }
+
+int run(std::shared_ptr<NcclCommunicator> comm, const Options& o) {
+  const int32_t cp = comm->size();
+  const bool root = comm->rank() == 0;
+  comm->set_timeout(300.0);
+  if (root) {
+    cudaDeviceProp prop{};
+    cudaGetDeviceProperties(&prop, comm->cuda_device());
+    std::printf("device: %d x %s; %d tokens per GPU (total %d), %d heads (q = kv), D %d, bf16, chunk %d, "
+                "%d iterations after %d warm-ups\n",
+                cp, prop.name, o.tokens_per_gpu, o.tokens_per_gpu * cp, o.heads, o.head_dim, o.chunk_size, o.iters,
+                o.warmup);
+    std::printf("| mask | overlap | dist fwd | dist bwd | single fwd | single bwd | ring fwd | ring bwd | "
+                "fwd vs single | bwd vs single | fwd+bwd vs ring | imbalance | kv rows vs ring | fwd ms | bwd ms |\n"
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    std::fflush(stdout);
+  }
+  for (const std::string kind : {"full", "causal", "varlen_full", "varlen_causal"}) {
+    const magi::Mask global = make_mask(kind, o.tokens_per_gpu * cp);
+    const magi::Mask per_gpu = make_mask(kind, o.tokens_per_gpu);
+    const Timing single = time_single(per_gpu, o, comm->cuda_device());
+    const double single_fwd = tflops(magi::flops_forward(per_gpu.area(), o.heads, o.head_dim), single.fwd_ms);
+    const double single_bwd = tflops(magi::flops_backward(per_gpu.area(), o.heads, o.head_dim), single.bwd_ms);
+    const double flops_fwd = magi::flops_forward(global.area(), o.heads, o.head_dim);
+    const double flops_bwd = magi::flops_backward(global.area(), o.heads, o.head_dim);
+    Timing ring{-1, -1};
+    if (o.ring) ring = time_ring(*comm, global, o);
+    const double ring_fwd = o.ring ? tflops(flops_fwd, ring.fwd_ms * cp) : 0, ring_bwd = o.ring ? tflops(flops_bwd, ring.bwd_ms * cp) : 0;
+    for (int32_t overlap : o.overlaps) {
+      magi::dist::PlanSummary summary;
+      const Timing t = time_distributed(*comm, comm, global, o, overlap, &summary);
+      const double fwd = tflops(flops_fwd, t.fwd_ms * cp), bwd = tflops(flops_bwd, t.bwd_ms * cp);
+      int64_t fetched = 0;
+      for (int64_t f : summary.fetched_kv_rows) fetched += f;
+      if (root) {
+        std::printf("| %s | %d | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f%% | %.0f%% | %.2fx | %.3f | %.2f | %.2f | %.2f |\n",
+                    kind.c_str(), overlap, fwd, bwd, single_fwd, single_bwd, ring_fwd, ring_bwd, 100 * fwd / single_fwd,
+                    100 * bwd / single_bwd, o.ring ? (ring.fwd_ms + ring.bwd_ms) / (t.fwd_ms + t.bwd_ms) : 0.0,
+                    summary.imbalance(),
+                    summary.ring_kv_rows ? static_cast<double>(fetched) / summary.ring_kv_rows : 0.0, t.fwd_ms,
+                    t.bwd_ms);
+        std::fflush(stdout);
+      }
+    }
+    magi::dist::clear_runtime_cache();
+  }
+  if (root)
+    std::printf("TFLOP/s per GPU (SPEC section 6); dist = FLOPs / (max time over ranks x cp), host clock around "
+                "each call (it returns with results ready); single = CUDA events, %d tokens on one GPU; ring = zigzag ring "
+                "attention, same kernel, same timing as dist; fwd+bwd vs ring = ring time / dist time.\n",
+                o.tokens_per_gpu);
+  return 0;
+}
+
+std::vector<int32_t> parse_list(const std::string& text) {
+  std::vector<int32_t> out;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) out.push_back(std::stoi(item));
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i], value = argv[i + 1];
+    if (flag == "--tokens-per-gpu") o.tokens_per_gpu = std::stoi(value);
+    else if (flag == "--heads") o.heads = std::stoi(value);
+    else if (flag == "--head-dim") o.head_dim = std::stoi(value);
+    else if (flag == "--chunk-size") o.chunk_size = std::stoi(value);
+    else if (flag == "--iters") o.iters = std::stoi(value);
+    else if (flag == "--overlaps") o.overlaps = parse_list(value);
+    else if (flag == "--ring") o.ring = value != "0";
+    else {
+      std::fprintf(stderr, "unknown option %s (allowed: --tokens-per-gpu --heads --head-dim --chunk-size --iters "
+                           "--overlaps --ring 0|1)\n", flag.c_str());
+      return 2;
+    }
+  }
+  return magi::comm::run_on_local_gpus([&](std::shared_ptr<NcclCommunicator> comm) {
+    const int code = run(comm, o);
+    magi::dist::clear_runtime_cache();
+    return code;
+  });
+}

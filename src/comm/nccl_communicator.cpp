@@ -1,0 +1,281 @@
+// The NCCL engine: see nccl_communicator.hpp.
+#include "comm/nccl_communicator.hpp"
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#if MAGI_ATTN_WITH_MPI
+#include <mpi.h>
+#endif
+
+namespace magi::comm {
+namespace {
+
+void check_cuda(cudaError_t code, const char* call) {
+  if (code != cudaSuccess) throw CommError(std::string(call) + " failed: " + cudaGetErrorString(code));
+}
+
+std::string nccl_message(ncclResult_t code, ncclComm_t comm) {
+  std::string text = ncclGetErrorString(code);
+  const char* last = ncclGetLastError(comm);
+  if (last != nullptr && *last != '\0') text += std::string(" (") + last + ")";
+  return text;
+}
+
+// Makes `device` current for the scope (NCCL and the stream belong to it).
+class DeviceScope {
+ public:
+  explicit DeviceScope(int32_t device) {
+    cudaGetDevice(&previous_);
+    if (previous_ != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceScope() {
+    int current = -1;
+    if (cudaGetDevice(&current) == cudaSuccess && current != previous_) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0;
+};
+
+void require_entries(std::span<const int64_t> list, size_t n, const char* what) {
+  if (list.size() != n)
+    throw InvalidArgument(std::string("all_to_all_v: ") + what + " needs one entry per rank (" + std::to_string(n) +
+                          "), got " + std::to_string(list.size()));
+  for (int64_t v : list)
+    if (v < 0) throw InvalidArgument(std::string("all_to_all_v: ") + what + " must be >= 0");
+}
+
+// A blocking request: an event recorded on the comm stream after the exchange.
+class NcclRequest final : public Request {
+ public:
+  NcclRequest(NcclCommunicator& comm, std::string what) : comm_(comm), what_(std::move(what)) {
+    check_cuda(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "cudaEventCreate");
+    check_cuda(cudaEventRecord(event_, comm.comm_stream()), "cudaEventRecord");
+  }
+  ~NcclRequest() override {
+    if (!waited_) {
+      try {
+        wait();
+      } catch (...) {
+        // A destructor must not throw; callers that want the error call wait() themselves.
+      }
+    }
+    cudaEventDestroy(event_);
+  }
+  void wait() override {
+    if (waited_) return;
+    waited_ = true;
+    comm_.wait_event(event_, what_);
+  }
+
+ private:
+  NcclCommunicator& comm_;
+  std::string what_;
+  cudaEvent_t event_ = nullptr;
+  bool waited_ = false;
+};
+
+}  // namespace
+
+NcclCommunicator::NcclCommunicator(const ncclUniqueId& id, int32_t rank, int32_t size, int32_t device)
+    : rank_(rank), size_(size), device_(device) {
+  if (size < 1 || rank < 0 || rank >= size)
+    throw InvalidArgument("nccl communicator: need 0 <= rank < size, got rank " + std::to_string(rank) + ", size " +
+                          std::to_string(size));
+  int devices = 0;
+  check_cuda(cudaGetDeviceCount(&devices), "cudaGetDeviceCount");
+  if (device < 0 || device >= devices)
+    throw InvalidArgument("nccl communicator: device must be in [0, " + std::to_string(devices) + "), got " +
+                          std::to_string(device));
+  DeviceScope scope(device_);
+  const ncclResult_t code = ncclCommInitRank(&comm_, size, id, rank);
+  if (code != ncclSuccess) throw CommError("ncclCommInitRank failed: " + nccl_message(code, nullptr));
+  check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+}
+
+NcclCommunicator::~NcclCommunicator() {
+  DeviceScope scope(device_);
+  if (stream_ != nullptr) {
+    if (!aborted_) cudaStreamSynchronize(stream_);
+    cudaStreamDestroy(stream_);
+  }
+  if (comm_ != nullptr && !aborted_) ncclCommDestroy(comm_);
+}
+
+void NcclCommunicator::abort() {
+  if (aborted_) return;
+  aborted_ = true;
+  ncclCommAbort(comm_);
+}
+
+void NcclCommunicator::abort_and_throw(const std::string& message) {
+  abort();
+  throw CommError(message);
+}
+
+void NcclCommunicator::check_async_error(const std::string& what) {
+  if (aborted_) throw CommError(what + ": the communicator was aborted by an earlier error");
+  ncclResult_t async = ncclSuccess;
+  const ncclResult_t code = ncclCommGetAsyncError(comm_, &async);
+  if (code != ncclSuccess) abort_and_throw(what + ": ncclCommGetAsyncError failed: " + nccl_message(code, comm_));
+  if (async != ncclSuccess && async != ncclInProgress)
+    abort_and_throw(what + " failed on " + describe() + ": " + nccl_message(async, comm_));
+}
+
+void NcclCommunicator::wait_event(cudaEvent_t event, const std::string& what) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout());
+  while (true) {
+    const cudaError_t state = cudaEventQuery(event);
+    if (state == cudaSuccess) break;
+    if (state != cudaErrorNotReady) abort_and_throw(what + ": " + cudaGetErrorString(state));
+    check_async_error(what);
+    if (std::chrono::steady_clock::now() > deadline)
+      abort_and_throw(what + " on " + describe() + " did not complete within " + std::to_string(timeout()) +
+                      " s (a rank diverged, died, or passed mismatched counts); communicator aborted");
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+  check_async_error(what);
+}
+
+void NcclCommunicator::enqueue_all_to_all_v(const void* send, std::span<const int64_t> send_counts,
+                                            std::span<const int64_t> send_displs, void* recv,
+                                            std::span<const int64_t> recv_counts,
+                                            std::span<const int64_t> recv_displs, cudaStream_t stream) {
+  const auto n = static_cast<size_t>(size_);
+  require_entries(send_counts, n, "send_counts");
+  require_entries(send_displs, n, "send_displs");
+  require_entries(recv_counts, n, "recv_counts");
+  require_entries(recv_displs, n, "recv_displs");
+  if (aborted_) throw CommError("all_to_all_v: the communicator was aborted by an earlier error");
+  DeviceScope scope(device_);
+  const auto* src = static_cast<const char*>(send);
+  auto* dst = static_cast<char*>(recv);
+  // Our own share is a device copy: no NCCL channel needed.
+  if (send_counts[rank_] != recv_counts[rank_])
+    throw InvalidArgument("all_to_all_v: this rank sends itself " + std::to_string(send_counts[rank_]) +
+                          " bytes but expects " + std::to_string(recv_counts[rank_]));
+  if (send_counts[rank_] > 0)
+    check_cuda(cudaMemcpyAsync(dst + recv_displs[rank_], src + send_displs[rank_],
+                               static_cast<size_t>(send_counts[rank_]), cudaMemcpyDeviceToDevice, stream),
+               "cudaMemcpyAsync");
+  bool any = false;
+  for (size_t r = 0; r < n; ++r) any = any || (r != static_cast<size_t>(rank_) && (send_counts[r] || recv_counts[r]));
+  if (!any) return;
+  ncclResult_t code = ncclGroupStart();
+  for (int32_t r = 0; r < size_ && code == ncclSuccess; ++r) {
+    if (r == rank_) continue;
+    if (send_counts[r] > 0)
+      code = ncclSend(src + send_displs[r], static_cast<size_t>(send_counts[r]), ncclUint8, r, comm_, stream);
+    if (code == ncclSuccess && recv_counts[r] > 0)
+      code = ncclRecv(dst + recv_displs[r], static_cast<size_t>(recv_counts[r]), ncclUint8, r, comm_, stream);
+  }
+  const ncclResult_t end = ncclGroupEnd();
+  if (code == ncclSuccess) code = end;
+  if (code != ncclSuccess && code != ncclInProgress)
+    abort_and_throw("all_to_all_v on " + describe() + ": " + nccl_message(code, comm_));
+}
+
+void NcclCommunicator::enqueue_allgather(const void* send, int64_t bytes, void* recv, cudaStream_t stream) {
+  if (bytes < 0) throw InvalidArgument("allgather: bytes must be >= 0");
+  if (aborted_) throw CommError("allgather: the communicator was aborted by an earlier error");
+  if (bytes == 0) return;
+  DeviceScope scope(device_);
+  const ncclResult_t code = ncclAllGather(send, recv, static_cast<size_t>(bytes), ncclUint8, comm_, stream);
+  if (code != ncclSuccess && code != ncclInProgress)
+    abort_and_throw("allgather on " + describe() + ": " + nccl_message(code, comm_));
+}
+
+std::unique_ptr<Request> NcclCommunicator::start_all_to_all_v(const void* send, std::span<const int64_t> send_counts,
+                                                              std::span<const int64_t> send_displs, void* recv,
+                                                              std::span<const int64_t> recv_counts,
+                                                              std::span<const int64_t> recv_displs) {
+  enqueue_all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs, stream_);
+  DeviceScope scope(device_);
+  return std::make_unique<NcclRequest>(*this, "all_to_all_v");
+}
+
+void NcclCommunicator::allgather(const void* send, int64_t bytes, void* recv) {
+  if (bytes < 0) throw InvalidArgument("allgather: bytes must be >= 0");
+  if (bytes == 0) return;
+  DeviceScope scope(device_);
+  cudaPointerAttributes attributes{};
+  const bool on_device = cudaPointerGetAttributes(&attributes, send) == cudaSuccess &&
+                         attributes.type == cudaMemoryTypeDevice;
+  cudaGetLastError();  // a host pointer may leave an error behind on older runtimes
+  if (on_device) {
+    enqueue_allgather(send, bytes, recv, stream_);
+  } else {
+    // Host bytes (fingerprints, flags, timings): through a device scratch buffer.
+    void* scratch = nullptr;
+    const size_t total = static_cast<size_t>(bytes) * static_cast<size_t>(size_ + 1);
+    check_cuda(cudaMalloc(&scratch, total), "cudaMalloc");
+    auto* base = static_cast<char*>(scratch);
+    try {
+      check_cuda(cudaMemcpyAsync(base, send, static_cast<size_t>(bytes), cudaMemcpyHostToDevice, stream_),
+                 "cudaMemcpyAsync");
+      enqueue_allgather(base, bytes, base + bytes, stream_);
+      check_cuda(cudaMemcpyAsync(recv, base + bytes, static_cast<size_t>(bytes) * size_, cudaMemcpyDeviceToHost, stream_),
+                 "cudaMemcpyAsync");
+      NcclRequest(*this, "allgather").wait();
+    } catch (...) {
+      if (!aborted_) cudaFree(scratch);
+      throw;
+    }
+    cudaFree(scratch);
+    return;
+  }
+  NcclRequest(*this, "allgather").wait();
+}
+
+void NcclCommunicator::barrier() {
+  int32_t token = rank_;
+  std::vector<int32_t> all(static_cast<size_t>(size_));
+  allgather(&token, sizeof(token), all.data());
+}
+
+ncclUniqueId nccl_unique_id() {
+  ncclUniqueId id;
+  const ncclResult_t code = ncclGetUniqueId(&id);
+  if (code != ncclSuccess) throw CommError("ncclGetUniqueId failed: " + nccl_message(code, nullptr));
+  return id;
+}
+
+std::shared_ptr<NcclCommunicator> nccl_communicator(const ncclUniqueId& id, int32_t rank, int32_t size,
+                                                    int32_t device) {
+  return std::make_shared<NcclCommunicator>(id, rank, size, device);
+}
+
+#if MAGI_ATTN_WITH_MPI
+std::shared_ptr<NcclCommunicator> nccl_world(int32_t device) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized)
+    throw InvalidArgument("nccl_world: MPI is not initialised (create a magi::comm::MpiEnvironment first)");
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  if (device < 0) {
+    MPI_Comm node = MPI_COMM_NULL;
+    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
+    int local_rank = 0;
+    MPI_Comm_rank(node, &local_rank);
+    MPI_Comm_free(&node);
+    int devices = 0;
+    check_cuda(cudaGetDeviceCount(&devices), "cudaGetDeviceCount");
+    if (devices < 1) throw NotAvailable("nccl_world: no CUDA device is visible");
+    device = local_rank % devices;
+  }
+  ncclUniqueId id;
+  std::memset(&id, 0, sizeof(id));
+  if (rank == 0) id = nccl_unique_id();
+  if (MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, MPI_COMM_WORLD) != MPI_SUCCESS)
+    throw CommError("nccl_world: MPI_Bcast of the NCCL unique id failed");
+  check_cuda(cudaSetDevice(device), "cudaSetDevice");
+  return nccl_communicator(id, rank, size, device);
+}
+#endif
+
+}  // namespace magi::comm

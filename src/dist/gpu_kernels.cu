@@ -1,0 +1,173 @@
+#include "dist/gpu_kernels.hpp"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <string>
+
+#include "common/lse_merge.hpp"
+#include "magi/error.hpp"
+
+namespace magi::dist::gpu {
+namespace {
+
+constexpr int kThreads = 256;
+
+void check_launch(const char* what) {
+  const cudaError_t code = cudaGetLastError();
+  if (code != cudaSuccess) throw Error(std::string(what) + " launch failed: " + cudaGetErrorString(code));
+}
+
+unsigned blocks_for(int64_t n) {
+  return static_cast<unsigned>(std::min<int64_t>((n + kThreads - 1) / kThreads, int64_t{1} << 20));
+}
+
+template <class Word>
+__global__ void gather_rows_kernel(const Word* src, const int32_t* index, int64_t rows, int64_t words_per_row,
+                                   Word* dst) {
+  const int64_t total = rows * words_per_row;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t row = i / words_per_row, w = i % words_per_row;
+    dst[i] = src[int64_t{index[row]} * words_per_row + w];
+  }
+}
+
+// One warp per (row, head): every lane reads both lse values before lane 0 replaces the running one.
+__global__ void lse_merge_kernel(float* acc_out, float* acc_lse, const float* part_out, const float* part_lse,
+                                 int64_t row_heads, int32_t head_dim) {
+  const int64_t warp = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (warp >= row_heads) return;
+  const auto w = merge_weights<float>(acc_lse[warp], part_lse[warp]);
+  float* out = acc_out + warp * head_dim;
+  const float* part = part_out + warp * head_dim;
+  for (int32_t d = lane; d < head_dim; d += 32)
+    // Zero weights must not touch the values: an empty part may hold anything finite.
+    out[d] = (w.w1 == 0.f ? 0.f : w.w1 * out[d]) + (w.w2 == 0.f ? 0.f : w.w2 * part[d]);
+  __syncwarp();
+  if (lane == 0) acc_lse[warp] = w.lse;
+}
+
+__global__ void add_kernel(float* acc, const float* part, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    acc[i] += part[i];
+}
+
+__global__ void max_kernel(float* acc, const float* part, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    acc[i] = fmaxf(acc[i], part[i]);
+}
+
+__global__ void fill_kernel(float* dst, float value, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    dst[i] = value;
+}
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+
+template <class T>
+__global__ void sum_rows_kernel(float* acc, int64_t rows, int64_t elems, const int32_t* offsets,
+                                const int32_t* index, const T* received) {
+  const int64_t total = rows * elems;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t row = i / elems, e = i % elems;
+    float sum = acc[i];
+    for (int32_t j = offsets[row]; j < offsets[row + 1]; ++j) sum += to_float(received[int64_t{index[j]} * elems + e]);
+    acc[i] = sum;
+  }
+}
+
+template <class T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half(v); }
+
+template <class T>
+__global__ void convert_kernel(const float* src, T* dst, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    dst[i] = from_float<T>(src[i]);
+}
+
+}  // namespace
+
+void gather_rows(const void* src, const int32_t* index, int64_t rows, int64_t row_bytes, void* dst,
+                 cudaStream_t stream) {
+  if (rows == 0) return;
+  if (row_bytes % 16 == 0) {
+    const int64_t words = row_bytes / 16;
+    gather_rows_kernel<<<blocks_for(rows * words), kThreads, 0, stream>>>(static_cast<const uint4*>(src), index, rows,
+                                                                          words, static_cast<uint4*>(dst));
+  } else {
+    const int64_t words = row_bytes / 4;
+    gather_rows_kernel<<<blocks_for(rows * words), kThreads, 0, stream>>>(
+        static_cast<const uint32_t*>(src), index, rows, words, static_cast<uint32_t*>(dst));
+  }
+  check_launch("gather_rows");
+}
+
+void lse_merge(float* acc_out, float* acc_lse, const float* part_out, const float* part_lse, int64_t row_heads,
+               int32_t head_dim, cudaStream_t stream) {
+  if (row_heads == 0) return;
+  lse_merge_kernel<<<blocks_for(row_heads * 32), kThreads, 0, stream>>>(acc_out, acc_lse, part_out, part_lse,
+                                                                        row_heads, head_dim);
+  check_launch("lse_merge");
+}
+
+void add(float* acc, const float* part, int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  add_kernel<<<blocks_for(n), kThreads, 0, stream>>>(acc, part, n);
+  check_launch("add");
+}
+
+void max_into(float* acc, const float* part, int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  max_kernel<<<blocks_for(n), kThreads, 0, stream>>>(acc, part, n);
+  check_launch("max_into");
+}
+
+void fill(float* dst, float value, int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  fill_kernel<<<blocks_for(n), kThreads, 0, stream>>>(dst, value, n);
+  check_launch("fill");
+}
+
+void sum_rows(float* acc, int64_t rows, int64_t elems, const int32_t* offsets, const int32_t* index,
+              const void* received, Element type, cudaStream_t stream) {
+  if (rows == 0) return;
+  const unsigned blocks = blocks_for(rows * elems);
+  switch (type) {
+    case Element::F32:
+      sum_rows_kernel<<<blocks, kThreads, 0, stream>>>(acc, rows, elems, offsets, index, static_cast<const float*>(received));
+      break;
+    case Element::BF16:
+      sum_rows_kernel<<<blocks, kThreads, 0, stream>>>(acc, rows, elems, offsets, index,
+                                                       static_cast<const __nv_bfloat16*>(received));
+      break;
+    case Element::F16:
+      sum_rows_kernel<<<blocks, kThreads, 0, stream>>>(acc, rows, elems, offsets, index, static_cast<const __half*>(received));
+      break;
+  }
+  check_launch("sum_rows");
+}
+
+void convert(const float* src, void* dst, Element type, int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  switch (type) {
+    case Element::F32:
+      if (static_cast<const void*>(src) != dst)
+        cudaMemcpyAsync(dst, src, static_cast<size_t>(n) * 4, cudaMemcpyDeviceToDevice, stream);
+      return;
+    case Element::BF16:
+      convert_kernel<<<blocks_for(n), kThreads, 0, stream>>>(src, static_cast<__nv_bfloat16*>(dst), n);
+      break;
+    case Element::F16: convert_kernel<<<blocks_for(n), kThreads, 0, stream>>>(src, static_cast<__half*>(dst), n); break;
+  }
+  check_launch("convert");
+}
+
+}  // namespace magi::dist::gpu

@@ -1,0 +1,26 @@
+// The device half of distributed attention (SPEC section 4) on the NCCL engine: dispatch/undispatch of
+// device tensors and overlapped forward/backward. Built when the library has NCCL and the CUDA backend
+// (MAGI_ATTN_WITH_NCCL); runtime.cpp routes CUDA tensors here.
+#pragma once
+
+#include <memory>
+
+#include "dist/runtime.hpp"
+
+namespace magi::dist::gpu {
+
+// Per-runtime device state (streams, events, routes on the device, staging buffers for one dtype).
+// Created on the first device call of a runtime and reused by later calls.
+struct State;
+std::shared_ptr<State> make_state(const DistAttnRuntime& runtime);
+
+void forward(const DistAttnRuntime& runtime, State& state, const ForwardArgs& local);
+void backward(const DistAttnRuntime& runtime, State& state, const BackwardArgs& local);
+
+// Device-tensor dispatch (local copies) and undispatch (allgather through NCCL).
+void dispatch(const DistAttnRuntime& runtime, const Partition& partition, const TensorView& global,
+              const TensorView& local);
+void undispatch(const DistAttnRuntime& runtime, const Partition& partition, const TensorView& local,
+                const TensorView& global);
+
+}  // namespace magi::dist::gpu
