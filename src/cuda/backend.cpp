@@ -172,11 +172,10 @@ struct Plan {
   float* lse2 = nullptr;   // [Hq][tq_pad]
   int32_t* counters = nullptr;  // persistent-grid work counters: forward, dk/dv, dq
 
-  // fp32 dout is converted to 16 bits here; the fp32 dq accumulator of the default (non-deterministic)
-  // backward when dq is 16-bit. Both sized on first use (the only lazy allocations).
-  mutable std::mutex lazy_mutex;
-  mutable void* dout16 = nullptr;
-  mutable float* dq_accum = nullptr;
+  // Backward scratch, allocated with the plan so that execution never allocates: the 16-bit copy of an
+  // fp32 dout, and the fp32 dq accumulator of the default (non-deterministic) backward.
+  void* dout16 = nullptr;
+  float* dq_accum = nullptr;
 
   Plan() = default;
   Plan(const Plan&) = delete;
@@ -193,18 +192,6 @@ struct Plan {
     }
   }
 
-  void* dout16_buffer() const {
-    std::lock_guard lock(lazy_mutex);
-    if (dout16 == nullptr)
-      check(cudaMalloc(&dout16, static_cast<size_t>(tq) * hq * d * 2 + 16), "cudaMalloc (dout conversion)");
-    return dout16;
-  }
-  float* dq_accum_buffer() const {
-    std::lock_guard lock(lazy_mutex);
-    if (dq_accum == nullptr)
-      check(cudaMalloc(&dq_accum, static_cast<size_t>(tq) * hq * d * 4 + 16), "cudaMalloc (dq accumulator)");
-    return dq_accum;
-  }
 };
 
 bool head_dim_supported(int32_t head_dim) {
@@ -274,6 +261,9 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   check(cudaDeviceGetAttribute(&plan->smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
         "cudaDeviceGetAttribute");
   check(cudaMalloc(&plan->arena, total), "cudaMalloc (plan)");
+  const size_t rows_x_d = static_cast<size_t>(plan->tq) * plan->hq * plan->d;
+  check(cudaMalloc(&plan->dout16, rows_x_d * 2 + 16), "cudaMalloc (dout conversion)");
+  check(cudaMalloc(&plan->dq_accum, rows_x_d * 4 + 16), "cudaMalloc (dq accumulator)");
   plan->arena_bytes = total;
   check(cudaMemcpy(plan->arena, staging.data(), staging.size(), cudaMemcpyHostToDevice), "cudaMemcpy (plan)");
   // Padding rows of the row statistics are read (whole chunks) but never kept: keep them finite.
@@ -436,7 +426,7 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
   pre.out_fp32 = a.out.dtype == DType::F32;
   pre.dout = a.dout.data;
   pre.dout_fp32 = dout_fp32;
-  pre.dout16 = dout_fp32 ? plan.dout16_buffer() : nullptr;
+  pre.dout16 = dout_fp32 ? plan.dout16 : nullptr;
   pre.lse = static_cast<const float*>(a.lse.data);
   pre.delta = plan.delta;
   pre.lse2 = plan.lse2;
@@ -494,7 +484,7 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
   dkdv.list = fused_dq ? plan.dkdv_fused : plan.dkdv;
   const int dkdv_blocks = dkdv.list.num_tiles * plan.hkv;
   if (fused_dq) {
-    dkdv.dq_accum = dq_in_place ? static_cast<float*>(a.dq.data) : plan.dq_accum_buffer();
+    dkdv.dq_accum = dq_in_place ? static_cast<float*>(a.dq.data) : plan.dq_accum;
     check(cudaMemsetAsync(dkdv.dq_accum, 0, dq_elements * 4, stream), "cudaMemsetAsync (dq accumulator)");
   }
   timer.end();

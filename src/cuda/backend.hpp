@@ -1,11 +1,11 @@
 // The portable CUDA backend (sm_80 instructions; runs on Ampere and Hopper): plans and execution.
 //
 // A plan turns a mask into the kernels' device work lists once and owns its device workspace. Execution
-// enqueues kernels on the caller's stream only: no host synchronisation, no allocation (except the first
-// backward call with fp32 dout, which sizes a conversion buffer), so forward + backward can be captured
-// in a CUDA graph. With Options::deterministic every result is bitwise reproducible (no atomics on values;
-// max_logits uses an order-independent atomic max); by default dq is accumulated with fp32 atomics (faster,
-// not bitwise reproducible), everything else stays reproducible.
+// enqueues kernels on the caller's stream only: no host synchronisation, no allocation (the plan holds the
+// backward scratch too), so forward + backward can be captured in a CUDA graph. With Options::deterministic
+// every result is bitwise reproducible (no atomics on values; max_logits uses an order-independent atomic
+// max); by default dq is accumulated with fp32 atomics (faster, not bitwise reproducible), everything else
+// stays reproducible.
 #pragma once
 
 #include <cuda_runtime_api.h>
