@@ -78,10 +78,16 @@ if [ $RUN_BENCH = 1 ]; then
   note "flash_bench rc $? ($(( $(date +%s) - t0 )) s)"
   # The API's default grids (SM margin 4 while CUDA_DEVICE_MAX_CONNECTIONS > 1): persistent kernels, D 128.
   "$BUILD/bench/cuda/flash_bench" --quick --sm-margin 4 --impl magi_m4 > "$LOGS/bench_magi_m4.csv" 2>> "$LOGS/bench_magi.err"
+  # Forward q tile pinned (the planner picks 64 rows for fragmented masks): the A/B behind that rule.
+  for q in 64 128; do
+    "$BUILD/bench/cuda/flash_bench" --quick --fwd-tile-q $q --impl magi_q$q > "$LOGS/bench_magi_q$q.csv" 2>> "$LOGS/bench_magi.err"
+  done
+  grep -E "^# magi " "$LOGS/bench_magi.err" | sort -u | head -30
   [ $RUN_PEERS = 1 ] || PEER_ARGS=(--skip-all)
   python3 "$ROOT/scripts/bench_peers.py" "$LOGS/cases.json" "${PEER_ARGS[@]}" > "$LOGS/bench_peers.csv" 2> "$LOGS/bench_peers.err"
   note "peers rc $? ($(( $(date +%s) - t0 )) s); $(grep -c '^#' "$LOGS/bench_peers.err") peer errors"
-  python3 - "$LOGS/bench_magi.csv" "$LOGS/bench_magi_m4.csv" "$LOGS/bench_peers.csv" <<'PY' | tee "$LOGS/table.txt"
+  python3 - "$LOGS/bench_magi.csv" "$LOGS/bench_magi_m4.csv" "$LOGS/bench_magi_q64.csv" "$LOGS/bench_magi_q128.csv" \
+    "$LOGS/bench_peers.csv" <<'PY' | tee "$LOGS/table.txt"
 import csv, sys
 rows = {}
 order = []
@@ -90,7 +96,7 @@ for path in sys.argv[1:]:
         key = (r["mask"], int(r["head_dim"]))
         if key not in rows: rows[key] = {}; order.append(key)
         rows[key][r["impl"]] = (float(r["fwd_tflops"]), float(r["bwd_tflops"]))
-impls = ["magi", "magi_det", "magi_m4", "sdpa_cudnn", "sdpa_flash", "flex"]
+impls = ["magi", "magi_det", "magi_m4", "magi_q64", "magi_q128", "sdpa_cudnn", "sdpa_flash", "flex"]
 print("\nTFLOP/s fwd/bwd (bf16, 16 heads, 2x8k tokens), same GPU, same run")
 print(f"{'mask':26s} {'D':>4s} " + " ".join(f"{i:>13s}" for i in impls))
 for key in order:

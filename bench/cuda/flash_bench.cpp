@@ -3,7 +3,7 @@
 // (document lengths etc.) as JSON so that scripts/bench_peers.py measures the peers on the same masks.
 //
 // usage: flash_bench [--cases out.json] [--reps N] [--quick] [--only MASK] [--dims 64,128,256] [--seq 8192]
-//                    [--deterministic] [--sm-margin N] [--impl NAME]
+//                    [--deterministic] [--sm-margin N] [--impl NAME] [--fwd-tile-q 64|128]
 //   2 sequences of --seq tokens (16 heads, bf16); --quick = D 128 only. The backward runs in the default
 //   mode (dq by atomics); --deterministic also times the deterministic backward (rows `magi_det`).
 //   --sm-margin N: persistent grids leaving N SMs free (the API's default is 4 when
@@ -145,6 +145,7 @@ int main(int argc, char** argv) {
   bool deterministic_too = false;
   int sm_margin = 0;
   std::string impl = "magi";
+  magi::cuda::PlanTuning tuning;  // --fwd-tile-q pins the forward q tile (default: the planner's choice)
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--cases") && i + 1 < argc) cases_path = argv[++i];
     else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
@@ -155,6 +156,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--deterministic")) deterministic_too = true;
     else if (!std::strcmp(argv[i], "--sm-margin") && i + 1 < argc) sm_margin = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--impl") && i + 1 < argc) impl = argv[++i];
+    else if (!std::strcmp(argv[i], "--fwd-tile-q") && i + 1 < argc) tuning.forward_tile_q = std::atoi(argv[++i]);
   }
   const int32_t batch = 2, heads = 16;
   const std::vector<Case> cases = make_cases(seq, batch);
@@ -234,7 +236,9 @@ int main(int argc, char** argv) {
 
     for (const Case& c : cases) {
       if (!only.empty() && c.name != only) continue;
-      auto plan = magi::cuda::make_plan(c.mask, heads, heads, d, 0);
+      auto plan = magi::cuda::make_plan(c.mask, heads, heads, d, 0, tuning);
+      std::fprintf(stderr, "# %s %s D %d: %d-row forward tiles\n", impl.c_str(), c.name.c_str(), d,
+                   magi::cuda::stats(*plan).forward_tile_q);
       const double fwd_ms = time_ms([&] { magi::cuda::forward(*plan, fa, options, stream); }, reps, stream);
       const double bwd_ms = time_ms([&] { magi::cuda::backward(*plan, ba, options, stream); }, reps, stream);
       const int64_t area = c.mask.area();

@@ -161,6 +161,7 @@ class StageTimer {
 
 struct Plan {
   int32_t tq = 0, tk = 0, hq = 0, hkv = 0, d = 0, padded_d = 0, device = 0;
+  int32_t fwd_tile_q = 0;  // rows per forward block (the fwd list's major tile)
   int32_t smem_optin = 0;  // the device's per-block shared-memory limit (opt-in)
   DeviceList fwd, dkdv, dq;
   DeviceList dkdv_fused;  // the default backward's k tiles (dq by atomics), see detail::dkdv_tile_k
@@ -198,8 +199,12 @@ bool head_dim_supported(int32_t head_dim) {
   return head_dim > 0 && head_dim % 8 == 0 && padded_head_dim(head_dim) != 0;
 }
 
+// 128-row forward tiles unless 64-row tiles compute this much fewer cells (a fragmented mask: short
+// documents, many slice edges). A 64-row block reuses each K/V fragment for one m-tile instead of two.
+constexpr double kSmallForwardTileGain = 1.08;
+
 std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads_kv, int32_t head_dim,
-                                int32_t device) {
+                                int32_t device, const PlanTuning& tuning) {
   if (!head_dim_supported(head_dim)) {
     std::string tiles;
     for (int t : kCompiledTiles)
@@ -217,9 +222,26 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   plan->padded_d = padded_head_dim(head_dim);
   plan->device = device;
 
-  const int fwd_q = detail::fwd_tile_q(plan->padded_d);
   const int fwd_k = detail::fwd_tile_k(plan->padded_d);
-  const HostList fwd = convert(mask, tiling::by_q_tile(mask, fwd_q, fwd_k), true);
+  const int large_q = detail::fwd_tile_q(plan->padded_d), small_q = detail::kFwdSmallTileQ;
+  if (tuning.forward_tile_q != 0 && tuning.forward_tile_q != large_q && tuning.forward_tile_q != small_q)
+    throw InvalidArgument("cuda plan: forward_tile_q " + std::to_string(tuning.forward_tile_q) +
+                          " is not available at head dim " + std::to_string(head_dim) + " (allowed: 0, " +
+                          std::to_string(small_q) + (large_q != small_q ? ", " + std::to_string(large_q) : "") +
+                          ")");
+  int fwd_q = tuning.forward_tile_q != 0 ? tuning.forward_tile_q : large_q;
+  tiling::TileLists fwd_tiles = tiling::by_q_tile(mask, fwd_q, fwd_k);
+  if (tuning.forward_tile_q == 0 && large_q != small_q) {
+    tiling::TileLists small = tiling::by_q_tile(mask, small_q, fwd_k);
+    const double large_cells = static_cast<double>(fwd_tiles.items.size()) * large_q;
+    const double small_cells = static_cast<double>(small.items.size()) * small_q;
+    if (large_cells > kSmallForwardTileGain * small_cells) {
+      fwd_q = small_q;
+      fwd_tiles = std::move(small);
+    }
+  }
+  plan->fwd_tile_q = fwd_q;
+  const HostList fwd = convert(mask, fwd_tiles, true);
   const HostList dkdv = convert(mask, tiling::by_k_tile(mask, detail::kDkdvTileK, detail::kDkdvTileQ), false);
   const int fused_k = detail::dkdv_tile_k(plan->padded_d, true);
   const bool fused_shared = fused_k == detail::kDkdvTileK;
@@ -294,6 +316,7 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
 PlanStats stats(const Plan& plan) {
   PlanStats s;
   s.padded_head_dim = plan.padded_d;
+  s.forward_tile_q = plan.fwd_tile_q;
   s.forward_items = plan.fwd_items;
   s.dkdv_items = plan.dkdv_items;
   s.dq_items = plan.dq_items;
@@ -314,16 +337,16 @@ int dtype_tag(DType dtype) {
 }
 
 template <int kDtype>
-void run_forward(int padded, const detail::FwdParams& p, int blocks, int margin, cudaStream_t stream) {
+void run_forward(int padded, const detail::FwdParams& p, int tile_q, int blocks, int margin, cudaStream_t stream) {
   switch (padded) {
 #if MAGI_CUDA_HEAD_DIM_64
-    case 64: return detail::launch_forward<kDtype, 64>(p, blocks, margin, stream);
+    case 64: return detail::launch_forward<kDtype, 64>(p, tile_q, blocks, margin, stream);
 #endif
 #if MAGI_CUDA_HEAD_DIM_128
-    case 128: return detail::launch_forward<kDtype, 128>(p, blocks, margin, stream);
+    case 128: return detail::launch_forward<kDtype, 128>(p, tile_q, blocks, margin, stream);
 #endif
 #if MAGI_CUDA_HEAD_DIM_256
-    case 256: return detail::launch_forward<kDtype, 256>(p, blocks, margin, stream);
+    case 256: return detail::launch_forward<kDtype, 256>(p, tile_q, blocks, margin, stream);
 #endif
     default: throw NotAvailable("cuda backend: no forward kernel for head-dim tile " + std::to_string(padded));
   }
@@ -408,11 +431,11 @@ void forward(const Plan& plan, const ForwardArgs& a, const Options& o, cudaStrea
   timer.begin("forward_kernel");
   if (p.max_logits != nullptr) detail::launch_fill(p.max_logits, plan.hq, -INFINITY, stream);
   const int blocks = plan.fwd.num_tiles * plan.hq;
-  if (tag == detail::kBf16) run_forward<detail::kBf16>(plan.padded_d, p, blocks, o.sm_margin, stream);
-  else run_forward<detail::kFp16>(plan.padded_d, p, blocks, o.sm_margin, stream);
+  if (tag == detail::kBf16) run_forward<detail::kBf16>(plan.padded_d, p, plan.fwd_tile_q, blocks, o.sm_margin, stream);
+  else run_forward<detail::kFp16>(plan.padded_d, p, plan.fwd_tile_q, blocks, o.sm_margin, stream);
   timer.end();
-  timer.report("cuda forward, " + std::to_string(plan.fwd_items) + " work items, head-dim tile " +
-               std::to_string(plan.padded_d));
+  timer.report("cuda forward, " + std::to_string(plan.fwd_items) + " work items, " +
+               std::to_string(plan.fwd_tile_q) + "-row tiles, head-dim tile " + std::to_string(plan.padded_d));
 }
 
 void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStream_t stream) {

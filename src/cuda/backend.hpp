@@ -35,10 +35,15 @@ struct Plan;
 // Head dims this build can run: multiples of 8 up to the largest compiled tile (64 / 128 / 256).
 bool head_dim_supported(int32_t head_dim);
 
+// Plan-time choices the planner otherwise makes itself (0 = choose); benchmarks and tests pin them.
+struct PlanTuning {
+  int32_t forward_tile_q = 0;  // rows per forward block: 0, 64 or (D <= 128) 128
+};
+
 // Builds the work lists on the host and uploads them to `device` (synchronous; done once per mask and
 // shapes). Throws NotAvailable when the head dim has no compiled kernel.
 std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads_kv, int32_t head_dim,
-                                int32_t device);
+                                int32_t device, const PlanTuning& tuning = {});
 
 // Device pointers in args; dtypes bf16 / fp16 (out and grads may be fp32). Arguments were validated by
 // the API layer (shapes match the plan).
@@ -48,6 +53,7 @@ void backward(const Plan& plan, const BackwardArgs& args, const Options& options
 // What a plan holds, for tests and benchmarks.
 struct PlanStats {
   int32_t padded_head_dim = 0;
+  int32_t forward_tile_q = 0;
   int64_t forward_items = 0, dkdv_items = 0, dq_items = 0;
   int64_t forward_tiles = 0, dkdv_tiles = 0, dq_tiles = 0;
   int64_t device_bytes = 0;

@@ -35,6 +35,9 @@ struct DeviceList {
 // m-tile (225); at D 256, 64 x 32 beat 64 x 64 (239 vs 227).
 constexpr int fwd_warps(int /*padded_head_dim*/) { return 4; }
 constexpr int fwd_tile_q(int padded_head_dim) { return padded_head_dim <= 128 ? 128 : 64; }
+// Fragmented masks (short documents, many slice edges) waste part of every 128-row tile they cut: the plan
+// may pick 64-row q tiles (4 warps x one m-tile) instead when they compute clearly fewer cells.
+constexpr int kFwdSmallTileQ = 64;
 #ifndef MAGI_CUDA_FWD_TILE_K  // build-time override of the D <= 128 forward key tile, for experiments
 #define MAGI_CUDA_FWD_TILE_K 64
 #endif

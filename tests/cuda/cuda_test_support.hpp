@@ -136,15 +136,17 @@ struct DeviceCase {
 
 // Forward (and backward when config.backward) through the CUDA backend, judged by SPEC section 5.
 inline testing::AssertionResult check_cuda_case(const Mask& mask, const CaseConfig& c, uint64_t seed,
-                                                std::string_view name, bool deterministic = false) {
+                                                std::string_view name, bool deterministic = false,
+                                                const cuda::PlanTuning& tuning = {}) {
   std::ostringstream context_stream;
-  context_stream << "case " << name << ", " << c.describe() << (deterministic ? ", deterministic" : "") << ", seed "
-                 << seed;
+  context_stream << "case " << name << ", " << c.describe() << (deterministic ? ", deterministic" : "")
+                 << (tuning.forward_tile_q != 0 ? ", forward tile " + std::to_string(tuning.forward_tile_q) : "")
+                 << ", seed " << seed;
   const std::string context = context_stream.str();
   try {
     CaseData d = make_case(mask, c, seed);
     DeviceCase dev(d, c);
-    auto plan = cuda::make_plan(mask, c.heads_q, c.heads_kv, c.head_dim, 0);
+    auto plan = cuda::make_plan(mask, c.heads_q, c.heads_kv, c.head_dim, 0, tuning);
     const cuda::Options o = cuda_options(c, deterministic);
     cudaStream_t stream = nullptr;
     cuda::forward(*plan, dev.forward_args(), o, stream);

@@ -314,6 +314,38 @@ TEST(CudaBackend, HundredThousandSlicesMatchCpuEngine) {
   EXPECT_TRUE(check_close("dv", dev.dv.download().values(), cpu.dv.values(), Quantity::Grad, c.dtype, context));
 }
 
+// Both forward q tiles on the same masks (the planner picks 64 rows for fragmented masks, 128 otherwise),
+// with q-overlap, GQA, sink and softcap; and the planner's choice itself.
+TEST(CudaBackend, ForwardTileChoicesMatchReference) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  const Mask rectangles = random_rectangles(rng, 900, 700, 40);
+  std::vector<int32_t> cu{0};
+  while (cu.back() < 1500) cu.push_back(std::min(1500, cu.back() + 40 + static_cast<int32_t>(rng() % 200)));
+  const Mask documents = masks::varlen_causal(cu);
+  int index = 0;
+  for (const Mask* mask : {&rectangles, &documents}) {
+    for (int32_t tile : {64, 128}) {
+      for (int32_t d : {64, 128}) {
+        CaseConfig c = config(index % 2 ? DType::F16 : DType::BF16, 4, 2, d);
+        if (index % 3 == 0) c.sink_layout = SinkLayout::SSH;
+        if (index % 4 == 1) c.softcap = 15.0;
+        cuda::PlanTuning tuning;
+        tuning.forward_tile_q = tile;
+        EXPECT_TRUE(check_cuda_case(*mask, c, seed + index, mask == &documents ? "short documents" : "rectangles",
+                                    false, tuning));
+        ++index;
+      }
+    }
+  }
+  EXPECT_EQ(cuda::stats(*cuda::make_plan(documents, 1, 1, 128, 0)).forward_tile_q, 64) << "seed " << seed;
+  EXPECT_EQ(cuda::stats(*cuda::make_plan(masks::full(1024, 1024), 1, 1, 128, 0)).forward_tile_q, 128);
+  EXPECT_EQ(cuda::stats(*cuda::make_plan(masks::causal(1024, 1024), 1, 1, 128, 0)).forward_tile_q, 128);
+  cuda::PlanTuning bad;
+  bad.forward_tile_q = 96;
+  EXPECT_THROW(cuda::make_plan(documents, 1, 1, 128, 0, bad), InvalidArgument);
+}
+
 TEST(CudaBackend, PlanRejectsUncompiledHeadDim) {
   EXPECT_FALSE(cuda::head_dim_supported(0));
   EXPECT_FALSE(cuda::head_dim_supported(12));

@@ -2,5 +2,5 @@
 #include "cuda/kernels/launch_impl.cuh"
 
 namespace magi::cuda::detail {
-template void launch_forward<kFp16, 64>(const FwdParams&, int, int, cudaStream_t);
+template void launch_forward<kFp16, 64>(const FwdParams&, int, int, int, cudaStream_t);
 }  // namespace magi::cuda::detail

@@ -24,23 +24,31 @@ int persistent_grid(Kernel kernel, int threads, int smem_bytes, int num_work, in
 template <int kDtype>
 using DtypeOf = std::conditional_t<kDtype == kBf16, __nv_bfloat16, __half>;
 
-template <int kDtype, int kD>
-void launch_forward(const FwdParams& params, int num_blocks, int sm_margin, cudaStream_t stream) {
-  using T = DtypeOf<kDtype>;
-  using Cfg = FwdConfig<kD>;
-  if (num_blocks == 0) return;
+template <class T, int kD, int kTileQ>
+void launch_forward_tiles(const FwdParams& params, int num_blocks, int sm_margin, cudaStream_t stream) {
+  using Cfg = FwdConfig<kD, kTileQ>;
   if (sm_margin <= 0) {
-    auto kernel = forward_kernel<T, kD>;
+    auto kernel = forward_kernel<T, kD, kTileQ>;
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
     kernel<<<num_blocks, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(params);
   } else {
-    auto kernel = forward_kernel_persistent<T, kD>;
+    auto kernel = forward_kernel_persistent<T, kD, kTileQ>;
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
     const int grid = persistent_grid(kernel, Cfg::kThreads, Cfg::kSmemBytes, num_blocks, sm_margin);
     cudaMemsetAsync(params.work_counter, 0, sizeof(int32_t), stream);
     kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(params, num_blocks);
   }
   check_launch("forward_kernel");
+}
+
+template <int kDtype, int kD>
+void launch_forward(const FwdParams& params, int tile_q, int num_blocks, int sm_margin, cudaStream_t stream) {
+  using T = DtypeOf<kDtype>;
+  if (num_blocks == 0) return;
+  if constexpr (fwd_tile_q(kD) != kFwdSmallTileQ) {
+    if (tile_q == kFwdSmallTileQ) return launch_forward_tiles<T, kD, kFwdSmallTileQ>(params, num_blocks, sm_margin, stream);
+  }
+  launch_forward_tiles<T, kD, fwd_tile_q(kD)>(params, num_blocks, sm_margin, stream);
 }
 
 template <class T, int kD, bool kDq>
