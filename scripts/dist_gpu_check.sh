@@ -3,7 +3,11 @@
 # test and the throughput benchmark; run the tests with one rank per GPU (mpirun when the machine has it,
 # else each program forks one process per GPU); run the benchmark; print a table last.
 #
-# usage: scripts/dist_gpu_check.sh [--arch 90a] [--build] [--skip-tests] [--skip-bench] [--bench-args "..."]
+# usage: scripts/dist_gpu_check.sh [--arch 90a] [--build] [--skip-tests] [--skip-bench] [--ranks "2 4"]
+#                                  [--bench-args "..."]
+#   --ranks: the rank counts to run (each on the first N GPUs; default: every GPU).
+#   The benchmark runs once per line of BENCH_SETS (default: GQA 64:8 heads, the reference system's published
+#   distributed setting, then 16:16), each with --bench-args appended.
 # Env: BUILD_DIR (default build-dist-gpu), OUT (logs; default $BUILD_DIR/out), GTEST_FILTER.
 # Build dependencies without a system copy travel in ignored folders: build-deps/usr (GoogleTest, Google
 # Benchmark, nlohmann_json; docs/cuda_notes.md) and build-nccl-deps/mpi (OpenMPI headers + libraries,
@@ -16,7 +20,9 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=${BUILD_DIR:-$ROOT/build-dist-gpu}
 LOGS=${OUT:-$BUILD/out}
 ARCH="90a"
-RUN_TESTS=1 RUN_BENCH=1 BENCH_ARGS="" FORCE_BUILD=0
+RUN_TESTS=1 RUN_BENCH=1 BENCH_ARGS="" FORCE_BUILD=0 RANKS=""
+BENCH_SETS=${BENCH_SETS:-"--heads 64 --kv-heads 8
+--heads 16 --kv-heads 16"}
 while [ $# -gt 0 ]; do
   case "$1" in
     --arch) ARCH="$2"; shift ;;
@@ -24,7 +30,8 @@ while [ $# -gt 0 ]; do
     --skip-tests) RUN_TESTS=0 ;;
     --skip-bench) RUN_BENCH=0 ;;
     --bench-args) BENCH_ARGS="$2"; shift ;;
-    *) echo "dist_gpu_check.sh: unknown argument '$1' (allowed: --arch A, --build, --skip-tests, --skip-bench, --bench-args S)" >&2; exit 2 ;;
+    --ranks) RANKS="$2"; shift ;;
+    *) echo "dist_gpu_check.sh: unknown argument '$1' (allowed: --arch A, --build, --skip-tests, --skip-bench, --ranks \"N ...\", --bench-args S)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -39,6 +46,10 @@ NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 nvidia-smi topo -m 2>/dev/null | head -8
 echo "GPUs: $NGPU, nvcc: $(nvcc --version | tail -1)"
+RANKS=${RANKS:-$NGPU}
+for n in $RANKS; do
+  [ "$n" -ge 1 ] && [ "$n" -le "$NGPU" ] || { echo "dist_gpu_check.sh: --ranks $n: this machine has $NGPU GPUs" >&2; exit 2; }
+done
 
 BIN_DIR=""
 MPI_SHIM=""
@@ -80,38 +91,51 @@ if [ -z "$BIN_DIR" ]; then
   BIN_DIR="$BUILD"
 fi
 
-# One rank per GPU: mpirun when there is one (and the library has a real MPI), else the programs fork.
+# N ranks on the first N GPUs: mpirun when there is one (and the library has a real MPI), else the programs
+# fork one process per GPU themselves.
 launch() {
+  local n=$1; shift
+  local visible
+  visible=$(seq -s, 0 $((n - 1)))
   if [ -z "$MPI_SHIM" ] && command -v mpirun >/dev/null; then
-    mpirun -np "$NGPU" --allow-run-as-root --bind-to none -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST \
-      -x NVSHMEM_DISABLE_NVLS ${LD_LIBRARY_PATH:+-x LD_LIBRARY_PATH} "$@"
+    CUDA_VISIBLE_DEVICES=$visible mpirun -np "$n" --allow-run-as-root --bind-to none -x CUDA_VISIBLE_DEVICES \
+      -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS \
+      ${LD_LIBRARY_PATH:+-x LD_LIBRARY_PATH} "$@"
   else
-    MAGI_LOCAL_RANKS=$NGPU "$@"
+    CUDA_VISIBLE_DEVICES=$visible MAGI_LOCAL_RANKS=$n "$@"
   fi
 }
-LAUNCH_MODE=$([ -z "$MPI_SHIM" ] && command -v mpirun >/dev/null && echo "mpirun -np $NGPU" || echo "forked, $NGPU ranks")
+launch_mode() { [ -z "$MPI_SHIM" ] && command -v mpirun >/dev/null && echo "mpirun -np $1" || echo "forked, $1 ranks"; }
 
 if [ $RUN_TESTS = 1 ]; then
-  for t in nccl_engine_gpu dist_attn_gpu; do
-    t0=$(date +%s)
-    bin=$(find "$BIN_DIR" -maxdepth 1 -type f -name "$t" -perm -u+x | head -1)
-    timeout 120 bash -c "$(declare -f launch); MPI_SHIM='$MPI_SHIM' NGPU=$NGPU launch '$bin' ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER}" \
-      > "$LOGS/$t.log" 2>&1
-    rc=$?
-    grep -E "^\s+\S+ cp[0-9]|bf16-reduce" "$LOGS/$t.log" | head -60
-    grep -E "Failure|FAILED|rank [0-9]+\]|exception|error" "$LOGS/$t.log" | head -30
-    note "$t ($LAUNCH_MODE): $(grep -E '^\[  PASSED  \]' "$LOGS/$t.log" | head -1) $(grep -E '^\[  FAILED  \].*tests?, listed' "$LOGS/$t.log" | head -1) rc $rc, $(( $(date +%s) - t0 )) s"
+  for n in $RANKS; do
+    for t in nccl_engine_gpu dist_attn_gpu; do
+      t0=$(date +%s)
+      bin=$(find "$BIN_DIR" -maxdepth 1 -type f -name "$t" -perm -u+x | head -1)
+      timeout 300 bash -c "$(declare -f launch); MPI_SHIM='$MPI_SHIM' launch $n '$bin' ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER}" \
+        > "$LOGS/${t}_cp$n.log" 2>&1
+      rc=$?
+      grep -E "Failure|FAILED|exception|error" "$LOGS/${t}_cp$n.log" | head -30
+      note "$t ($(launch_mode $n)): $(grep -E '^\[  PASSED  \]' "$LOGS/${t}_cp$n.log" | head -1) $(grep -E '^\[  FAILED  \].*tests?, listed' "$LOGS/${t}_cp$n.log" | head -1) rc $rc, $(( $(date +%s) - t0 )) s"
+    done
   done
 fi
 
 if [ $RUN_BENCH = 1 ]; then
-  t0=$(date +%s)
-  bin=$(find "$BIN_DIR" -maxdepth 1 -type f -name dist_attn_gpu_bench -perm -u+x | head -1)
-  # shellcheck disable=SC2086
-  timeout 180 bash -c "$(declare -f launch); MPI_SHIM='$MPI_SHIM' NGPU=$NGPU launch '$bin' $BENCH_ARGS" > "$LOGS/bench.log" 2>&1
-  rc=$?
+  : > "$LOGS/bench.log"
+  for n in $RANKS; do
+    [ "$n" -ge 2 ] || continue
+    while IFS= read -r args; do
+      [ -n "$args" ] || continue
+      t0=$(date +%s)
+      # shellcheck disable=SC2086
+      timeout 420 bash -c "$(declare -f launch); MPI_SHIM='$MPI_SHIM' launch $n '$BIN_DIR/dist_attn_gpu_bench' $args $BENCH_ARGS" \
+        >> "$LOGS/bench.log" 2>&1
+      rc=$?
+      note "dist_attn_gpu_bench cp $n $args ($(launch_mode $n)): rc $rc, $(( $(date +%s) - t0 )) s"
+    done <<< "$BENCH_SETS"
+  done
   grep -vE "^\|" "$LOGS/bench.log" | grep -iE "error|exception|failed" | head -20
-  note "dist_attn_gpu_bench ($LAUNCH_MODE): rc $rc, $(( $(date +%s) - t0 )) s"
 fi
 
 echo

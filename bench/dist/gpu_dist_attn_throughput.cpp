@@ -3,7 +3,8 @@
 // full, causal, varlen full and varlen causal masks over `tokens per GPU x cp` tokens, against the
 // single-GPU kernel (magi::forward / magi::backward, backend cuda) on the same mask kind at `tokens per
 // GPU` tokens, measured in the same run. Prints a table on rank 0.
-//   dist_attn_gpu_bench (this file's program) [--tokens-per-gpu N] [--heads H] [--head-dim D] [--overlaps 0,1,2]
+//   dist_attn_gpu_bench (this file's program) [--tokens-per-gpu N] [--heads H] [--kv-heads H] [--head-dim D]
+//                       [--overlaps 0,1,2]
 //                       [--iters N] [--chunk-size N] [--ring 0|1]
 #include <cuda_runtime_api.h>
 
@@ -11,6 +12,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <sstream>
@@ -19,10 +21,11 @@
 
 #include "comm/nccl_communicator.hpp"
 #include "comm/nccl_local_launch.hpp"
-#include "dist/band.hpp"
+#include "dist/cost_model.hpp"
 #include "dist/gpu_kernels.hpp"
 #include "magi/dist.hpp"
 #include "magi/flops.hpp"
+#include "long_tailed_documents.hpp"
 
 namespace {
 
@@ -31,6 +34,7 @@ using magi::comm::NcclCommunicator;
 struct Options {
   int32_t tokens_per_gpu = 16384;
   int32_t heads = 16;
+  int32_t kv_heads = 16;  // GQA when fewer than heads
   int32_t head_dim = 128;
   int32_t chunk_size = 512;
   int32_t iters = 20;
@@ -43,24 +47,11 @@ void check(cudaError_t code, const char* what) {
   if (code != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(code));
 }
 
-// Long-tailed document lengths (Pareto alpha 1.2, min 256, at most 8192), fixed seed, summing to total.
-std::vector<int32_t> long_tailed_cu_seqlens(int32_t total, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> u(0.0, 1.0);
-  std::vector<int32_t> cu{0};
-  while (cu.back() < total) {
-    const double x = 256.0 / std::pow(1.0 - u(rng), 1.0 / 1.2);
-    int32_t len = std::max(64, static_cast<int32_t>(std::min(x, 8192.0)) / 64 * 64);
-    cu.push_back(std::min(total, cu.back() + len));
-  }
-  return cu;
-}
-
 magi::Mask make_mask(const std::string& kind, int32_t total) {
   if (kind == "full") return magi::masks::full(total, total);
   if (kind == "causal") return magi::masks::causal(total, total);
-  if (kind == "varlen_full") return magi::masks::varlen_full(long_tailed_cu_seqlens(total, 42));
-  return magi::masks::varlen_causal(long_tailed_cu_seqlens(total, 42));
+  if (kind == "varlen_full") return magi::masks::varlen_full(magi::bench::long_tailed_cu_seqlens(total, 42));
+  return magi::masks::varlen_causal(magi::bench::long_tailed_cu_seqlens(total, 42));
 }
 
 class Buffer {
@@ -130,21 +121,21 @@ Timing time_distributed(NcclCommunicator& comm, const std::shared_ptr<NcclCommun
   config.chunk_size = o.chunk_size;
   config.overlap_degree = overlap;
   config.attention.backend = Backend::Cuda;
-  const dist::HeadShape heads{o.heads, o.heads, o.head_dim};
+  const dist::HeadShape heads{o.heads, o.kv_heads, o.head_dim};
   const dist::RuntimeKey key = dist::make_runtime_key(mask, heads, comm_ptr, config);
   *summary = key.summary();
-  const int64_t lq = key.local_q_tokens(), lk = key.local_k_tokens(), h = o.heads, d = o.head_dim;
+  const int64_t lq = key.local_q_tokens(), lk = key.local_k_tokens(), h = o.heads, hk = o.kv_heads, d = o.head_dim;
   const int32_t dev = comm.cuda_device();
-  Buffer q(lq * h * d * 2), k(lk * h * d * 2), v(lk * h * d * 2), out(lq * h * d * 2), lse(lq * h * 4),
-      dout(lq * h * d * 2), dq(lq * h * d * 2), dk(lk * h * d * 2), dv(lk * h * d * 2);
+  Buffer q(lq * h * d * 2), k(lk * hk * d * 2), v(lk * hk * d * 2), out(lq * h * d * 2), lse(lq * h * 4),
+      dout(lq * h * d * 2), dq(lq * h * d * 2), dk(lk * hk * d * 2), dv(lk * hk * d * 2);
   fill_random(q.get(), lq * h * d, 1 + comm.rank());
-  fill_random(k.get(), lk * h * d, 100 + comm.rank());
-  fill_random(v.get(), lk * h * d, 200 + comm.rank());
+  fill_random(k.get(), lk * hk * d, 100 + comm.rank());
+  fill_random(v.get(), lk * hk * d, 200 + comm.rank());
   fill_random(dout.get(), lq * h * d, 300 + comm.rank());
   ForwardArgs f;
   f.q = view(q, DType::BF16, {lq, h, d}, dev);
-  f.k = view(k, DType::BF16, {lk, h, d}, dev);
-  f.v = view(v, DType::BF16, {lk, h, d}, dev);
+  f.k = view(k, DType::BF16, {lk, hk, d}, dev);
+  f.v = view(v, DType::BF16, {lk, hk, d}, dev);
   f.out = view(out, DType::BF16, {lq, h, d}, dev);
   f.lse = view(lse, DType::F32, {lq, h}, dev);
   BackwardArgs b;
@@ -155,8 +146,8 @@ Timing time_distributed(NcclCommunicator& comm, const std::shared_ptr<NcclCommun
   b.lse = f.lse;
   b.dout = view(dout, DType::BF16, {lq, h, d}, dev);
   b.dq = view(dq, DType::BF16, {lq, h, d}, dev);
-  b.dk = view(dk, DType::BF16, {lk, h, d}, dev);
-  b.dv = view(dv, DType::BF16, {lk, h, d}, dev);
+  b.dk = view(dk, DType::BF16, {lk, hk, d}, dev);
+  b.dv = view(dv, DType::BF16, {lk, hk, d}, dev);
   std::vector<double> fwd, bwd;
   for (int32_t i = 0; i < o.warmup + o.iters; ++i) {
     comm.barrier();
@@ -176,17 +167,17 @@ Timing time_distributed(NcclCommunicator& comm, const std::shared_ptr<NcclCommun
 // The single-GPU kernel on this rank's GPU, CUDA events, median.
 Timing time_single(const magi::Mask& mask, const Options& o, int32_t dev) {
   using namespace magi;
-  const int64_t t = mask.total_q, h = o.heads, d = o.head_dim;
-  Buffer q(t * h * d * 2), k(t * h * d * 2), v(t * h * d * 2), out(t * h * d * 2), lse(t * h * 4), dout(t * h * d * 2),
-      dq(t * h * d * 2), dk(t * h * d * 2), dv(t * h * d * 2);
+  const int64_t t = mask.total_q, h = o.heads, hk = o.kv_heads, d = o.head_dim;
+  Buffer q(t * h * d * 2), k(t * hk * d * 2), v(t * hk * d * 2), out(t * h * d * 2), lse(t * h * 4),
+      dout(t * h * d * 2), dq(t * h * d * 2), dk(t * hk * d * 2), dv(t * hk * d * 2);
   fill_random(q.get(), t * h * d, 1);
-  fill_random(k.get(), t * h * d, 2);
-  fill_random(v.get(), t * h * d, 3);
+  fill_random(k.get(), t * hk * d, 2);
+  fill_random(v.get(), t * hk * d, 3);
   fill_random(dout.get(), t * h * d, 4);
   ForwardArgs f;
   f.q = view(q, DType::BF16, {t, h, d}, dev);
-  f.k = view(k, DType::BF16, {t, h, d}, dev);
-  f.v = view(v, DType::BF16, {t, h, d}, dev);
+  f.k = view(k, DType::BF16, {t, hk, d}, dev);
+  f.v = view(v, DType::BF16, {t, hk, d}, dev);
   f.out = view(out, DType::BF16, {t, h, d}, dev);
   f.lse = view(lse, DType::F32, {t, h}, dev);
   BackwardArgs b;
@@ -197,8 +188,8 @@ Timing time_single(const magi::Mask& mask, const Options& o, int32_t dev) {
   b.lse = f.lse;
   b.dout = view(dout, DType::BF16, {t, h, d}, dev);
   b.dq = view(dq, DType::BF16, {t, h, d}, dev);
-  b.dk = view(dk, DType::BF16, {t, h, d}, dev);
-  b.dv = view(dv, DType::BF16, {t, h, d}, dev);
+  b.dk = view(dk, DType::BF16, {t, hk, d}, dev);
+  b.dv = view(dv, DType::BF16, {t, hk, d}, dev);
   AttentionOptions options;
   options.backend = Backend::Cuda;
   cudaEvent_t e0, e1, e2;
@@ -231,24 +222,6 @@ Timing time_single(const magi::Mask& mask, const Options& o, int32_t dev) {
 // travels the same way; each step's partial dk/dv is added to an fp32 accumulator that travels with it
 // and reaches its owner after cp hops.
 
-// The part of `mask` with q in rank qr's zigzag rows and k in rank kr's, in local coordinates.
-magi::Mask zigzag_stage_mask(const magi::Mask& mask, int32_t cp, int32_t qr, int32_t kr) {
-  const int32_t c = mask.total_q / (2 * cp);
-  const int32_t q_chunks[2] = {qr, 2 * cp - 1 - qr}, k_chunks[2] = {kr, 2 * cp - 1 - kr};
-  magi::Mask out;
-  out.total_q = 2 * c;
-  out.total_k = 2 * c;
-  for (const magi::Slice& slice : mask.slices)
-    for (int32_t a = 0; a < 2; ++a)
-      for (int32_t b = 0; b < 2; ++b) {
-        const magi::Range rows{q_chunks[a] * c, (q_chunks[a] + 1) * c}, cols{k_chunks[b] * c, (k_chunks[b] + 1) * c};
-        const magi::dist::Band band = magi::dist::clip(magi::dist::band_of(slice), rows, cols);
-        if (magi::dist::area(band) == 0) continue;
-        magi::dist::append_slices(magi::dist::shift(band, a * c - rows.start, b * c - cols.start), out.slices);
-      }
-  return out;
-}
-
 class StreamEvents {
  public:
   explicit StreamEvents(size_t n) : events_(n) {
@@ -279,9 +252,10 @@ Timing time_ring(NcclCommunicator& comm, const magi::Mask& mask, const Options& 
   using namespace magi;
   namespace g = magi::dist::gpu;
   const int32_t cp = comm.size(), me = comm.rank(), dev = comm.cuda_device();
-  const int64_t l = mask.total_q / cp, h = o.heads, d = o.head_dim, kv_elems = l * h * d;
+  const int64_t l = mask.total_q / cp, h = o.heads, hk = o.kv_heads, d = o.head_dim;
+  const int64_t q_elems = l * h * d, kv_elems = l * hk * d;
   std::vector<Mask> stage_masks;
-  for (int32_t s = 0; s < cp; ++s) stage_masks.push_back(zigzag_stage_mask(mask, cp, me, (me - s + cp) % cp));
+  for (int32_t s = 0; s < cp; ++s) stage_masks.push_back(magi::dist::zigzag_block_mask(mask, cp, me, (me - s + cp) % cp));
   // The stages of all ranks must cover the mask exactly once.
   double my_area = 0;
   for (const Mask& m : stage_masks) my_area += static_cast<double>(m.area());
@@ -292,16 +266,16 @@ Timing time_ring(NcclCommunicator& comm, const magi::Mask& mask, const Options& 
   if (total_area != static_cast<double>(mask.area()))
     throw std::runtime_error("ring baseline: stage masks cover " + std::to_string(total_area) + " cells, the mask " +
                              std::to_string(mask.area()));
-  Buffer q(kv_elems * 2), k(kv_elems * 2), v(kv_elems * 2), out(kv_elems * 2), lse(l * h * 4), dout(kv_elems * 2),
-      dq(kv_elems * 2), dk(kv_elems * 2), dv(kv_elems * 2);
+  Buffer q(q_elems * 2), k(kv_elems * 2), v(kv_elems * 2), out(q_elems * 2), lse(l * h * 4), dout(q_elems * 2),
+      dq(q_elems * 2), dk(kv_elems * 2), dv(kv_elems * 2);
   Buffer bk0(kv_elems * 2), bk1(kv_elems * 2), bv0(kv_elems * 2), bv1(kv_elems * 2);
-  Buffer acc_out(kv_elems * 4), acc_lse(l * h * 4), part_out(kv_elems * 4), part_lse(l * h * 4);
-  Buffer acc_dq(kv_elems * 4), part_dq(kv_elems * 4), part_dk(kv_elems * 4), part_dv(kv_elems * 4);
+  Buffer acc_out(q_elems * 4), acc_lse(l * h * 4), part_out(q_elems * 4), part_lse(l * h * 4);
+  Buffer acc_dq(q_elems * 4), part_dq(q_elems * 4), part_dk(kv_elems * 4), part_dv(kv_elems * 4);
   Buffer dk0(kv_elems * 4), dk1(kv_elems * 4), dv0(kv_elems * 4), dv1(kv_elems * 4);
-  fill_random(q.get(), kv_elems, 1 + me);
+  fill_random(q.get(), q_elems, 1 + me);
   fill_random(k.get(), kv_elems, 100 + me);
   fill_random(v.get(), kv_elems, 200 + me);
-  fill_random(dout.get(), kv_elems, 300 + me);
+  fill_random(dout.get(), q_elems, 300 + me);
   void* bufk[2] = {bk0.get(), bk1.get()};
   void* bufv[2] = {bv0.get(), bv1.get()};
   float* bufdk[2] = {static_cast<float*>(dk0.get()), static_cast<float*>(dk1.get())};
@@ -322,7 +296,7 @@ Timing time_ring(NcclCommunicator& comm, const magi::Mask& mask, const Options& 
   const int64_t kv_bytes = kv_elems * 2, acc_bytes = kv_elems * 4;
 
   const auto forward_pass = [&] {
-    g::fill(static_cast<float*>(acc_out.get()), 0.f, kv_elems, compute);
+    g::fill(static_cast<float*>(acc_out.get()), 0.f, q_elems, compute);
     g::fill(static_cast<float*>(acc_lse.get()), -INFINITY, l * h, compute);
     for (int32_t s = 0; s < cp; ++s) {
       if (s + 1 < cp) {  // fetch step s + 1's kv while step s computes
@@ -334,8 +308,8 @@ Timing time_ring(NcclCommunicator& comm, const magi::Mask& mask, const Options& 
       if (!stage_masks[s].slices.empty()) {
         ForwardArgs f;
         f.q = tv(q.get(), DType::BF16, {l, h, d});
-        f.k = tv(cur_k(s), DType::BF16, {l, h, d});
-        f.v = tv(cur_v(s), DType::BF16, {l, h, d});
+        f.k = tv(cur_k(s), DType::BF16, {l, hk, d});
+        f.v = tv(cur_v(s), DType::BF16, {l, hk, d});
         f.out = tv(part_out.get(), DType::F32, {l, h, d});
         f.lse = tv(part_lse.get(), DType::F32, {l, h});
         forward(stage_masks[s], f, options, compute);
@@ -344,7 +318,7 @@ Timing time_ring(NcclCommunicator& comm, const magi::Mask& mask, const Options& 
       }
       check(cudaEventRecord(computed[s], compute), "cudaEventRecord");
     }
-    g::convert(static_cast<float*>(acc_out.get()), out.get(), g::Element::BF16, kv_elems, compute);
+    g::convert(static_cast<float*>(acc_out.get()), out.get(), g::Element::BF16, q_elems, compute);
     g::convert(static_cast<float*>(acc_lse.get()), lse.get(), g::Element::F32, l * h, compute);
     check(cudaEventRecord(done, compute), "cudaEventRecord");
     comm.wait_event(done, "ring forward");
@@ -364,18 +338,18 @@ Timing time_ring(NcclCommunicator& comm, const magi::Mask& mask, const Options& 
       if (!stage_masks[s].slices.empty()) {
         BackwardArgs b;
         b.q = tv(q.get(), DType::BF16, {l, h, d});
-        b.k = tv(cur_k(s), DType::BF16, {l, h, d});
-        b.v = tv(cur_v(s), DType::BF16, {l, h, d});
+        b.k = tv(cur_k(s), DType::BF16, {l, hk, d});
+        b.v = tv(cur_v(s), DType::BF16, {l, hk, d});
         b.out = tv(out.get(), DType::BF16, {l, h, d});
         b.lse = tv(lse.get(), DType::F32, {l, h});
         b.dout = tv(dout.get(), DType::BF16, {l, h, d});
         b.dq = tv(dq_target, DType::F32, {l, h, d});
-        b.dk = tv(part_dk.get(), DType::F32, {l, h, d});
-        b.dv = tv(part_dv.get(), DType::F32, {l, h, d});
+        b.dk = tv(part_dk.get(), DType::F32, {l, hk, d});
+        b.dv = tv(part_dv.get(), DType::F32, {l, hk, d});
         backward(stage_masks[s], b, options, compute);
-        if (s > 0) g::add(static_cast<float*>(acc_dq.get()), static_cast<float*>(part_dq.get()), kv_elems, compute);
+        if (s > 0) g::add(static_cast<float*>(acc_dq.get()), static_cast<float*>(part_dq.get()), q_elems, compute);
       } else {
-        if (s == 0) g::fill(static_cast<float*>(acc_dq.get()), 0.f, kv_elems, compute);
+        if (s == 0) g::fill(static_cast<float*>(acc_dq.get()), 0.f, q_elems, compute);
         g::fill(static_cast<float*>(part_dk.get()), 0.f, kv_elems, compute);
         g::fill(static_cast<float*>(part_dv.get()), 0.f, kv_elems, compute);
       }
@@ -390,7 +364,7 @@ Timing time_ring(NcclCommunicator& comm, const magi::Mask& mask, const Options& 
     }
     // After cp hops each accumulator is back with its owner.
     check(cudaStreamWaitEvent(compute, dk_arrived[cp], 0), "cudaStreamWaitEvent");
-    g::convert(static_cast<float*>(acc_dq.get()), dq.get(), g::Element::BF16, kv_elems, compute);
+    g::convert(static_cast<float*>(acc_dq.get()), dq.get(), g::Element::BF16, q_elems, compute);
     g::convert(bufdk[cp % 2], dk.get(), g::Element::BF16, kv_elems, compute);
     g::convert(bufdv[cp % 2], dv.get(), g::Element::BF16, kv_elems, compute);
     check(cudaEventRecord(done, compute), "cudaEventRecord");
@@ -424,10 +398,10 @@ int run(std::shared_ptr<NcclCommunicator> comm, const Options& o) {
   if (root) {
     cudaDeviceProp prop{};
     cudaGetDeviceProperties(&prop, comm->cuda_device());
-    std::printf("device: %d x %s; %d tokens per GPU (total %d), %d heads (q = kv), D %d, bf16, chunk %d, "
-                "%d iterations after %d warm-ups\n",
-                cp, prop.name, o.tokens_per_gpu, o.tokens_per_gpu * cp, o.heads, o.head_dim, o.chunk_size, o.iters,
-                o.warmup);
+    std::printf("device: %d x %s; %d tokens per GPU (total %d), heads %d:%d (q:kv), D %d, bf16, chunk %d, "
+                "%d iterations after %d warm-ups, CUDA_DEVICE_MAX_CONNECTIONS=%s\n",
+                cp, prop.name, o.tokens_per_gpu, o.tokens_per_gpu * cp, o.heads, o.kv_heads, o.head_dim, o.chunk_size,
+                o.iters, o.warmup, std::getenv("CUDA_DEVICE_MAX_CONNECTIONS") ? std::getenv("CUDA_DEVICE_MAX_CONNECTIONS") : "unset");
     std::printf("| mask | overlap | dist fwd | dist bwd | single fwd | single bwd | ring fwd | ring bwd | "
                 "fwd vs single | bwd vs single | fwd+bwd vs ring | imbalance | kv rows vs ring | fwd ms | bwd ms |\n"
                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
@@ -486,13 +460,14 @@ int main(int argc, char** argv) {
     const std::string flag = argv[i], value = argv[i + 1];
     if (flag == "--tokens-per-gpu") o.tokens_per_gpu = std::stoi(value);
     else if (flag == "--heads") o.heads = std::stoi(value);
+    else if (flag == "--kv-heads") o.kv_heads = std::stoi(value);
     else if (flag == "--head-dim") o.head_dim = std::stoi(value);
     else if (flag == "--chunk-size") o.chunk_size = std::stoi(value);
     else if (flag == "--iters") o.iters = std::stoi(value);
     else if (flag == "--overlaps") o.overlaps = parse_list(value);
     else if (flag == "--ring") o.ring = value != "0";
     else {
-      std::fprintf(stderr, "unknown option %s (allowed: --tokens-per-gpu --heads --head-dim --chunk-size --iters "
+      std::fprintf(stderr, "unknown option %s (allowed: --tokens-per-gpu --heads --kv-heads --head-dim --chunk-size --iters "
                            "--overlaps --ring 0|1)\n", flag.c_str());
       return 2;
     }

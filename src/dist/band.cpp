@@ -47,8 +47,10 @@ void append_slices(const Band& band, std::vector<Slice>& out) {
   if (r0 >= r1 || c0 >= c1 || lo > hi) return;
   // Row q keeps [max(c0, q + lo), min(c1, q + hi + 1)). The lower edge follows the diagonal from row
   // lower_diag_from on, the upper edge until row upper_diag_until; between the cuts each row band is one type.
-  const int64_t lower_diag_from = std::clamp(c0 - lo + 1, r0, r1);
-  const int64_t upper_diag_until = std::clamp(c1 - hi - 1, r0, r1);
+  // The rows where a diagonal meets a corner belong to the diagonal's slice, so a causal block stays one
+  // causal slice (not causal + a one-row full slice, which the kernels would visit as a second tile).
+  const int64_t lower_diag_from = std::clamp(c0 - lo, r0, r1);
+  const int64_t upper_diag_until = std::clamp(c1 - hi, r0, r1);
   int64_t cuts[4] = {r0, std::min(lower_diag_from, upper_diag_until), std::max(lower_diag_from, upper_diag_until), r1};
   for (int i = 0; i < 3; ++i) {
     int64_t a = cuts[i], b = cuts[i + 1];
