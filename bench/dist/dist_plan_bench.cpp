@@ -103,6 +103,12 @@ void plan_case(benchmark::State& state, const Case& c) {
   state.counters["swap_over_count_aware_bound"] =
       static_cast<double>(swap.max_rank_area()) / swap.count_aware_lower_bound();
   state.counters["kv_rows_over_ring"] = ring > 0 ? fetched / ring : 0.0;
+  const auto local = magi::dist::make_dispatch(c.mask, cp, c.chunk_size, magi::dist::DispatchAlgorithm::Locality);
+  const auto local_plan = magi::dist::make_comm_plan(c.mask, local, 2);
+  int64_t local_fetched = 0;
+  for (const auto& rp : local_plan.ranks) local_fetched += rp.fetched_rows();
+  state.counters["locality_max_area_over_bound"] = static_cast<double>(local.max_rank_area()) / local.lower_bound();
+  state.counters["locality_kv_rows_over_ring"] = ring > 0 ? local_fetched / ring : 0.0;
 }
 
 const bool registered = [] {

@@ -245,7 +245,7 @@ void ring_shift(NcclCommunicator& comm, std::initializer_list<std::pair<const vo
   recv[(me + n - 1) % n] = bytes;
   ncclGroupStart();
   for (const auto& [from, to] : buffers) comm.enqueue_all_to_all_v(from, send, zeros, to, recv, zeros, stream);
-  ncclGroupEnd();
+  comm.await_launch(ncclGroupEnd(), "ring shift");  // non-blocking communicator: enqueued only after this
 }
 
 Timing time_ring(NcclCommunicator& comm, const magi::Mask& mask, const Options& o) {

@@ -1,9 +1,9 @@
 // Communicators for context parallelism: a small abstract interface (all-to-all-v over bytes, allgather,
-// barrier) with one engine per memory kind. The MPI engine here moves host memory; a device-memory
-// engine (NCCL) plugs in behind the same interface. Group collectives (src/comm) and distributed
-// attention (magi/dist.hpp) only see this interface.
+// barrier) with one engine per memory kind: MPI moves host memory, NCCL device memory. Group
+// collectives (src/comm) and distributed attention (magi/dist.hpp) only see this interface.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -59,11 +59,12 @@ class Communicator {
 
   // Seconds any collective may take before it fails with CommError (a rank that diverged or died must
   // not hang the others forever). Must be > 0.
+  static constexpr double kDefaultTimeoutSeconds = 300.0;
   void set_timeout(double seconds);
   double timeout() const { return timeout_seconds_; }
 
  private:
-  double timeout_seconds_ = 300.0;
+  double timeout_seconds_ = kDefaultTimeoutSeconds;
 };
 
 // Throws InvalidArgument on every rank when ranks disagree on `fingerprint` (e.g. a hash of mask and
@@ -90,5 +91,26 @@ class MpiEnvironment {
 std::shared_ptr<Communicator> mpi_world();
 // A communicator over a duplicate of `mpi_comm`, which points to an MPI_Comm handle.
 std::shared_ptr<Communicator> mpi_communicator(const void* mpi_comm);
+
+// ---- NCCL engine (device memory, one CUDA device per rank). ----
+// Built with NCCL (>= 2.14) and the CUDA backend; otherwise every function here throws NotAvailable.
+// Communicators are non-blocking underneath: initialisation and every collective, including NCCL's
+// first connection to a peer, end in CommError after the timeout when a rank never joins.
+
+// NCCL's unique id as plain bytes (ncclUniqueId), so that callers need no NCCL header to pass it on.
+struct NcclUniqueId {
+  std::array<char, 128> bytes{};
+};
+// A fresh id: call on one rank, hand it to the others (e.g. through torch.distributed or MPI).
+NcclUniqueId nccl_unique_id();
+// A communicator over `size` ranks on `cuda_device` (collective: every rank passes the same id).
+// `timeout_seconds` also bounds the initialisation (a rank that never joins it).
+std::shared_ptr<Communicator> nccl_communicator(const NcclUniqueId& id, int32_t rank, int32_t size,
+                                                int32_t cuda_device,
+                                                double timeout_seconds = Communicator::kDefaultTimeoutSeconds);
+// Over MPI_COMM_WORLD (needs a library built with MPI, and MPI initialised): rank 0 makes the id and
+// broadcasts it; each rank uses device (node-local rank % visible devices) unless `cuda_device` >= 0.
+std::shared_ptr<Communicator> nccl_world(int32_t cuda_device = -1,
+                                         double timeout_seconds = Communicator::kDefaultTimeoutSeconds);
 
 }  // namespace magi::comm

@@ -25,4 +25,20 @@ void require_same_on_all_ranks(Communicator& comm, uint64_t fingerprint, std::st
                           " disagree with rank 0 (every rank must pass the same value)");
 }
 
+#if !MAGI_ATTN_WITH_NCCL
+// The NCCL engine is not part of this build (src/comm/nccl_communicator.cpp defines these when it is).
+namespace {
+[[noreturn]] void nccl_not_built(const char* function) {
+  throw NotAvailable(std::string(function) +
+                     ": magi-attn was built without NCCL (the NCCL engine needs the CUDA backend and NCCL >= 2.14)");
+}
+}  // namespace
+
+NcclUniqueId nccl_unique_id() { nccl_not_built("nccl_unique_id"); }
+std::shared_ptr<Communicator> nccl_communicator(const NcclUniqueId&, int32_t, int32_t, int32_t, double) {
+  nccl_not_built("nccl_communicator");
+}
+std::shared_ptr<Communicator> nccl_world(int32_t, double) { nccl_not_built("nccl_world"); }
+#endif
+
 }  // namespace magi::comm

@@ -1,8 +1,10 @@
 // The NCCL engine: see nccl_communicator.hpp.
 #include "comm/nccl_communicator.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <sstream>
 #include <thread>
 #include <vector>
 
@@ -10,8 +12,28 @@
 #include <mpi.h>
 #endif
 
+// Non-blocking communicators (ncclConfig_t::blocking, ncclInProgress) arrived in NCCL 2.14.
+#if NCCL_VERSION_CODE < NCCL_VERSION(2, 14, 0)
+#error "the NCCL engine needs NCCL >= 2.14 (non-blocking communicators)"
+#endif
+
 namespace magi::comm {
+
+static_assert(sizeof(ncclUniqueId) == sizeof(NcclUniqueId::bytes), "NcclUniqueId must hold an ncclUniqueId");
+
 namespace {
+
+std::string seconds_text(double seconds) {
+  std::ostringstream text;
+  text << seconds << " s";
+  return text.str();
+}
+
+ncclUniqueId to_nccl_id(const NcclUniqueId& id) {
+  ncclUniqueId nccl;
+  std::memcpy(&nccl, id.bytes.data(), sizeof(nccl));
+  return nccl;
+}
 
 void check_cuda(cudaError_t code, const char* call) {
   if (code != cudaSuccess) throw CommError(std::string(call) + " failed: " + cudaGetErrorString(code));
@@ -80,34 +102,62 @@ class NcclRequest final : public Request {
 
 }  // namespace
 
-NcclCommunicator::NcclCommunicator(const ncclUniqueId& id, int32_t rank, int32_t size, int32_t device)
+NcclCommunicator::NcclCommunicator(const ncclUniqueId& id, int32_t rank, int32_t size, int32_t device,
+                                   double timeout_seconds)
     : rank_(rank), size_(size), device_(device) {
   if (size < 1 || rank < 0 || rank >= size)
     throw InvalidArgument("nccl communicator: need 0 <= rank < size, got rank " + std::to_string(rank) + ", size " +
                           std::to_string(size));
+  set_timeout(timeout_seconds);
+  int version = 0;
+  if (ncclGetVersion(&version) != ncclSuccess || version < NCCL_VERSION(2, 14, 0))
+    throw NotAvailable("nccl communicator: needs NCCL >= 2.14 at run time (non-blocking communicators), loaded " +
+                       std::to_string(version));
   int devices = 0;
   check_cuda(cudaGetDeviceCount(&devices), "cudaGetDeviceCount");
   if (device < 0 || device >= devices)
     throw InvalidArgument("nccl communicator: device must be in [0, " + std::to_string(devices) + "), got " +
                           std::to_string(device));
   DeviceScope scope(device_);
-  const ncclResult_t code = ncclCommInitRank(&comm_, size, id, rank);
-  if (code != ncclSuccess) throw CommError("ncclCommInitRank failed: " + nccl_message(code, nullptr));
-  check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  const ncclResult_t code = ncclCommInitRankConfig(&comm_, size, id, rank, &config);
+  if (comm_ == nullptr)
+    throw CommError("ncclCommInitRankConfig on " + where() + " failed: " + nccl_message(code, nullptr));
+  // Every rank must join the init: one that never does ends here, at the timeout.
+  await_launch(code, "ncclCommInitRankConfig");
+  const cudaError_t stream_code = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
+  if (stream_code != cudaSuccess) abort_and_throw(std::string("cudaStreamCreate: ") + cudaGetErrorString(stream_code));
 }
 
 NcclCommunicator::~NcclCommunicator() {
-  DeviceScope scope(device_);
-  if (stream_ != nullptr) {
-    if (!aborted_) cudaStreamSynchronize(stream_);
-    cudaStreamDestroy(stream_);
+  int previous = -1;
+  const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device_ && cudaSetDevice(device_) == cudaSuccess;
+  if (!aborted_) {
+    try {
+      // Pending work, then NCCL's own flush, each within the timeout: a peer that left must not hang us.
+      cudaEvent_t drained = nullptr;
+      check_cuda(cudaEventCreateWithFlags(&drained, cudaEventDisableTiming), "cudaEventCreate");
+      const cudaError_t recorded = cudaEventRecord(drained, stream_);
+      if (recorded == cudaSuccess) wait_event(drained, "draining the comm stream before destruction");
+      cudaEventDestroy(drained);
+      check_cuda(recorded, "cudaEventRecord");
+      await_launch(ncclCommFinalize(comm_), "ncclCommFinalize");
+      ncclCommDestroy(comm_);
+    } catch (...) {
+      abort();  // a destructor must not throw; the failing step already aborted, or this does
+    }
   }
-  if (comm_ != nullptr && !aborted_) ncclCommDestroy(comm_);
+  if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  if (switched) cudaSetDevice(previous);
 }
+
+std::string NcclCommunicator::where() const { return "rank " + std::to_string(rank_) + " of " + describe(); }
 
 void NcclCommunicator::abort() {
   if (aborted_) return;
   aborted_ = true;
+  // Local and blocking even for a non-blocking communicator; ends NCCL's helper threads and kernels.
   ncclCommAbort(comm_);
 }
 
@@ -122,7 +172,29 @@ void NcclCommunicator::check_async_error(const std::string& what) {
   const ncclResult_t code = ncclCommGetAsyncError(comm_, &async);
   if (code != ncclSuccess) abort_and_throw(what + ": ncclCommGetAsyncError failed: " + nccl_message(code, comm_));
   if (async != ncclSuccess && async != ncclInProgress)
-    abort_and_throw(what + " failed on " + describe() + ": " + nccl_message(async, comm_));
+    abort_and_throw(what + " failed on " + where() + ": " + nccl_message(async, comm_));
+}
+
+void NcclCommunicator::await_launch(ncclResult_t code, const std::string& what) {
+  if (aborted_) throw CommError(what + ": the communicator was aborted by an earlier error");
+  if (code != ncclSuccess && code != ncclInProgress)
+    abort_and_throw(what + " on " + where() + " failed: " + nccl_message(code, comm_));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout());
+  // Launches settle in microseconds, connecting peers takes milliseconds: back off from 1 us to 1 ms.
+  auto pause = std::chrono::microseconds(1);
+  while (true) {
+    ncclResult_t state = ncclInProgress;
+    const ncclResult_t query = ncclCommGetAsyncError(comm_, &state);
+    if (query != ncclSuccess)
+      abort_and_throw(what + " on " + where() + ": ncclCommGetAsyncError failed: " + nccl_message(query, comm_));
+    if (state == ncclSuccess) return;
+    if (state != ncclInProgress) abort_and_throw(what + " failed on " + where() + ": " + nccl_message(state, comm_));
+    if (std::chrono::steady_clock::now() > deadline)
+      abort_and_throw(what + " on " + where() + " did not get going within the timeout of " + seconds_text(timeout()) +
+                      " (a peer never joined it: it skipped this call, diverged or died); communicator aborted");
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(1000));
+  }
 }
 
 void NcclCommunicator::wait_event(cudaEvent_t event, const std::string& what) {
@@ -133,8 +205,8 @@ void NcclCommunicator::wait_event(cudaEvent_t event, const std::string& what) {
     if (state != cudaErrorNotReady) abort_and_throw(what + ": " + cudaGetErrorString(state));
     check_async_error(what);
     if (std::chrono::steady_clock::now() > deadline)
-      abort_and_throw(what + " on " + describe() + " did not complete within " + std::to_string(timeout()) +
-                      " s (a rank diverged, died, or passed mismatched counts); communicator aborted");
+      abort_and_throw(what + " on " + where() + " did not complete within the timeout of " + seconds_text(timeout()) +
+                      " (a rank diverged, died, or passed mismatched counts); communicator aborted");
     std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
   check_async_error(what);
@@ -173,9 +245,9 @@ void NcclCommunicator::enqueue_all_to_all_v(const void* send, std::span<const in
       code = ncclRecv(dst + recv_displs[r], static_cast<size_t>(recv_counts[r]), ncclUint8, r, comm_, stream);
   }
   const ncclResult_t end = ncclGroupEnd();
-  if (code == ncclSuccess) code = end;
-  if (code != ncclSuccess && code != ncclInProgress)
-    abort_and_throw("all_to_all_v on " + describe() + ": " + nccl_message(code, comm_));
+  if (code != ncclSuccess) abort_and_throw("all_to_all_v on " + where() + ": " + nccl_message(code, comm_));
+  // The first exchange with a peer connects to it here: a peer that never joins times out.
+  await_launch(end, "all_to_all_v");
 }
 
 void NcclCommunicator::enqueue_allgather(const void* send, int64_t bytes, void* recv, cudaStream_t stream) {
@@ -183,9 +255,7 @@ void NcclCommunicator::enqueue_allgather(const void* send, int64_t bytes, void* 
   if (aborted_) throw CommError("allgather: the communicator was aborted by an earlier error");
   if (bytes == 0) return;
   DeviceScope scope(device_);
-  const ncclResult_t code = ncclAllGather(send, recv, static_cast<size_t>(bytes), ncclUint8, comm_, stream);
-  if (code != ncclSuccess && code != ncclInProgress)
-    abort_and_throw("allgather on " + describe() + ": " + nccl_message(code, comm_));
+  await_launch(ncclAllGather(send, recv, static_cast<size_t>(bytes), ncclUint8, comm_, stream), "allgather");
 }
 
 std::unique_ptr<Request> NcclCommunicator::start_all_to_all_v(const void* send, std::span<const int64_t> send_counts,
@@ -236,20 +306,27 @@ void NcclCommunicator::barrier() {
   allgather(&token, sizeof(token), all.data());
 }
 
-ncclUniqueId nccl_unique_id() {
+NcclUniqueId nccl_unique_id() {
   ncclUniqueId id;
   const ncclResult_t code = ncclGetUniqueId(&id);
   if (code != ncclSuccess) throw CommError("ncclGetUniqueId failed: " + nccl_message(code, nullptr));
-  return id;
+  NcclUniqueId bytes;
+  std::memcpy(bytes.bytes.data(), &id, sizeof(id));
+  return bytes;
 }
 
-std::shared_ptr<NcclCommunicator> nccl_communicator(const ncclUniqueId& id, int32_t rank, int32_t size,
-                                                    int32_t device) {
-  return std::make_shared<NcclCommunicator>(id, rank, size, device);
+std::shared_ptr<NcclCommunicator> make_nccl_communicator(const NcclUniqueId& id, int32_t rank, int32_t size,
+                                                         int32_t device, double timeout_seconds) {
+  return std::make_shared<NcclCommunicator>(to_nccl_id(id), rank, size, device, timeout_seconds);
 }
 
+std::shared_ptr<Communicator> nccl_communicator(const NcclUniqueId& id, int32_t rank, int32_t size,
+                                                int32_t cuda_device, double timeout_seconds) {
+  return make_nccl_communicator(id, rank, size, cuda_device, timeout_seconds);
+}
+
+std::shared_ptr<NcclCommunicator> make_nccl_world(int32_t device, double timeout_seconds) {
 #if MAGI_ATTN_WITH_MPI
-std::shared_ptr<NcclCommunicator> nccl_world(int32_t device) {
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (!initialized)
@@ -268,14 +345,21 @@ std::shared_ptr<NcclCommunicator> nccl_world(int32_t device) {
     if (devices < 1) throw NotAvailable("nccl_world: no CUDA device is visible");
     device = local_rank % devices;
   }
-  ncclUniqueId id;
-  std::memset(&id, 0, sizeof(id));
+  NcclUniqueId id;
   if (rank == 0) id = nccl_unique_id();
-  if (MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, MPI_COMM_WORLD) != MPI_SUCCESS)
+  if (MPI_Bcast(id.bytes.data(), static_cast<int>(id.bytes.size()), MPI_BYTE, 0, MPI_COMM_WORLD) != MPI_SUCCESS)
     throw CommError("nccl_world: MPI_Bcast of the NCCL unique id failed");
   check_cuda(cudaSetDevice(device), "cudaSetDevice");
-  return nccl_communicator(id, rank, size, device);
-}
+  return make_nccl_communicator(id, rank, size, device, timeout_seconds);
+#else
+  (void)device;
+  (void)timeout_seconds;
+  throw NotAvailable("nccl_world: magi-attn was built without MPI (use nccl_unique_id and nccl_communicator)");
 #endif
+}
+
+std::shared_ptr<Communicator> nccl_world(int32_t cuda_device, double timeout_seconds) {
+  return make_nccl_world(cuda_device, timeout_seconds);
+}
 
 }  // namespace magi::comm

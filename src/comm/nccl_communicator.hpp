@@ -1,14 +1,17 @@
-// The NCCL engine (device memory) behind magi::comm::Communicator.
+// The NCCL engine (device memory) behind magi::comm::Communicator; the public factories
+// (magi::comm::nccl_communicator, nccl_world in magi/comm.hpp) wrap the typed ones here.
 //
 // All-to-all-v is one ncclGroupStart/ncclSend/ncclRecv/ncclGroupEnd on the communicator's own comm
 // stream. Besides the blocking interface, enqueue_all_to_all_v puts the exchange on a caller's stream
-// without a host wait, which is what the overlapped distributed runtime uses (ordering by CUDA events).
+// without waiting for it, which is what the overlapped distributed runtime uses (ordering by CUDA events).
+// The NCCL communicator is non-blocking (ncclConfig_t::blocking = 0): init, ncclGroupEnd and collectives
+// may return ncclInProgress while NCCL connects peers or launches from a helper thread, and every such
+// call is followed by await_launch, which polls ncclCommGetAsyncError within the timeout. So a peer that
+// never joins (the init, or the first exchange, whose lazy connection handshake hung a blocking
+// communicator inside ncclGroupEnd) ends in CommError, not a hang.
 // Errors come back as CommError: a failed NCCL call, an asynchronous NCCL error, or a wait that outlives
-// the timeout (the communicator is then aborted). Limit: the communicator is blocking, and NCCL connects a
-// pair of ranks on their first send/recv inside ncclGroupEnd, on the host: a peer that never joins that
-// first exchange hangs the caller there, outside the timeout (seen on 2 x H200). Non-blocking
-// communicators (ncclConfig_t::blocking = 0, polling ncclCommGetAsyncError) would cover it.
-// Available when the library was built with NCCL and the CUDA backend (MAGI_ATTN_WITH_NCCL).
+// the timeout (the communicator is then aborted).
+// Available when the library was built with NCCL (>= 2.14) and the CUDA backend (MAGI_ATTN_WITH_NCCL).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -16,7 +19,6 @@
 
 #include <cstdint>
 #include <memory>
-#include <array>
 #include <span>
 #include <string>
 
@@ -27,7 +29,10 @@ namespace magi::comm {
 class NcclCommunicator final : public Communicator {
  public:
   // Collective over `size` processes: every rank passes the same id (from ncclGetUniqueId on one rank).
-  NcclCommunicator(const ncclUniqueId& id, int32_t rank, int32_t size, int32_t device);
+  // The timeout (set_timeout) starts as `timeout_seconds` and bounds the initialisation too.
+  NcclCommunicator(const ncclUniqueId& id, int32_t rank, int32_t size, int32_t device,
+                   double timeout_seconds = kDefaultTimeoutSeconds);
+  // Finalises within the timeout (waiting for pending work), else aborts; never throws.
   ~NcclCommunicator() override;
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;
@@ -46,7 +51,9 @@ class NcclCommunicator final : public Communicator {
   void allgather(const void* send, int64_t bytes, void* recv) override;
   void barrier() override;
 
-  // Enqueues an all-to-all-v of device buffers on `stream` (no host wait). Counts in bytes.
+  // Enqueues an all-to-all-v of device buffers on `stream` (returns once NCCL has put it on the stream,
+  // not when it completes). Counts in bytes. Inside a caller's ncclGroupStart/ncclGroupEnd the launch
+  // happens at the caller's ncclGroupEnd: pass its result to await_launch before recording events.
   void enqueue_all_to_all_v(const void* send, std::span<const int64_t> send_counts,
                             std::span<const int64_t> send_displs, void* recv, std::span<const int64_t> recv_counts,
                             std::span<const int64_t> recv_displs, cudaStream_t stream);
@@ -56,6 +63,10 @@ class NcclCommunicator final : public Communicator {
   void wait_event(cudaEvent_t event, const std::string& what);
   // Throws CommError if NCCL reported an asynchronous error (and aborts the communicator).
   void check_async_error(const std::string& what);
+  // After a non-blocking NCCL call on this communicator that returned `code`: waits, within the timeout,
+  // until NCCL has finished it on the host (work enqueued, peers connected), then returns; aborts and
+  // throws CommError naming `what` on an error or at the timeout.
+  void await_launch(ncclResult_t code, const std::string& what);
 
   // Aborts the communicator (pending operations end; later calls throw CommError). Idempotent.
   void abort();
@@ -65,6 +76,8 @@ class NcclCommunicator final : public Communicator {
 
  private:
   [[noreturn]] void abort_and_throw(const std::string& message);
+  // "rank r of nccl:n", for messages.
+  std::string where() const;
 
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
@@ -72,15 +85,12 @@ class NcclCommunicator final : public Communicator {
   bool aborted_ = false;
 };
 
-// A fresh unique id (call on one rank, hand it to the others, e.g. through torch.distributed).
-ncclUniqueId nccl_unique_id();
-// A communicator over `size` ranks from a caller-supplied id (collective).
-std::shared_ptr<NcclCommunicator> nccl_communicator(const ncclUniqueId& id, int32_t rank, int32_t size,
-                                                    int32_t device);
-#if MAGI_ATTN_WITH_MPI
-// Bootstrapped through MPI_COMM_WORLD (MPI initialised): rank 0 makes the id and broadcasts it; each
-// rank uses device (node-local rank % visible devices) unless `device` >= 0.
-std::shared_ptr<NcclCommunicator> nccl_world(int32_t device = -1);
-#endif
+// Typed versions of magi::comm::nccl_communicator and nccl_world (the public ones return these).
+std::shared_ptr<NcclCommunicator> make_nccl_communicator(const NcclUniqueId& id, int32_t rank, int32_t size,
+                                                         int32_t device,
+                                                         double timeout_seconds = Communicator::kDefaultTimeoutSeconds);
+// Throws NotAvailable when the library was built without MPI.
+std::shared_ptr<NcclCommunicator> make_nccl_world(int32_t device = -1,
+                                                  double timeout_seconds = Communicator::kDefaultTimeoutSeconds);
 
 }  // namespace magi::comm

@@ -2,11 +2,14 @@
 // under mpirun (a library built with MPI) the ranks are mpirun's and the id travels by MPI_Bcast;
 // otherwise the calling process forks one child per GPU and hands rank 0's unique id to the others
 // through pipes (no MPI needed at run time). Used by the GPU test programs and benchmarks.
+// No rank outlives the parent (PR_SET_PDEATHSIG), and once one rank fails the parent ends the others
+// after a grace period, so a rank stuck on a dead peer cannot hang the program.
 // Header-only: include from exactly one translation unit of a program.
 #pragma once
 
 #include <cuda_runtime_api.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -100,7 +103,7 @@ inline int run_on_local_gpus(const std::function<int(std::shared_ptr<NcclCommuni
     MpiEnvironment mpi(nullptr, nullptr);
     int code = 0;
     try {
-      code = body(nccl_world());
+      code = body(make_nccl_world());
     } catch (const std::exception& e) {
       std::fprintf(stderr, "uncaught exception: %s\n", e.what());
       code = 3;
@@ -119,6 +122,7 @@ inline int run_on_local_gpus(const std::function<int(std::shared_ptr<NcclCommuni
   std::vector<pid_t>& children = detail::children();
   children.reserve(static_cast<size_t>(ranks));
   for (int32_t rank = 0; rank < ranks; ++rank) {
+    const pid_t parent = ::getpid();
     const pid_t pid = ::fork();
     if (pid < 0) {
       std::perror("fork");
@@ -126,6 +130,8 @@ inline int run_on_local_gpus(const std::function<int(std::shared_ptr<NcclCommuni
       return 4;
     }
     if (pid == 0) {
+      // Die with the parent (a parent killed by a test driver must not leave ranks holding the GPUs).
+      if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || ::getppid() != parent) std::_Exit(4);
       // Keep only this rank's ends, so that a rank 0 that dies leaves the others an end of file.
       for (int32_t r = 0; r < ranks; ++r) {
         auto& p = pipes[static_cast<size_t>(r)];
@@ -134,7 +140,7 @@ inline int run_on_local_gpus(const std::function<int(std::shared_ptr<NcclCommuni
       }
       int code = 0;
       try {
-        ncclUniqueId id;
+        NcclUniqueId id;
         if (rank == 0) {
           if (cudaSetDevice(0) != cudaSuccess) throw CommError("cudaSetDevice(0) failed");
           id = nccl_unique_id();
@@ -148,7 +154,7 @@ inline int run_on_local_gpus(const std::function<int(std::shared_ptr<NcclCommuni
           for (int fd : p)
             if (fd >= 0) ::close(fd);
         if (cudaSetDevice(rank) != cudaSuccess) throw CommError("cudaSetDevice failed");
-        code = detail::run_rank(body, nccl_communicator(id, rank, ranks, rank));
+        code = detail::run_rank(body, make_nccl_communicator(id, rank, ranks, rank));
       } catch (const std::exception& e) {
         std::fprintf(stderr, "[rank %d] %s\n", rank, e.what());
         code = 3;

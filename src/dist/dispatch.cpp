@@ -138,6 +138,34 @@ bool resplit_top_pair(const std::vector<int64_t>& costs, int32_t cp, std::vector
   return true;
 }
 
+int64_t max_load(const std::vector<int64_t>& costs, const std::vector<int32_t>& owner, int32_t cp) {
+  std::vector<int64_t> load(static_cast<size_t>(cp), 0);
+  for (size_t i = 0; i < costs.size(); ++i) load[owner[i]] += costs[i];
+  return *std::max_element(load.begin(), load.end());
+}
+
+// Largest rank area Locality accepts, relative to greedy_swap over single chunks: a little compute
+// imbalance buys runs of consecutive chunks, whose documents then need few remote kv rows.
+constexpr double kLocalityTolerance = 1.02;
+
+std::vector<int32_t> balance_runs(const std::vector<int64_t>& costs, int32_t cp) {
+  const int32_t n = static_cast<int32_t>(costs.size()), per_rank = n / cp;
+  std::vector<int32_t> chunk_owner = balance(costs, cp, DispatchAlgorithm::GreedySwap);
+  const auto limit = static_cast<int64_t>(static_cast<double>(max_load(costs, chunk_owner, cp)) * kLocalityTolerance);
+  // Run lengths dividing per_rank (every rank then holds per_rank / run runs), longest first.
+  for (int32_t run = per_rank; run >= 2; --run) {
+    if (per_rank % run != 0) continue;
+    std::vector<int64_t> run_costs(static_cast<size_t>(n / run), 0);
+    for (int32_t c = 0; c < n; ++c) run_costs[c / run] += costs[c];
+    const std::vector<int32_t> run_owner = balance(run_costs, cp, DispatchAlgorithm::GreedySwap);
+    if (max_load(run_costs, run_owner, cp) > limit) continue;
+    std::vector<int32_t> owner(static_cast<size_t>(n));
+    for (int32_t c = 0; c < n; ++c) owner[c] = run_owner[c / run];
+    return owner;
+  }
+  return chunk_owner;
+}
+
 }  // namespace
 
 std::vector<int32_t> Partition::global_rows(int32_t rank) const {
@@ -188,6 +216,7 @@ std::vector<int32_t> balance(const std::vector<int64_t>& costs, int32_t cp, Disp
   if (cp < 1) throw InvalidArgument("balance: cp must be >= 1");
   if (costs.size() % static_cast<size_t>(cp) != 0)
     throw InvalidArgument("balance: the number of chunks must be a multiple of cp");
+  if (algorithm == DispatchAlgorithm::Locality) return balance_runs(costs, cp);
   std::vector<int32_t> owner = greedy(costs, cp);
   if (algorithm == DispatchAlgorithm::GreedySwap) {
     // Each step lowers the sum of squared loads, so this ends.

@@ -277,9 +277,7 @@ void enqueue_fetches(const DistAttnRuntime& rt, State& st, const TensorView& k, 
     if (ncclGroupStart() != ncclSuccess) throw comm::CommError("ncclGroupStart failed");
     st.nccl->enqueue_all_to_all_v(st.send_k[s].get(), send, send_displs, st.k[s].get(), recv, recv_displs, comm);
     st.nccl->enqueue_all_to_all_v(st.send_v[s].get(), send, send_displs, st.v[s].get(), recv, recv_displs, comm);
-    const ncclResult_t end = ncclGroupEnd();
-    if (end != ncclSuccess && end != ncclInProgress)
-      throw comm::CommError(std::string("kv group-cast: ncclGroupEnd failed: ") + ncclGetErrorString(end));
+    st.nccl->await_launch(ncclGroupEnd(), "kv group-cast");  // non-blocking: enqueued only after this
     check(cudaEventRecord(*st.fetched[s], comm), "cudaEventRecord");
   }
 }
@@ -437,9 +435,7 @@ void backward(const DistAttnRuntime& rt, State& st, const BackwardArgs& a) {
                                   recv_displs, comm);
     st.nccl->enqueue_all_to_all_v(st.part_dv[stage].get(), send, send_displs, st.reduce_v[stage].get(), recv,
                                   recv_displs, comm);
-    const ncclResult_t end = ncclGroupEnd();
-    if (end != ncclSuccess && end != ncclInProgress)
-      throw comm::CommError(std::string("dk/dv group-reduce: ncclGroupEnd failed: ") + ncclGetErrorString(end));
+    st.nccl->await_launch(ncclGroupEnd(), "dk/dv group-reduce");  // non-blocking: enqueued only after this
     if (stage == 0) check(cudaStreamWaitEvent(comm, st.host_done, 0), "cudaStreamWaitEvent");
     sum_rows(st.acc_dk.as<float>(), lk, kv_row, routes.reduce_offsets.as<int32_t>(), routes.reduce_index.as<int32_t>(),
              st.reduce_k[stage].get(), element(wire), comm);

@@ -111,7 +111,12 @@ void merge_into(const Buffer& out, const Buffer& lse, int32_t head_dim, std::vec
 }  // namespace
 
 std::string_view to_string(DispatchAlgorithm algorithm) {
-  return algorithm == DispatchAlgorithm::Greedy ? "greedy" : "greedy_swap";
+  switch (algorithm) {
+    case DispatchAlgorithm::Greedy: return "greedy";
+    case DispatchAlgorithm::GreedySwap: return "greedy_swap";
+    case DispatchAlgorithm::Locality: return "locality";
+  }
+  return "unknown";
 }
 
 DistAttnRuntime::DistAttnRuntime(const Mask& mask, const HeadShape& heads, std::shared_ptr<comm::Communicator> comm,

@@ -1,12 +1,14 @@
 // The NCCL engine on device memory, one process per GPU (forked, or under mpirun): all-to-all-v with
 // random per-pair counts, allgather of host and device bytes, argument errors, and a peer that never
-// joins a collective (timeout -> CommError, communicator aborted, never a hang).
+// joins the init, the first exchange (NCCL's lazy connection) or a later collective: the others end in
+// CommError within the timeout, never a hang, and every process (the one that skipped too) goes on.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "comm/nccl_communicator.hpp"
@@ -104,45 +106,106 @@ TEST(NcclEngine, BadCountsAreInvalidArguments) {
   self_send[world().rank()] = 16;  // sends itself 16 bytes but expects none
   EXPECT_THROW(world().all_to_all_v(nullptr, self_send, zeros, nullptr, zeros, zeros), InvalidArgument);
   EXPECT_THROW(world().set_timeout(0.0), InvalidArgument);
+  // The public factory validates before NCCL sees anything (so no rank is left waiting).
+  EXPECT_THROW(nccl_communicator(NcclUniqueId{}, world().rank(), n, world().cuda_device(), 0.0), InvalidArgument);
+  EXPECT_THROW(nccl_communicator(NcclUniqueId{}, n, n, world().cuda_device()), InvalidArgument);
+  EXPECT_THROW(nccl_communicator(NcclUniqueId{}, world().rank(), n, -1), InvalidArgument);
 }
 
-// DISABLED: on 2 x H200 (2026-11-22) this hung in ncclGroupEnd: NCCL connects peers lazily on their first
-// send/recv, and with a blocking communicator that handshake waits on the host, outside the timeout (the
-// timeout covers device-side waits only). The exchange below now connects the pair first; enable once it
-// has run on a GPU machine, or once the engine uses non-blocking communicators (ncclConfig_t::blocking = 0).
-TEST(NcclEngine, DISABLED_PeerThatNeverJoinsEndsInCommErrorNotAHang) {
+// ---- A peer that never joins. Each test builds its own communicator, so that the world survives. ----
+
+constexpr double kFaultTimeout = 5.0;
+
+// Rank 0's fresh id, handed to every rank through the world.
+NcclUniqueId shared_id() {
+  NcclUniqueId mine;
+  if (world().rank() == 0) mine = nccl_unique_id();
+  std::vector<NcclUniqueId> all(static_cast<size_t>(world().size()));
+  world().allgather(&mine, sizeof(mine), all.data());
+  return all[0];
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// Rank 0 receives 4096 bytes that rank 1 never sends; expects CommError within the timeout.
+void expect_rank0_times_out_waiting_for_rank1(Communicator& victim, double limit_seconds) {
+  const int32_t n = victim.size();
+  DeviceBytes buffer(4096);
+  std::vector<int64_t> recv_counts(static_cast<size_t>(n), 0), zeros(static_cast<size_t>(n), 0);
+  recv_counts[1] = 4096;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    victim.all_to_all_v(buffer.ptr, zeros, zeros, buffer.ptr, recv_counts, zeros);
+    ADD_FAILURE() << "all_to_all_v returned although rank 1 never sent";
+  } catch (const CommError& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("all_to_all_v"), std::string::npos) << message;
+    EXPECT_NE(message.find("rank 0"), std::string::npos) << message;
+    EXPECT_NE(message.find("timeout of 5 s"), std::string::npos) << message;
+  }
+  EXPECT_LT(seconds_since(start), limit_seconds);
+  EXPECT_THROW(victim.barrier(), CommError);  // aborted for good
+}
+
+// Every rank but 1 creates the communicator; rank 1 never does.
+TEST(NcclEngineFaults, PeerThatNeverJoinsTheInitEndsInCommError) {
   const int32_t n = world().size(), me = world().rank();
   if (n < 2) GTEST_SKIP() << "needs two ranks";
-  // A separate communicator, so that the world survives the abort.
-  std::array<char, sizeof(ncclUniqueId)> id_bytes{};
-  if (me == 0) {
-    const ncclUniqueId id = nccl_unique_id();
-    std::memcpy(id_bytes.data(), &id, sizeof(id));
+  const NcclUniqueId id = shared_id();
+  if (me != 1) {
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      nccl_communicator(id, me, n, world().cuda_device(), kFaultTimeout);
+      ADD_FAILURE() << "the communicator came up without rank 1";
+    } catch (const CommError& e) {
+      const std::string message = e.what();
+      EXPECT_NE(message.find("ncclCommInitRankConfig"), std::string::npos) << message;
+      EXPECT_NE(message.find("rank " + std::to_string(me)), std::string::npos) << message;
+    }
+    EXPECT_LT(seconds_since(start), kFaultTimeout + 25.0);
   }
-  std::vector<char> all(sizeof(ncclUniqueId) * n);
-  world().allgather(id_bytes.data(), sizeof(ncclUniqueId), all.data());
-  ncclUniqueId id;
-  std::memcpy(&id, all.data(), sizeof(id));
-  auto victim = nccl_communicator(id, me, n, world().cuda_device());
-  victim->set_timeout(2.0);
-  {  // connect every pair once, so that the hang below is a device-side wait
+  world().barrier();  // the world is untouched
+}
+
+// Rank 1 never joins the first exchange, where NCCL connects the pair (this hung a blocking communicator
+// inside ncclGroupEnd on 2 x H200).
+TEST(NcclEngineFaults, PeerThatNeverJoinsTheFirstExchangeEndsInCommError) {
+  const int32_t n = world().size(), me = world().rank();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  auto victim = nccl_communicator(shared_id(), me, n, world().cuda_device(), kFaultTimeout);
+  EXPECT_EQ(victim->rank(), me);
+  EXPECT_EQ(victim->size(), n);
+  EXPECT_EQ(victim->device().type, DeviceType::CUDA);
+  EXPECT_EQ(victim->device().index, world().cuda_device());
+  EXPECT_DOUBLE_EQ(victim->timeout(), kFaultTimeout);
+  // Either the connection or the receive times out: twice the timeout at most, plus slack.
+  if (me == 0) expect_rank0_times_out_waiting_for_rank1(*victim, 2 * kFaultTimeout + 20.0);
+  world().barrier();  // rank 1 keeps its communicator until rank 0 has given up
+  // The rank that skipped tears down (finalize, or abort at the timeout) without hanging.
+  const auto start = std::chrono::steady_clock::now();
+  victim.reset();
+  EXPECT_LT(seconds_since(start), kFaultTimeout + 20.0) << "rank " << me << " tearing down";
+  world().barrier();
+}
+
+// The pair is connected first, then rank 1 skips a collective: a device-side wait that the timeout ends.
+TEST(NcclEngineFaults, PeerThatSkipsALaterCollectiveEndsInCommError) {
+  const int32_t n = world().size(), me = world().rank();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  auto victim = nccl_communicator(shared_id(), me, n, world().cuda_device(), kFaultTimeout);
+  {
     DeviceBytes send(static_cast<size_t>(16 * n)), recv(static_cast<size_t>(16 * n));
     std::vector<int64_t> counts(static_cast<size_t>(n), 16), displs(static_cast<size_t>(n));
     for (int32_t r = 0; r < n; ++r) displs[r] = 16 * r;
     victim->all_to_all_v(send.ptr, counts, displs, recv.ptr, counts, displs);
   }
-  if (me == 0) {
-    DeviceBytes buffer(4096);
-    std::vector<int64_t> recv_counts(static_cast<size_t>(n), 0), zeros(static_cast<size_t>(n), 0);
-    recv_counts[1] = 4096;  // rank 1 never sends
-    const auto start = std::chrono::steady_clock::now();
-    EXPECT_THROW(victim->all_to_all_v(buffer.ptr, zeros, zeros, buffer.ptr, recv_counts, zeros), CommError);
-    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    EXPECT_LT(waited, 30.0);
-    EXPECT_THROW(victim->barrier(), CommError);  // aborted for good
-  }
-  victim->abort();
+  if (me == 0) expect_rank0_times_out_waiting_for_rank1(*victim, kFaultTimeout + 20.0);
+  world().barrier();
+  const auto start = std::chrono::steady_clock::now();
   victim.reset();
+  EXPECT_LT(seconds_since(start), kFaultTimeout + 20.0) << "rank " << me << " tearing down";
   world().barrier();
 }
 

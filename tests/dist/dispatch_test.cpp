@@ -195,6 +195,35 @@ TEST(Dispatch, LongTailedDocumentsReportBalanceAgainstTheLowerBound) {
   }
 }
 
+// Locality: equal counts, within its 2% of greedy_swap's largest load, and runs of consecutive chunks
+// when they balance: documents of two chunks each, cp dividing their count, stay whole on one rank.
+TEST(Dispatch, LocalityStaysNearGreedySwapAndKeepsRunsTogether) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int32_t cp = uniform(rng, 1, 8), per_rank = uniform(rng, 1, 12);
+    std::vector<int64_t> costs(static_cast<size_t>(cp * per_rank));
+    std::lognormal_distribution<double> tail(3.0, 1.5);
+    for (auto& c : costs) c = static_cast<int64_t>(tail(rng));
+    const auto local = balance(costs, cp, DispatchAlgorithm::Locality);
+    std::vector<int32_t> count(static_cast<size_t>(cp), 0);
+    for (int32_t r : local) ++count[r];
+    for (int32_t c : count) ASSERT_EQ(c, per_rank) << "seed " << seed;
+    const int64_t swap_max = max_load(costs, balance(costs, cp, DispatchAlgorithm::GreedySwap), cp);
+    ASSERT_LE(max_load(costs, local, cp), static_cast<int64_t>(static_cast<double>(swap_max) * 1.02))
+        << "seed " << seed;
+  }
+  for (int32_t cp : {2, 4}) {
+    const int32_t chunk = 64, docs = 4 * cp;
+    std::vector<int32_t> cu{0};
+    for (int32_t i = 0; i < docs; ++i) cu.push_back(cu.back() + 2 * chunk);
+    const Dispatch d = make_dispatch(masks::varlen_causal(cu), cp, chunk, DispatchAlgorithm::Locality);
+    for (int32_t doc = 0; doc < docs; ++doc)
+      EXPECT_EQ(d.q.owner[2 * doc], d.q.owner[2 * doc + 1]) << "cp " << cp << ": document " << doc << " split";
+    EXPECT_EQ(d.max_rank_area(), d.lower_bound()) << "cp " << cp;
+  }
+}
+
 TEST(Dispatch, PartitionsCoverEveryPaddedTokenOnceWithEqualShares) {
   const uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
