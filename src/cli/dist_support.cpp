@@ -4,15 +4,24 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <thread>
 #include <exception>
+#include <filesystem>
+#include <initializer_list>
+#include <iostream>
+#include <string_view>
+#include <thread>
 
 #include "cli/commands.hpp"
 #include "magi/error.hpp"
 
 namespace magi::cli {
 
-DistWorld::DistWorld() : mpi_(nullptr, nullptr), comm_(comm::mpi_world()) {}
+DistWorld::DistWorld() {
+  mpi_.emplace(nullptr, nullptr);
+  comm_ = comm::mpi_world();
+}
+
+DistWorld::DistWorld(std::shared_ptr<comm::Communicator> comm) : comm_(std::move(comm)) {}
 
 DistWorld::~DistWorld() {
   dist::clear_runtime_cache();
@@ -37,7 +46,14 @@ void DistWorld::agree(const std::function<void()>& work) {
     fail("unknown exception");
   }
   std::vector<char> all(kRecord * static_cast<size_t>(size()));
-  comm_->allgather(mine.data(), kRecord, all.data());
+  try {
+    comm_->allgather(mine.data(), kRecord, all.data());
+  } catch (const std::exception&) {
+    // A failed collective can take the communicator down with it (NCCL aborts): then this rank's own
+    // error is the one worth reporting, not the allgather's.
+    if (mine[0] == 0) throw;
+    throw Error(std::string(mine.data() + 1));  // run_on_every_rank names a rank other than 0
+  }
   for (int32_t r = 0; r < size(); ++r) {
     const char* record = all.data() + kRecord * static_cast<size_t>(r);
     if (record[0] == 0) continue;
@@ -53,6 +69,15 @@ std::vector<std::byte> DistWorld::broadcast(std::vector<std::byte> bytes) {
   comm_->allgather(&mine, sizeof mine, sizes.data());
   const int64_t n = sizes[0];
   const auto ranks = static_cast<size_t>(size());
+  if (comm_->device().type != DeviceType::CPU) {
+    // A device engine's all-to-all takes device buffers only; its allgather takes host ones. Control
+    // messages are small, so every rank sending n bytes costs little.
+    bytes.resize(static_cast<size_t>(n));
+    std::vector<std::byte> all(static_cast<size_t>(n) * ranks);
+    comm_->allgather(bytes.data(), n, all.data());
+    all.resize(static_cast<size_t>(n));
+    return all;
+  }
   std::vector<int64_t> send_counts(ranks, root() ? n : 0), displs(ranks, 0), recv_counts(ranks, 0);
   recv_counts[0] = n;
   std::vector<std::byte> received(static_cast<size_t>(n));
@@ -77,6 +102,54 @@ int32_t DistWorld::threads_per_rank(int32_t requested) const {
   const int32_t ranks_here = std::max(1, comm_->ranks_per_node());
   const auto cores = static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
   return std::max(1, cores / ranks_here);
+}
+
+namespace {
+
+// The first of `names` that is set, as a number; -1 when none is.
+int32_t env_int(std::initializer_list<const char*> names) {
+  for (const char* name : names)
+    if (const char* value = std::getenv(name); value != nullptr && *value != '\0') return std::atoi(value);
+  return -1;
+}
+
+}  // namespace
+
+int32_t launcher_rank() { return std::max(0, env_int({"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"})); }
+
+int32_t launcher_local_ranks() { return std::max(0, env_int({"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"})); }
+
+int32_t visible_gpu_count() {
+  namespace fs = std::filesystem;
+  std::error_code error;
+  int32_t driver = 0;
+  for (const auto& entry : fs::directory_iterator("/proc/driver/nvidia/gpus", error)) {
+    (void)entry;
+    ++driver;
+  }
+  if (driver == 0)  // no /proc entries (some containers): the device nodes
+    for (const auto& entry : fs::directory_iterator("/dev", error)) {
+      const std::string name = entry.path().filename().string();
+      if (name.size() > 6 && name.starts_with("nvidia") &&
+          name.find_first_not_of("0123456789", 6) == std::string::npos)
+        ++driver;
+    }
+  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  if (driver == 0 || visible == nullptr) return driver;
+  int32_t listed = 0;  // entries of the comma-separated list ("" hides every GPU)
+  for (std::string_view rest = visible; !rest.empty();) {
+    const size_t comma = rest.find(',');
+    if (!rest.substr(0, comma).empty()) ++listed;
+    rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
+  }
+  return std::min(driver, listed);
+}
+
+void print_error_line(std::string_view message) {
+  std::string line(message);
+  for (char& c : line)
+    if (c == '\n' || c == '\r') c = ' ';
+  std::cerr << "magi-attn: error: " << line << std::endl;
 }
 
 Shards::Shards(const dist::RuntimeKey& key, dist::Axis axis, comm::Communicator& comm, int64_t total)
@@ -138,7 +211,7 @@ void Shards::gather(HostTensor& local, HostTensor* global) const {
 std::vector<OptionSpec> dist_option_specs() {
   return {{"chunk-size", "N", "dispatch chunk in tokens (default 512)"},
           {"overlap-degree", "N", "remote kv stages overlapped with compute; 0 = no overlap (default 1)"},
-          {"dispatch", "NAME", "dispatch solver greedy|greedy_swap (default greedy_swap)"},
+          {"dispatch", "NAME", "dispatch solver greedy|greedy_swap|locality (default locality)"},
           {"hierarchical", "", "hierarchical comm: kv crosses nodes once, then fans out (default: "
                                "MAGI_ATTENTION_HIERARCHICAL_COMM)"},
           {"ranks-per-node", "N", "with --hierarchical: ranks per node (default: from MPI)"},
@@ -152,7 +225,8 @@ dist::DistConfig parse_dist_config(const Options& options, const AttentionOption
   if (auto name = options.get("dispatch")) {
     if (*name == "greedy") c.algorithm = dist::DispatchAlgorithm::Greedy;
     else if (*name == "greedy_swap") c.algorithm = dist::DispatchAlgorithm::GreedySwap;
-    else throw InvalidArgument("--dispatch: '" + *name + "' (allowed: greedy, greedy_swap)");
+    else if (*name == "locality") c.algorithm = dist::DispatchAlgorithm::Locality;
+    else throw InvalidArgument("--dispatch: '" + *name + "' (allowed: greedy, greedy_swap, locality)");
   }
   if (options.has("hierarchical")) c.hierarchical_comm = true;
   if (options.has("ranks-per-node")) {

@@ -1,13 +1,16 @@
-// What the distributed commands (dist-run, dist-demo) share: the MPI world of one command, error handling
-// that stops every rank with one line from rank 0 and never hangs, and moving whole tensors between
-// rank 0 (which reads and writes files) and the per-rank shards of a runtime key.
+// What the distributed commands (dist-run, dist-demo) share: the world of one command (MPI, or a given
+// communicator such as the NCCL one of a GPU rank), error handling that stops every rank with one line
+// from rank 0 and never hangs, moving whole tensors between rank 0 (which reads and writes files) and the
+// per-rank shards of a runtime key, and what a command can learn before any rank starts.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "cli/host_tensor.hpp"
@@ -20,7 +23,10 @@ namespace magi::cli {
 
 class DistWorld {
  public:
-  DistWorld();   // initialises MPI unless already done; the world communicator
+  DistWorld();  // initialises MPI unless already done; the world communicator (host memory)
+  // Over `comm` (e.g. a GPU rank's NCCL communicator); MPI, if any, is the caller's. Control traffic
+  // (agree, broadcast, ...) goes through its allgather, which takes host buffers on every engine.
+  explicit DistWorld(std::shared_ptr<comm::Communicator> comm);
   ~DistWorld();  // drops the cached runtimes (they hold the communicator) before MPI is finalised
   DistWorld(const DistWorld&) = delete;
   DistWorld& operator=(const DistWorld&) = delete;
@@ -48,7 +54,7 @@ class DistWorld {
   int32_t threads_per_rank(int32_t requested) const;
 
  private:
-  comm::MpiEnvironment mpi_;
+  std::optional<comm::MpiEnvironment> mpi_;
   std::shared_ptr<comm::Communicator> comm_;
 };
 
@@ -80,6 +86,18 @@ dist::DistConfig parse_dist_config(const Options& options, const AttentionOption
 
 // PlanSummary::to_text plus the kv bytes moved against ring attention's, at the dtype's size.
 std::string plan_text(const dist::PlanSummary& plan, DType dtype);
+
+// This process's rank as the MPI launcher announces it (OMPI_COMM_WORLD_RANK, PMI_RANK, PMIX_RANK), else 0:
+// lets a command that fails before any communicator exists report from rank 0 alone.
+int32_t launcher_rank();
+// Ranks the MPI launcher put on this node (OMPI_COMM_WORLD_LOCAL_SIZE, MPI_LOCALNRANKS), else 0 (not
+// launched by mpirun, or a launcher that does not say).
+int32_t launcher_local_ranks();
+// GPUs this process may use, counted without initialising CUDA (a process that forks its GPU ranks must
+// not): the driver's list (/proc/driver/nvidia/gpus, else /dev/nvidiaN), narrowed by CUDA_VISIBLE_DEVICES.
+int32_t visible_gpu_count();
+// The one line main prints for an error ("magi-attn: error: ..."), for ranks that end outside main.
+void print_error_line(std::string_view message);
 
 // Runs a distributed command's body; an error that escapes it on a rank other than 0 (a failed
 // collective, which rank 0 sees too) names its rank.

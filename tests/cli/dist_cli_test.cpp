@@ -300,8 +300,10 @@ class DistDemo : public ::testing::TestWithParam<int> {};
 TEST_P(DistDemo, SmallRunPasses) {
   const std::string seed = std::to_string(magi::test::fresh_seed() & 0xffffffff);
   const int cp = GetParam();
-  std::vector<std::string> args = {"dist-demo", "--tokens", "700", "--heads-q", "4", "--heads-kv", "2", "--head-dim",
-                                   "32", "--chunk-size", "32", "--block", "64", "--runs", "1", "--seed", seed};
+  // The CPU ranks (MPI engine) whatever the machine: on GPUs the default would be one rank per GPU.
+  std::vector<std::string> args = {"dist-demo", "--device", "cpu", "--tokens", "700", "--heads-q", "4", "--heads-kv",
+                                   "2", "--head-dim", "32", "--chunk-size", "32", "--block", "64", "--runs", "1",
+                                   "--seed", seed};
   if (cp == 3) args.insert(args.end(), {"--dtype", "bf16", "--overlap-degree", "2"});
   const auto ranks = run_ranks(cp, args);
   for (const CliResult& r : ranks) ASSERT_EQ(r.exit_code, 0) << "seed " << seed << "\n" << describe_ranks(ranks);
@@ -320,8 +322,57 @@ TEST_P(DistDemo, BadOptionStopsEveryRank) {
   }
 }
 
+// Whether this magi-attn can put its ranks on GPUs here (then --device cuda is no error).
+bool gpu_ranks_here() {
+#if MAGI_ATTN_WITH_NCCL
+  std::error_code error;
+  return fs::directory_iterator("/proc/driver/nvidia/gpus", error) != fs::directory_iterator();
+#else
+  return false;
+#endif
+}
+
+TEST_P(DistDemo, UnavailableDeviceCudaStopsEveryRank) {
+  if (gpu_ranks_here()) GTEST_SKIP() << "this build has the NCCL engine and the machine has GPUs";
+  const auto ranks = run_ranks(GetParam(), {"dist-demo", "--device", "cuda", "--tokens", "256"});
+  expect_one_line_error(ranks[0], {"--device cuda", "allowed", "cpu"});
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    EXPECT_EQ(ranks[r].exit_code, 2) << describe_ranks(ranks);
+    EXPECT_TRUE(ranks[r].out.empty()) << describe_ranks(ranks);
+    if (r > 0) EXPECT_TRUE(ranks[r].err.empty()) << describe_ranks(ranks);
+  }
+}
+
+TEST_P(DistDemo, UnknownDeviceNamesTheAllowedOnes) {
+  const auto ranks = run_ranks(GetParam(), {"dist-demo", "--device", "gpu"});
+  expect_one_line_error(ranks[0], {"--device", "'gpu'", "cpu, cuda"});
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    EXPECT_EQ(ranks[r].exit_code, 2) << describe_ranks(ranks);
+    if (r > 0) EXPECT_TRUE(ranks[r].err.empty() && ranks[r].out.empty()) << describe_ranks(ranks);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Cp, DistDemo, ::testing::Values(1, 2, 3, 4),
                          [](const ::testing::TestParamInfo<int>& info) { return "cp" + std::to_string(info.param); });
+
+// Without mpirun: the choice is made before any rank (or MPI) starts.
+TEST(DistDemoAlone, UnavailableDeviceCudaIsOneLineError) {
+  if (gpu_ranks_here()) GTEST_SKIP() << "this build has the NCCL engine and the machine has GPUs";
+  const CliResult r = run_cli({"dist-demo", "--device", "cuda"});
+  expect_one_line_error(r, {"--device cuda", "allowed", "cpu"});
+  EXPECT_TRUE(r.out.empty()) << describe(r);
+}
+
+TEST(DistDemoAlone, HelpSaysWhetherGpuRanksAreBuilt) {
+  const CliResult r = run_cli({"dist-demo", "--help"});
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_NE(r.out.find("--device"), std::string::npos) << r.out;
+#if MAGI_ATTN_WITH_NCCL
+  EXPECT_NE(r.out.find("--device cuda available"), std::string::npos) << r.out;
+#else
+  EXPECT_NE(r.out.find("--device cpu only"), std::string::npos) << r.out;
+#endif
+}
 
 }  // namespace
 }  // namespace magi::cli::test
