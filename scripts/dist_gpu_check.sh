@@ -3,7 +3,7 @@
 # test and the throughput benchmark; run the tests with one rank per GPU (mpirun when the machine has it,
 # else each program forks one process per GPU); run the benchmark; print a table last.
 #
-# usage: scripts/dist_gpu_check.sh [--arch 90a] [--build] [--skip-tests] [--skip-bench] [--ranks "2 4"]
+# usage: scripts/dist_gpu_check.sh [--arch 90a] [--skip-tests] [--skip-bench] [--ranks "2 4"]
 #                                  [--bench-args "..."]
 #   --ranks: the rank counts to run (each on the first N GPUs; default: every GPU).
 #   The benchmark runs once per line of BENCH_SETS (default: GQA 64:8 heads, the reference system's published
@@ -12,26 +12,22 @@
 # Build dependencies without a system copy travel in ignored folders: build-deps/usr (GoogleTest, Google
 # Benchmark, nlohmann_json; docs/cuda_notes.md) and build-nccl-deps/mpi (OpenMPI headers + libraries,
 # only to link the library's MPI engine where the machine has no MPI; not used to launch).
-# Programs built elsewhere (same nvcc, sm_90a, -march x86-64-v3) may travel in build-nccl-deps/prebuilt/{bin,lib}:
-# they are used unless --build is given or one of their libraries is missing; they run forked (their MPI
-# is the carried one, not the machine's).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=${BUILD_DIR:-$ROOT/build-dist-gpu}
 LOGS=${OUT:-$BUILD/out}
 ARCH="90a"
-RUN_TESTS=1 RUN_BENCH=1 BENCH_ARGS="" FORCE_BUILD=0 RANKS=""
+RUN_TESTS=1 RUN_BENCH=1 BENCH_ARGS="" RANKS=""
 BENCH_SETS=${BENCH_SETS:-"--heads 64 --kv-heads 8
 --heads 16 --kv-heads 16"}
 while [ $# -gt 0 ]; do
   case "$1" in
     --arch) ARCH="$2"; shift ;;
-    --build) FORCE_BUILD=1 ;;
     --skip-tests) RUN_TESTS=0 ;;
     --skip-bench) RUN_BENCH=0 ;;
     --bench-args) BENCH_ARGS="$2"; shift ;;
     --ranks) RANKS="$2"; shift ;;
-    *) echo "dist_gpu_check.sh: unknown argument '$1' (allowed: --arch A, --build, --skip-tests, --skip-bench, --ranks \"N ...\", --bench-args S)" >&2; exit 2 ;;
+    *) echo "dist_gpu_check.sh: unknown argument '$1' (allowed: --arch A, --skip-tests, --skip-bench, --ranks \"N ...\", --bench-args S)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -51,25 +47,10 @@ for n in $RANKS; do
   [ "$n" -ge 1 ] && [ "$n" -le "$NGPU" ] || { echo "dist_gpu_check.sh: --ranks $n: this machine has $NGPU GPUs" >&2; exit 2; }
 done
 
-BIN_DIR=""
 MPI_SHIM=""
-PREBUILT="$ROOT/build-nccl-deps/prebuilt"
-if [ $FORCE_BUILD = 0 ] && [ -x "$PREBUILT/bin/dist_attn_gpu" ]; then
-  # NCCL from the machine (PyTorch's wheel), the rest carried.
-  NCCL_LIB=$(python3 -c "import nvidia.nccl as n, os; print(os.path.join(list(n.__path__)[0], 'lib'))" 2>/dev/null)
-  export LD_LIBRARY_PATH="$PREBUILT/lib:$ROOT/build-nccl-deps/mpi/lib${NCCL_LIB:+:$NCCL_LIB}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  missing=$(ldd "$PREBUILT/bin/dist_attn_gpu" | grep "not found")
-  if [ -z "$missing" ]; then
-    BIN_DIR="$PREBUILT/bin"
-    MPI_SHIM="$ROOT/build-nccl-deps/mpi"
-    note "prebuilt programs (NCCL from ${NCCL_LIB:-the system}): $(ldd "$BIN_DIR/dist_attn_gpu" | grep -E 'libnccl|libcudart' | awk '{print $3}' | tr '\n' ' ')"
-  else
-    echo "prebuilt programs miss: $missing; building"
-  fi
-fi
-if [ -z "$BIN_DIR" ]; then
+{
   CMAKE_ARGS=(-DCMAKE_BUILD_TYPE=Release -DMAGI_ATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$ARCH"
-              -DMAGI_ATTN_CUDA_HEAD_DIMS=128 -DMAGI_ATTN_BUILD_CLI=OFF)
+              "-DMAGI_ATTN_CUDA_HEAD_DIMS=64;128")
   [ -d "$ROOT/build-deps/usr" ] && CMAKE_ARGS+=(-DCMAKE_PREFIX_PATH="$ROOT/build-deps/usr")
   MPI_SHIM=""
   if ! command -v mpicxx >/dev/null && [ -d "$ROOT/build-nccl-deps/mpi" ]; then
@@ -85,11 +66,12 @@ if [ -z "$BIN_DIR" ]; then
   cmake -S "$ROOT" -B "$BUILD" "${GEN[@]}" "${CMAKE_ARGS[@]}" > "$LOGS/configure.log" 2>&1 \
     || { tail -30 "$LOGS/configure.log"; echo "configure FAILED"; exit 1; }
   grep -E "NCCL|MPI|GPU context" "$LOGS/configure.log"
-  cmake --build "$BUILD" -j"$(nproc)" --target nccl_engine_gpu dist_attn_gpu dist_attn_gpu_bench > "$LOGS/build.log" 2>&1 \
+  cmake --build "$BUILD" -j"$(nproc)" --target nccl_engine_gpu dist_attn_gpu dist_attn_gpu_bench flash_attention_test \
+    magi-attn > "$LOGS/build.log" 2>&1 \
     || { grep -E "error|Error" "$LOGS/build.log" | head -40; echo "build FAILED"; exit 1; }
-  note "build ($ARCH, D 128 kernels): $(( $(date +%s) - t0 )) s"
-  BIN_DIR="$BUILD"
-fi
+  note "build ($ARCH, D 64 and 128 kernels): $(( $(date +%s) - t0 )) s"
+}
+program() { find "$BUILD" -type f -name "$1" -perm -u+x | head -1; }
 
 # N ranks on the first N GPUs: mpirun when there is one (and the library has a real MPI), else the programs
 # fork one process per GPU themselves.
@@ -108,16 +90,39 @@ launch() {
 launch_mode() { [ -z "$MPI_SHIM" ] && command -v mpirun >/dev/null && echo "mpirun -np $1" || echo "forked, $1 ranks"; }
 
 if [ $RUN_TESTS = 1 ]; then
+  # The single-GPU pieces the distributed runtime leans on (merging partial results in the kernel).
+  bin=$(program flash_attention_test)
+  if [ -n "$bin" ]; then
+    t0=$(date +%s)
+    CUDA_VISIBLE_DEVICES=0 timeout 300 "$bin" --gtest_filter='CudaBackend.PartialResult*:CudaBackend.ForwardTile*' \
+      > "$LOGS/flash_attention_test.log" 2>&1
+    rc=$?
+    grep -E "Failure|FAILED" "$LOGS/flash_attention_test.log" | head -10
+    note "flash_attention_test (merge, tiles; 1 GPU): $(grep -E '^\[  PASSED  \]' "$LOGS/flash_attention_test.log") rc $rc, $(( $(date +%s) - t0 )) s"
+  fi
   for n in $RANKS; do
     for t in nccl_engine_gpu dist_attn_gpu; do
       t0=$(date +%s)
-      bin=$(find "$BIN_DIR" -maxdepth 1 -type f -name "$t" -perm -u+x | head -1)
+      bin=$(program "$t")
       timeout 300 bash -c "$(declare -f launch); MPI_SHIM='$MPI_SHIM' launch $n '$bin' ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER}" \
         > "$LOGS/${t}_cp$n.log" 2>&1
       rc=$?
       grep -E "Failure|FAILED|exception|error" "$LOGS/${t}_cp$n.log" | head -30
       note "$t ($(launch_mode $n)): $(grep -E '^\[  PASSED  \]' "$LOGS/${t}_cp$n.log" | head -1) $(grep -E '^\[  FAILED  \].*tests?, listed' "$LOGS/${t}_cp$n.log" | head -1) rc $rc, $(( $(date +%s) - t0 )) s"
     done
+  done
+fi
+
+if [ $RUN_TESTS = 1 ]; then
+  cli=$(program magi-attn)
+  for n in $RANKS; do
+    [ -n "$cli" ] || break
+    t0=$(date +%s)
+    timeout 300 bash -c "$(declare -f launch); MPI_SHIM='$MPI_SHIM' launch $n '$cli' dist-demo --tokens 32768 --heads-q 32 --heads-kv 8" \
+      > "$LOGS/dist_demo_cp$n.log" 2>&1
+    rc=$?
+    grep -vE "^\s*$" "$LOGS/dist_demo_cp$n.log" | tail -25
+    note "magi-attn dist-demo ($(launch_mode $n)): rc $rc, $(( $(date +%s) - t0 )) s"
   done
 fi
 
@@ -129,7 +134,7 @@ if [ $RUN_BENCH = 1 ]; then
       [ -n "$args" ] || continue
       t0=$(date +%s)
       # shellcheck disable=SC2086
-      timeout 420 bash -c "$(declare -f launch); MPI_SHIM='$MPI_SHIM' launch $n '$BIN_DIR/dist_attn_gpu_bench' $args $BENCH_ARGS" \
+      timeout 420 bash -c "$(declare -f launch); MPI_SHIM='$MPI_SHIM' launch $n '$(program dist_attn_gpu_bench)' $args $BENCH_ARGS" \
         >> "$LOGS/bench.log" 2>&1
       rc=$?
       note "dist_attn_gpu_bench cp $n $args ($(launch_mode $n)): rc $rc, $(( $(date +%s) - t0 )) s"

@@ -8,7 +8,9 @@
 #include <sstream>
 #include <string>
 
+#include "common/lse_merge.hpp"
 #include "cpu/engine.hpp"
+#include "cpu/pack.hpp"
 #include "magi/env.hpp"
 #include "magi/error.hpp"
 
@@ -115,6 +117,66 @@ void require_dtype(const TensorView& t, const char* name, std::initializer_list<
 void require_device(const TensorView& t, const char* name, Device device) {
   if (!(t.device == device))
     throw InvalidArgument(std::string(name) + ": all tensors must be on the same device as q");
+}
+
+// Whether two tensors' bytes overlap (host or device addresses alike).
+bool overlaps(const TensorView& a, const TensorView& b) {
+  if (a.data == nullptr || b.data == nullptr || a.nbytes() == 0 || b.nbytes() == 0) return false;
+  const auto a0 = reinterpret_cast<uintptr_t>(a.data), b0 = reinterpret_cast<uintptr_t>(b.data);
+  return a0 < b0 + static_cast<uintptr_t>(b.nbytes()) && b0 < a0 + static_cast<uintptr_t>(a.nbytes());
+}
+
+// prev_out / prev_lse: both or neither, fp32, the shapes of out / lse, each either the very tensor it is
+// merged into or disjoint from every output.
+void check_prev(const ForwardArgs& a, const Shapes& s) {
+  const bool has_out = a.prev_out.ndim != 0, has_lse = a.prev_lse.ndim != 0;
+  if (has_out != has_lse)
+    throw InvalidArgument(std::string(has_out ? "prev_lse" : "prev_out") + " is required when " +
+                          (has_out ? "prev_out" : "prev_lse") + " is given (a partial result is out and lse)");
+  if (!has_out) return;
+  require_shape(a.prev_out, "prev_out", {s.tq, s.hq, s.d}, "[Tq, Hq, D] (like out)");
+  require_dtype(a.prev_out, "prev_out", {DType::F32});
+  require_device(a.prev_out, "prev_out", a.q.device);
+  require_shape(a.prev_lse, "prev_lse", {s.tq, s.hq}, "[Tq, Hq] (like lse)");
+  require_dtype(a.prev_lse, "prev_lse", {DType::F32});
+  require_device(a.prev_lse, "prev_lse", a.q.device);
+  const bool out_in_place = a.prev_out.data == a.out.data;
+  if (out_in_place && a.out.dtype != DType::F32)
+    throw InvalidArgument("prev_out: may be out itself only when out is fp32 (out is " +
+                          std::string(to_string(a.out.dtype)) + ")");
+  if (!out_in_place && (overlaps(a.prev_out, a.out) || overlaps(a.prev_out, a.lse)))
+    throw InvalidArgument("prev_out: overlaps out or lse without being out itself");
+  const bool lse_in_place = a.prev_lse.data == a.lse.data;
+  if (lse_in_place && a.lse.dtype != DType::F32)
+    throw InvalidArgument("prev_lse: may be lse itself only when lse is fp32");
+  if (!lse_in_place && (overlaps(a.prev_lse, a.lse) || overlaps(a.prev_lse, a.out)))
+    throw InvalidArgument("prev_lse: overlaps out or lse without being lse itself");
+}
+
+// CPU engine with a partial result to merge: compute into scratch, then merge row by row (SPEC lse merge).
+void cpu_forward_merged(const cpu::Plan& plan, const ForwardArgs& a, const cpu::EngineOptions& eo, const Shapes& s) {
+  const int64_t rows = s.tq * s.hq;
+  std::vector<unsigned char> out_bytes(static_cast<size_t>(a.out.nbytes())), lse_bytes(static_cast<size_t>(a.lse.nbytes()));
+  ForwardArgs scratch = a;
+  scratch.out = TensorView(out_bytes.data(), a.out.dtype, {s.tq, s.hq, s.d}, a.out.device);
+  scratch.lse = TensorView(lse_bytes.data(), a.lse.dtype, {s.tq, s.hq}, a.lse.device);
+  scratch.prev_out = scratch.prev_lse = TensorView();
+  cpu::forward(plan, scratch, eo);
+  const int d = static_cast<int>(s.d);
+#pragma omp parallel for schedule(static)
+  for (int64_t rh = 0; rh < rows; ++rh) {
+    std::vector<double> mine(static_cast<size_t>(d)), prev(static_cast<size_t>(d));
+    double lse_mine = 0, lse_prev = 0;
+    cpu::load_row<double>(scratch.lse, rh, 1, 1.0, &lse_mine);
+    cpu::load_row<double>(a.prev_lse, rh, 1, 1.0, &lse_prev);
+    const MergeWeights<double> w = merge_weights(lse_mine, lse_prev);
+    cpu::load_row<double>(scratch.out, rh * d, d, 1.0, mine.data());
+    cpu::load_row<double>(a.prev_out, rh * d, d, 1.0, prev.data());
+    for (int i = 0; i < d; ++i)
+      mine[i] = (w.w1 == 0 ? 0.0 : w.w1 * mine[i]) + (w.w2 == 0 ? 0.0 : w.w2 * prev[i]);
+    cpu::store_row<double>(mine.data(), 1.0, a.out, rh * d, d);
+    cpu::store_row<double>(&w.lse, 1.0, a.lse, rh, 1);
+  }
 }
 
 Shapes check_qkv(const Mask& mask, const TensorView& q, const TensorView& k, const TensorView& v) {
@@ -279,6 +341,8 @@ void forward(const Mask& mask, const ForwardArgs& a, const AttentionOptions& opt
     require_dtype(a.max_logits, "max_logits", {DType::F32});
     require_device(a.max_logits, "max_logits", a.q.device);
   }
+  check_prev(a, s);
+  const bool merge = a.prev_out.ndim != 0;
   const cpu::EngineOptions eo = engine_options(options, s, a.q.dtype, backend);
 #if MAGI_ATTN_CUDA_BACKEND
   if (backend == Backend::Cuda) {
@@ -288,12 +352,15 @@ void forward(const Mask& mask, const ForwardArgs& a, const AttentionOptions& opt
     return;
   }
   if (backend == Backend::Reference && a.q.device.type == DeviceType::CUDA) {
+    if (merge) throw NotAvailable("prev_out / prev_lse: the GPU reference engine does not merge partial results "
+                                  "(backends cpu and cuda do)");
     cuda::reference::forward(*reference_plan_for(mask, s, a.q.device.index, stream), a, reference_options(eo),
                              static_cast<cudaStream_t>(stream));
     return;
   }
 #endif
-  cpu::forward(*cpu_plan_for(mask, s), a, eo);
+  if (merge) cpu_forward_merged(*cpu_plan_for(mask, s), a, eo, s);
+  else cpu::forward(*cpu_plan_for(mask, s), a, eo);
 }
 
 void backward(const Mask& mask, const BackwardArgs& a, const AttentionOptions& options, StreamHandle stream) {

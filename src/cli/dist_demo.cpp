@@ -565,7 +565,7 @@ int dist_demo_gpu(DistWorld& world, Settings s) {
       std::sort(times.begin(), times.end());
       return times[times.size() / 2];
     };
-    t.single_fwd = timed([&] { forward(p.mask, {q.view(), k.view(), v.view(), {}, out.view(), lse.view(), {}}, single); });
+    t.single_fwd = timed([&] { forward(p.mask, {q.view(), k.view(), v.view(), {}, out.view(), lse.view(), {}, {}, {}}, single); });
     t.single_bwd = timed([&] {
       backward(p.mask, {q.view(), k.view(), v.view(), out.view(), lse.view(), dout.view(), {}, dq.view(), dk.view(),
                         dv.view(), {}},

@@ -428,6 +428,8 @@ void forward(const Plan& plan, const ForwardArgs& a, const Options& o, cudaStrea
   p.softcap_pre = t.softcap_pre;
   p.softcap_post = t.softcap_post;
   p.out_fp32 = a.out.dtype == DType::F32;
+  p.prev_out = a.prev_out.ndim != 0 ? static_cast<const float*>(a.prev_out.data) : nullptr;
+  p.prev_lse = a.prev_out.ndim != 0 ? static_cast<const float*>(a.prev_lse.data) : nullptr;
   p.list = plan.fwd;
   p.work_counter = plan.counters;
   StageTimer timer(o.profile, stream);

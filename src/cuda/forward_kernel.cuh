@@ -7,6 +7,7 @@
 
 #include <cfloat>
 
+#include "common/lse_merge.hpp"
 #include "cuda/kernel_common.cuh"
 
 namespace magi::cuda::detail {
@@ -232,14 +233,29 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
         if (has_keys) factor *= exp2f(lse2 - merged);
         lse2 = merged;
       }
+      float lse = lse2 * kLn2, w_prev = 0.0f;
+      if (p.prev_out != nullptr && row < p.tq) {
+        const MergeWeights<float> w = merge_weights(lse, p.prev_lse[int64_t{row} * p.hq + head]);
+        lse = w.lse;
+        factor *= w.w1;
+        w_prev = w.w2;
+      }
+      __syncwarp();  // the row's four lanes have read prev_lse before lane 0 overwrites it (it may be lse)
       if (row < p.tq) {
-        if (lane % 4 == 0) p.lse[int64_t{row} * p.hq + head] = lse2 * kLn2;
         const int64_t base = int64_t{row} * q_stride + int64_t{head} * p.d;
+        if (lane % 4 == 0) p.lse[int64_t{row} * p.hq + head] = lse;
 #pragma unroll
         for (int i = 0; i < kDBlocks; ++i) {
           const int col = i * 8 + (lane % 4) * 2;
-          if (col < p.d)
-            store_pair<T>(p.out, base + col, acc[mt][i][2 * r] * factor, acc[mt][i][2 * r + 1] * factor, p.out_fp32);
+          if (col < p.d) {
+            float o0 = acc[mt][i][2 * r] * factor, o1 = acc[mt][i][2 * r + 1] * factor;
+            if (w_prev != 0.0f) {
+              const float2 prev = *reinterpret_cast<const float2*>(p.prev_out + base + col);
+              o0 = fmaf(w_prev, prev.x, o0);
+              o1 = fmaf(w_prev, prev.y, o1);
+            }
+            store_pair<T>(p.out, base + col, o0, o1, p.out_fp32);
+          }
         }
       }
     }

@@ -85,6 +85,10 @@ struct FwdParams {
   float softcap_pre;      // softmax_scale / softcap
   float softcap_post;     // softcap * log2(e)
   int32_t out_fp32;
+  // Optional partial result of the same rows over other keys (fp32 [Tq, Hq, D], natural-log lse [Tq, Hq]),
+  // lse-merged into this call's result before it is written; may alias out (when fp32) and lse.
+  const float* prev_out;
+  const float* prev_lse;
   int32_t* work_counter;  // persistent grid: next work index (zeroed before each launch)
   DeviceList list;
 };

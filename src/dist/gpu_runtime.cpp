@@ -157,7 +157,7 @@ struct State {
   bool allocated = false;
   DType dtype = DType::BF16, wire = DType::BF16;
   std::vector<DeviceMemory> send_k, send_v, k, v, part_dk, part_dv, reduce_k, reduce_v;
-  DeviceMemory acc_out, acc_lse, part_out, part_lse, acc_max, part_max, acc_dq, part_dq, acc_dk, acc_dv;
+  DeviceMemory acc_out, acc_lse, acc_max, part_max, acc_dq, part_dq, acc_dk, acc_dv;
 
   ~State() {
     if (compute != nullptr) {
@@ -231,9 +231,7 @@ void ensure_buffers(const DistAttnRuntime& rt, State& st, DType dtype, DType wir
     st.reduce_v.emplace_back(bytes(stage.total_send * kv_row, wire));
   }
   st.acc_out = DeviceMemory(bytes(q_elems, DType::F32));
-  st.part_out = DeviceMemory(bytes(q_elems, DType::F32));
   st.acc_lse = DeviceMemory(bytes(lq * h.heads_q, DType::F32));
-  st.part_lse = DeviceMemory(bytes(lq * h.heads_q, DType::F32));
   st.acc_max = DeviceMemory(bytes(h.heads_q, DType::F32));
   st.part_max = DeviceMemory(bytes(h.heads_q, DType::F32));
   st.acc_dq = DeviceMemory(bytes(q_elems, DType::F32));
@@ -340,25 +338,35 @@ void forward(const DistAttnRuntime& rt, State& st, const ForwardArgs& a) {
     fill(st.acc_max.as<float>(), kNegInf, hq, st.compute);
   }
   options.sink_layout = SinkLayout::None;
+  // Each remote stage's kernel merges its result into the fp32 accumulators itself (prev_out / prev_lse,
+  // in place); the last one writes the caller's out and lse, so no separate merge or conversion pass.
+  int64_t last = -1;
+  for (size_t stage = 0; stage < st.stages.size(); ++stage)
+    if (!mine.stages[stage].mask.slices.empty()) last = static_cast<int64_t>(stage);
+  const TensorView acc_out = device_view(st.acc_out.get(), DType::F32, {lq, hq, d}, dev);
+  const TensorView acc_lse = device_view(st.acc_lse.get(), DType::F32, {lq, hq}, dev);
   for (size_t stage = 0; stage < st.stages.size(); ++stage) {
     check(cudaStreamWaitEvent(st.compute, *st.fetched[stage], 0), "cudaStreamWaitEvent");
     const StagePlan& sp = mine.stages[stage];
     if (sp.mask.slices.empty()) continue;
     const int64_t rows = sp.buffer_rows;
+    const bool final_stage = static_cast<int64_t>(stage) == last;
     ForwardArgs s;
     s.q = a.q;
     s.k = device_view(st.k[stage].get(), a.q.dtype, {rows, hkv, d}, dev);
     s.v = device_view(st.v[stage].get(), a.q.dtype, {rows, hkv, d}, dev);
-    s.out = device_view(st.part_out.get(), DType::F32, {lq, hq, d}, dev);
-    s.lse = device_view(st.part_lse.get(), DType::F32, {lq, hq}, dev);
+    s.out = final_stage ? a.out : acc_out;
+    s.lse = final_stage ? a.lse : acc_lse;
+    s.prev_out = acc_out;
+    s.prev_lse = acc_lse;
     if (want_max) s.max_logits = device_view(st.part_max.get(), DType::F32, {hq}, dev);
     magi::forward(sp.mask, s, options, st.compute);
-    lse_merge(st.acc_out.as<float>(), st.acc_lse.as<float>(), st.part_out.as<float>(), st.part_lse.as<float>(),
-              lq * hq, d, st.compute);
     if (want_max) max_into(st.acc_max.as<float>(), st.part_max.as<float>(), hq, st.compute);
   }
-  convert(st.acc_out.as<float>(), a.out.data, element(a.out.dtype), lq * hq * d, st.compute);
-  convert(st.acc_lse.as<float>(), a.lse.data, element(DType::F32), lq * hq, st.compute);
+  if (last < 0) {
+    convert(st.acc_out.as<float>(), a.out.data, element(a.out.dtype), lq * hq * d, st.compute);
+    convert(st.acc_lse.as<float>(), a.lse.data, element(DType::F32), lq * hq, st.compute);
+  }
   check(cudaEventRecord(st.done, st.compute), "cudaEventRecord");
   st.nccl->wait_event(st.done, "distributed attention forward");
   if (want_max) reduce_max_logits(st, a.max_logits, hq);

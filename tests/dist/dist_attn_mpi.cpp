@@ -132,7 +132,7 @@ Outputs distributed(const Case& c, Global& g) {
   if (c.sink == SinkLayout::SSH) sink = local_of(key, Axis::Q, g.sink);
   HostTensor out = HostTensor::poisoned(c.dtype, {lq, hq, d}), lse = HostTensor::poisoned(lse_dtype(c.dtype), {lq, hq});
   HostTensor max_logits = HostTensor::poisoned(DType::F32, {hq});
-  calc_attn(key, ForwardArgs{q.view(), k.view(), v.view(), sink.view(), out.view(), lse.view(), max_logits.view()});
+  calc_attn(key, ForwardArgs{q.view(), k.view(), v.view(), sink.view(), out.view(), lse.view(), max_logits.view(), {}, {}});
   HostTensor dq = HostTensor::poisoned(c.dtype, {lq, hq, d}), dk = HostTensor::poisoned(c.dtype, {lk, hkv, d}),
              dv = HostTensor::poisoned(c.dtype, {lk, hkv, d});
   HostTensor dsink;

@@ -1,0 +1,133 @@
+// ForwardArgs::prev_out / prev_lse: attention over keys that arrive in two parts, the second call merging
+// the first part's partial result, must match the whole mask (SPEC section 5 bounds against the fp64
+// reference), in place and into a 16-bit out; bad partial-result arguments are refused by name.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <string>
+
+#include "dist/band.hpp"
+#include "magi/attention.hpp"
+#include "magi/error.hpp"
+#include "reference/attention_check.hpp"
+#include "reference/compare.hpp"
+
+namespace magi::test {
+namespace {
+
+// The cells of `mask` with keys in [k0, k1).
+Mask keys_between(const Mask& mask, int32_t k0, int32_t k1) {
+  Mask out;
+  out.total_q = mask.total_q;
+  out.total_k = mask.total_k;
+  for (const Slice& s : mask.slices)
+    dist::append_slices(dist::clip_cols(dist::band_of(s), {k0, k1}), out.slices);
+  return out;
+}
+
+struct Split {
+  Mask first, second;
+};
+
+Split split_keys(const Mask& mask, std::mt19937_64& rng) {
+  const auto at = static_cast<int32_t>(rng() % static_cast<uint64_t>(mask.total_k + 1));
+  return {keys_between(mask, 0, at), keys_between(mask, at, mask.total_k)};
+}
+
+TEST(PartialMerge, TwoKeyPartsMatchTheWholeMask) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  int index = 0;
+  for (DType dtype : {DType::F32, DType::BF16, DType::F64}) {
+    for (bool in_place : {true, false}) {
+      CaseConfig c = config_for(dtype, 4, 2, 64);
+      c.backward = false;
+      c.max_logits = false;
+      if (index % 2 == 0) c.sink_layout = SinkLayout::SH;
+      const Mask mask = random_rectangles(rng, 150 + static_cast<int32_t>(rng() % 100), 200, 12);
+      const Split parts = split_keys(mask, rng);
+      CaseData data = make_case(mask, c, seed + index);
+      const ReferenceForward expected = reference_forward(data.problem);
+      const std::string context = "seed " + std::to_string(seed) + ", " + c.describe() +
+                                  (in_place ? ", in place" : ", into out");
+      const int64_t tq = mask.total_q, hq = c.heads_q, d = c.head_dim;
+
+      HostTensor part_out = HostTensor::poisoned(DType::F32, {tq, hq, d});
+      HostTensor part_lse = HostTensor::poisoned(DType::F32, {tq, hq});
+      ForwardArgs first;
+      first.q = data.q.view();
+      first.k = data.k.view();
+      first.v = data.v.view();
+      first.sink = data.sink.view();  // the sink belongs to exactly one part
+      first.out = part_out.view();
+      first.lse = part_lse.view();
+      forward(parts.first, first, c.options());
+
+      AttentionOptions second_options = c.options();
+      second_options.sink_layout = SinkLayout::None;
+      HostTensor out = in_place ? HostTensor() : HostTensor::poisoned(c.out_dtype(), {tq, hq, d});
+      HostTensor lse = in_place ? HostTensor() : HostTensor::poisoned(DType::F32, {tq, hq});
+      ForwardArgs second;
+      second.q = first.q;
+      second.k = first.k;
+      second.v = first.v;
+      second.out = in_place ? part_out.view() : out.view();
+      second.lse = in_place ? part_lse.view() : lse.view();
+      second.prev_out = part_out.view();
+      second.prev_lse = part_lse.view();
+      forward(parts.second, second, second_options);
+
+      const HostTensor& got_out = in_place ? part_out : out;
+      const HostTensor& got_lse = in_place ? part_lse : lse;
+      // fp32 partials: the merged result is judged by the input dtype's bounds, fp32 at best.
+      const DType judged = dtype == DType::F64 ? DType::F32 : dtype;
+      EXPECT_TRUE(check_close("out", got_out.values(), expected.out, Quantity::Out, judged, context));
+      EXPECT_TRUE(check_close("lse", got_lse.values(), expected.lse, Quantity::Lse, judged, context));
+      ++index;
+    }
+  }
+}
+
+TEST(PartialMerge, BadPartialResultsAreRefusedByName) {
+  const Mask mask = masks::causal(64, 64);
+  CaseConfig c = config_for(DType::BF16, 2, 2, 64);
+  CaseData data = make_case(mask, c, 7);
+  HostTensor out(DType::BF16, {64, 2, 64}), lse(DType::F32, {64, 2});
+  HostTensor prev_out(DType::F32, {64, 2, 64}), prev_lse(DType::F32, {64, 2});
+  HostTensor bf16_prev(DType::BF16, {64, 2, 64}), short_lse(DType::F32, {63, 2});
+  auto args = [&] {
+    ForwardArgs a;
+    a.q = data.q.view();
+    a.k = data.k.view();
+    a.v = data.v.view();
+    a.out = out.view();
+    a.lse = lse.view();
+    return a;
+  };
+  auto expect_refused = [&](const ForwardArgs& a, const std::string& needle) {
+    try {
+      forward(mask, a, c.options());
+      ADD_FAILURE() << "accepted; expected an error naming " << needle;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  ForwardArgs only_out = args();
+  only_out.prev_out = prev_out.view();
+  expect_refused(only_out, "prev_lse");
+  ForwardArgs wrong_dtype = args();
+  wrong_dtype.prev_out = bf16_prev.view();
+  wrong_dtype.prev_lse = prev_lse.view();
+  expect_refused(wrong_dtype, "prev_out");
+  ForwardArgs wrong_shape = args();
+  wrong_shape.prev_out = prev_out.view();
+  wrong_shape.prev_lse = short_lse.view();
+  expect_refused(wrong_shape, "prev_lse");
+  ForwardArgs aliased_16bit = args();  // a bf16 out cannot be its own fp32 partial result
+  aliased_16bit.prev_out = TensorView(out.view().data, DType::F32, {64, 2, 64}, out.view().device);
+  aliased_16bit.prev_lse = prev_lse.view();
+  expect_refused(aliased_16bit, "prev_out");
+}
+
+}  // namespace
+}  // namespace magi::test
