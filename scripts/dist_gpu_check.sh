@@ -32,7 +32,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 # NVLink multicast (NVLS) off in every process: on shared hosts it can put the GPUs out of service.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 GTEST_COLOR=no
 mkdir -p "$LOGS"
 SUMMARY=()
 note() { SUMMARY+=("$1"); echo "== $1"; }
@@ -81,7 +81,7 @@ launch() {
   visible=$(seq -s, 0 $((n - 1)))
   if [ -z "$MPI_SHIM" ] && command -v mpirun >/dev/null; then
     CUDA_VISIBLE_DEVICES=$visible mpirun -np "$n" --allow-run-as-root --bind-to none -x CUDA_VISIBLE_DEVICES \
-      -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS \
+      -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS -x GTEST_COLOR \
       ${LD_LIBRARY_PATH:+-x LD_LIBRARY_PATH} "$@"
   else
     CUDA_VISIBLE_DEVICES=$visible MAGI_LOCAL_RANKS=$n "$@"
@@ -134,8 +134,9 @@ if [ $RUN_BENCH = 1 ]; then
       [ -n "$args" ] || continue
       t0=$(date +%s)
       # shellcheck disable=SC2086
+      # stdin from /dev/null: mpirun would otherwise swallow the rest of BENCH_SETS.
       timeout 420 bash -c "$(declare -f launch); MPI_SHIM='$MPI_SHIM' launch $n '$(program dist_attn_gpu_bench)' $args $BENCH_ARGS" \
-        >> "$LOGS/bench.log" 2>&1
+        >> "$LOGS/bench.log" 2>&1 < /dev/null
       rc=$?
       note "dist_attn_gpu_bench cp $n $args ($(launch_mode $n)): rc $rc, $(( $(date +%s) - t0 )) s"
     done <<< "$BENCH_SETS"

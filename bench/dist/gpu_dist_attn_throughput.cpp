@@ -4,7 +4,7 @@
 // single-GPU kernel (magi::forward / magi::backward, backend cuda) on the same mask kind at `tokens per
 // GPU` tokens, measured in the same run. Prints a table on rank 0.
 //   dist_attn_gpu_bench (this file's program) [--tokens-per-gpu N] [--heads H] [--kv-heads H] [--head-dim D]
-//                       [--overlaps 0,1,2]
+//                       [--overlaps 0,1,2] [--masks full,causal,varlen_full,varlen_causal]
 //                       [--iters N] [--chunk-size N] [--ring 0|1]
 #include <cuda_runtime_api.h>
 
@@ -41,6 +41,7 @@ struct Options {
   int32_t warmup = 3;
   std::vector<int32_t> overlaps{0, 1, 2};
   bool ring = true;  // measure the ring-attention baseline
+  std::vector<std::string> masks{"full", "causal", "varlen_full", "varlen_causal"};
 };
 
 void check(cudaError_t code, const char* what) {
@@ -407,7 +408,7 @@ int run(std::shared_ptr<NcclCommunicator> comm, const Options& o) {
                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     std::fflush(stdout);
   }
-  for (const std::string kind : {"full", "causal", "varlen_full", "varlen_causal"}) {
+  for (const std::string& kind : o.masks) {
     const magi::Mask global = make_mask(kind, o.tokens_per_gpu * cp);
     const magi::Mask per_gpu = make_mask(kind, o.tokens_per_gpu);
     const Timing single = time_single(per_gpu, o, comm->cuda_device());
@@ -466,9 +467,21 @@ int main(int argc, char** argv) {
     else if (flag == "--iters") o.iters = std::stoi(value);
     else if (flag == "--overlaps") o.overlaps = parse_list(value);
     else if (flag == "--ring") o.ring = value != "0";
+    else if (flag == "--masks") {
+      o.masks.clear();
+      std::stringstream in(value);
+      for (std::string item; std::getline(in, item, ',');) {
+        if (item != "full" && item != "causal" && item != "varlen_full" && item != "varlen_causal") {
+          std::fprintf(stderr, "--masks: unknown mask '%s' (allowed: full, causal, varlen_full, varlen_causal)\n",
+                       item.c_str());
+          return 2;
+        }
+        o.masks.push_back(item);
+      }
+    }
     else {
       std::fprintf(stderr, "unknown option %s (allowed: --tokens-per-gpu --heads --kv-heads --head-dim --chunk-size --iters "
-                           "--overlaps --ring 0|1)\n", flag.c_str());
+                           "--overlaps --ring 0|1 --masks a,b)\n", flag.c_str());
       return 2;
     }
   }
