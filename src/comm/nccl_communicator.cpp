@@ -179,11 +179,9 @@ void NcclCommunicator::await_launch(ncclResult_t code, const std::string& what) 
   if (aborted_) throw CommError(what + ": the communicator was aborted by an earlier error");
   if (code != ncclSuccess && code != ncclInProgress)
     abort_and_throw(what + " on " + where() + " failed: " + nccl_message(code, comm_));
-  const auto start = std::chrono::steady_clock::now();
-  const auto deadline = start + std::chrono::duration<double>(timeout());
-  // Launches settle in microseconds (the caller's GPU may be idle meanwhile: spin, a sleep costs ~60 us),
-  // connecting peers takes milliseconds: after 2 ms, back off from 10 us to 1 ms.
-  auto pause = std::chrono::microseconds(10);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout());
+  // Launches settle in microseconds, connecting peers takes milliseconds: back off from 1 us to 1 ms.
+  auto pause = std::chrono::microseconds(1);
   while (true) {
     ncclResult_t state = ncclInProgress;
     const ncclResult_t query = ncclCommGetAsyncError(comm_, &state);
@@ -194,18 +192,13 @@ void NcclCommunicator::await_launch(ncclResult_t code, const std::string& what) 
     if (std::chrono::steady_clock::now() > deadline)
       abort_and_throw(what + " on " + where() + " did not get going within the timeout of " + seconds_text(timeout()) +
                       " (a peer never joined it: it skipped this call, diverged or died); communicator aborted");
-    if (std::chrono::steady_clock::now() - start < std::chrono::milliseconds(2)) {
-      std::this_thread::yield();
-      continue;
-    }
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::microseconds(1000));
   }
 }
 
 void NcclCommunicator::wait_event(cudaEvent_t event, const std::string& what) {
-  const auto start = std::chrono::steady_clock::now();
-  const auto deadline = start + std::chrono::duration<double>(timeout());
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout());
   while (true) {
     const cudaError_t state = cudaEventQuery(event);
     if (state == cudaSuccess) break;
@@ -214,9 +207,7 @@ void NcclCommunicator::wait_event(cudaEvent_t event, const std::string& what) {
     if (std::chrono::steady_clock::now() > deadline)
       abort_and_throw(what + " on " + where() + " did not complete within the timeout of " + seconds_text(timeout()) +
                       " (a rank diverged, died, or passed mismatched counts); communicator aborted");
-    // Spin (yielding) through short waits: the caller is timed by when this returns.
-    if (std::chrono::steady_clock::now() - start < std::chrono::milliseconds(20)) std::this_thread::yield();
-    else std::this_thread::sleep_for(std::chrono::microseconds(50));
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
   check_async_error(what);
 }

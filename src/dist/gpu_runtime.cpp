@@ -316,13 +316,8 @@ void forward(const DistAttnRuntime& rt, State& st, const ForwardArgs& a) {
   DeviceScope scope(dev);
   ensure_buffers(rt, st, a.q.dtype, rt.backward_high_precision() ? DType::F32 : a.q.dtype);
   begin(st);
-  // Overlap degree 0 fetches before any compute; otherwise the host stage is enqueued first, so the GPU
-  // computes while the host sets up the exchanges.
-  const bool fetch_first = rt.config().overlap_degree == 0;
-  if (fetch_first) {
-    enqueue_fetches(rt, st, a.k, a.v);
-    check(cudaStreamWaitEvent(st.compute, *st.fetched[0], 0), "cudaStreamWaitEvent");
-  }
+  enqueue_fetches(rt, st, a.k, a.v);
+  if (rt.config().overlap_degree == 0) check(cudaStreamWaitEvent(st.compute, *st.fetched[0], 0), "cudaStreamWaitEvent");
 
   const RankPlan& mine = rt.mine();
   AttentionOptions options = rt.config().attention;
@@ -342,7 +337,6 @@ void forward(const DistAttnRuntime& rt, State& st, const ForwardArgs& a) {
     fill(st.acc_lse.as<float>(), kNegInf, lq * hq, st.compute);
     fill(st.acc_max.as<float>(), kNegInf, hq, st.compute);
   }
-  if (!fetch_first) enqueue_fetches(rt, st, a.k, a.v);
   options.sink_layout = SinkLayout::None;
   // Each remote stage's kernel merges its result into the fp32 accumulators itself (prev_out / prev_lse,
   // in place); the last one writes the caller's out and lse, so no separate merge or conversion pass.
@@ -397,11 +391,8 @@ void backward(const DistAttnRuntime& rt, State& st, const BackwardArgs& a) {
   DeviceScope scope(dev);
   ensure_buffers(rt, st, a.q.dtype, wire);
   begin(st);
-  const bool fetch_first = rt.config().overlap_degree == 0;  // as in forward
-  if (fetch_first) {
-    enqueue_fetches(rt, st, a.k, a.v);
-    check(cudaStreamWaitEvent(st.compute, *st.fetched[0], 0), "cudaStreamWaitEvent");
-  }
+  enqueue_fetches(rt, st, a.k, a.v);
+  if (rt.config().overlap_degree == 0) check(cudaStreamWaitEvent(st.compute, *st.fetched[0], 0), "cudaStreamWaitEvent");
 
   const RankPlan& mine = rt.mine();
   AttentionOptions options = rt.config().attention;
@@ -417,7 +408,6 @@ void backward(const DistAttnRuntime& rt, State& st, const BackwardArgs& a) {
     fill(st.acc_dv.as<float>(), 0.f, lk * kv_row, st.compute);
   }
   check(cudaEventRecord(st.host_done, st.compute), "cudaEventRecord");
-  if (!fetch_first) enqueue_fetches(rt, st, a.k, a.v);
   options.sink_layout = SinkLayout::None;
 
   const cudaStream_t comm = st.nccl->comm_stream();
