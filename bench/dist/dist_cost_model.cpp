@@ -5,6 +5,7 @@
 //   dist_cost_model [--tokens-per-gpu 16384] [--heads 16] [--kv-heads 16] [--head-dim 128] [--chunk-size 512]
 //                   [--overlap 1] [--cps 1,2,4,8] [--hierarchical 2x4|none] [--fwd-tflops 322] [--bwd-tflops 233]
 //                   [--link-gbps 350] [--inter-node-gbps 350] [--latency-us 20] [--launch-us 10]
+//                   [--blocks-in-flight 264,132]
 //                   [--hbm-gbps 4000] [--comm-overlaps-compute 1|0] [--wire bf16|fp32] [--fwd-tile 128x64] [--bwd-tile 128x64]
 #include <cstdio>
 #include <sstream>
@@ -72,6 +73,11 @@ Options parse(int argc, char** argv) {
     else if (flag == "--inter-node-gbps") o.hw.inter_node_bytes_per_s = std::stod(value) * 1e9;
     else if (flag == "--latency-us") o.hw.collective_latency_s = std::stod(value) * 1e-6;
     else if (flag == "--launch-us") o.hw.launch_overhead_s = std::stod(value) * 1e-6;
+    else if (flag == "--blocks-in-flight") {  // forward,backward (0,0 = no heaviest-block bound)
+      const auto comma = value.find(',');
+      o.hw.forward_blocks_in_flight = std::stoi(value.substr(0, comma));
+      o.hw.backward_blocks_in_flight = comma == std::string::npos ? o.hw.forward_blocks_in_flight : std::stoi(value.substr(comma + 1));
+    }
     else if (flag == "--hbm-gbps") o.hw.hbm_bytes_per_s = std::stod(value) * 1e9;
     else if (flag == "--comm-overlaps-compute") o.hw.comm_overlaps_compute = value != "0";
     else if (flag == "--wire") {
@@ -83,7 +89,7 @@ Options parse(int argc, char** argv) {
       throw std::invalid_argument("unknown option " + flag +
                                   " (allowed: --tokens-per-gpu --heads --kv-heads --head-dim --chunk-size --overlap "
                                   "--cps --hierarchical --fwd-tflops --bwd-tflops --link-gbps --inter-node-gbps "
-                                  "--latency-us --launch-us --hbm-gbps --comm-overlaps-compute --wire --fwd-tile --bwd-tile)");
+                                  "--latency-us --launch-us --blocks-in-flight --hbm-gbps --comm-overlaps-compute --wire --fwd-tile --bwd-tile)");
   }
   return o;
 }

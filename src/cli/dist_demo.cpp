@@ -375,7 +375,7 @@ int dist_demo_cpu(DistWorld& world, Settings s) {
         dv(wide, v.shape());
     for (HostTensor* x : {&out, &lse, &dq, &dk, &dv}) x->fill(nan);
     t.fwd = median_seconds(world, s.runs, [&] {
-      dist::calc_attn(key, {q.view(), k.view(), v.view(), {}, out.view(), lse.view(), {}});
+      dist::calc_attn(key, {q.view(), k.view(), v.view(), {}, out.view(), lse.view(), {}, {}, {}});
     });
     t.bwd = median_seconds(world, s.runs, [&] {
       dist::calc_attn_backward(key, {q.view(), k.view(), v.view(), out.view(), lse.view(), dout.view(), {}, dq.view(),
@@ -408,7 +408,7 @@ int dist_demo_cpu(DistWorld& world, Settings s) {
     single.backend = Backend::Cpu;
     Outputs one = global_outputs(s);
     auto start = Clock::now();
-    forward(p.mask, {p.q.view(), p.k.view(), p.v.view(), {}, one.out.view(), one.lse.view(), {}}, single);
+    forward(p.mask, {p.q.view(), p.k.view(), p.v.view(), {}, one.out.view(), one.lse.view(), {}, {}, {}}, single);
     t.single_fwd = seconds_since(start);
     start = Clock::now();
     backward(p.mask, {p.q.view(), p.k.view(), p.v.view(), one.out.view(), one.lse.view(), p.dout.view(), {},
@@ -522,7 +522,7 @@ int dist_demo_gpu(DistWorld& world, Settings s) {
         dk(wide, {lk, hkv, d}, device), dv(wide, {lk, hkv, d}, device);
     // calc_attn and calc_attn_backward return once the GPU work is done: wall time is GPU time.
     t.fwd = median_seconds(world, s.runs, [&] {
-      dist::calc_attn(key, {q.view(), k.view(), v.view(), {}, out.view(), lse.view(), {}});
+      dist::calc_attn(key, {q.view(), k.view(), v.view(), {}, out.view(), lse.view(), {}, {}, {}});
     });
     t.bwd = median_seconds(world, s.runs, [&] {
       dist::calc_attn_backward(key, {q.view(), k.view(), v.view(), out.view(), lse.view(), dout.view(), {}, dq.view(),

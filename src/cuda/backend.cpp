@@ -199,12 +199,6 @@ bool head_dim_supported(int32_t head_dim) {
   return head_dim > 0 && head_dim % 8 == 0 && padded_head_dim(head_dim) != 0;
 }
 
-// 128-row forward tiles unless 64-row tiles compute this much fewer cells (a fragmented mask: short
-// documents, many slice edges). A 64-row block reuses each K/V fragment for one m-tile instead of two: on
-// the H100 (D 128, bf16) it runs dense tiles at 85% of the 128-row rate, and the switch broke even at a
-// cell ratio near 1.14 (varlen causal: 213 vs 218 TFLOP/s), won at 1.18 (block-causal: 261 vs 244) and
-// lost at 1.08 (varlen full: 262 vs 281).
-constexpr double kSmallForwardTileGain = 1.15;
 
 std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads_kv, int32_t head_dim,
                                 int32_t device, const PlanTuning& tuning) {
@@ -238,7 +232,7 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
     tiling::TileLists small = tiling::by_q_tile(mask, small_q, fwd_k);
     const double large_cells = static_cast<double>(fwd_tiles.items.size()) * large_q;
     const double small_cells = static_cast<double>(small.items.size()) * small_q;
-    if (large_cells > kSmallForwardTileGain * small_cells) {
+    if (large_cells > detail::kSmallForwardTileGain * small_cells) {
       fwd_q = small_q;
       fwd_tiles = std::move(small);
     }

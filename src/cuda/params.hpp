@@ -38,6 +38,13 @@ constexpr int fwd_tile_q(int padded_head_dim) { return padded_head_dim <= 128 ? 
 // Fragmented masks (short documents, many slice edges) waste part of every 128-row tile they cut: the plan
 // may pick 64-row q tiles (4 warps x one m-tile) instead when they compute clearly fewer cells.
 constexpr int kFwdSmallTileQ = 64;
+// The planner takes kFwdSmallTileQ rows when 128-row tiles compute more than kSmallForwardTileGain times
+// the cells (src/cuda/backend.cpp; the distributed cost model mirrors it). On the H100 (D 128, bf16) a
+// 64-row block ran dense tiles at kSmallForwardTileRate of the 128-row rate, and the switch broke even near
+// a cell ratio of 1.14 (varlen causal: 213 vs 218 TFLOP/s), won at 1.18 (block-causal: 261 vs 244) and lost
+// at 1.08 (varlen full: 262 vs 281).
+constexpr double kSmallForwardTileGain = 1.15;
+constexpr double kSmallForwardTileRate = 0.85;
 #ifndef MAGI_CUDA_FWD_TILE_K  // build-time override of the D <= 128 forward key tile, for experiments
 #define MAGI_CUDA_FWD_TILE_K 64
 #endif

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "comm/group_collective.hpp"
+#include "cuda/params.hpp"
 #include "dist/band.hpp"
 #include "dist/comm_plan.hpp"
 #include "dist/dispatch.hpp"
@@ -68,6 +69,20 @@ class Schedule {
 
 int64_t tile_cells(const tiling::TileLists& lists) {
   return static_cast<int64_t>(lists.items.size()) * lists.tile_major * lists.tile_minor;
+}
+
+// Cells of the major tile with the most items: one block's serial work (per head).
+int64_t heaviest_tile_cells(const tiling::TileLists& lists) {
+  int64_t most = 0;
+  for (int64_t t = 0; t < lists.num_tiles(); ++t) most = std::max(most, lists.offsets[t + 1] - lists.offsets[t]);
+  return most * lists.tile_major * lists.tile_minor;
+}
+
+// Seconds of one kernel: its tile work at the dense rate, or, when one block's serial chain is longer, that
+// block at its share of the rate (blocks_in_flight blocks run at once; 0 = no such limit).
+double kernel_seconds(double flops, double heaviest_block_flops, double rate, int32_t blocks_in_flight) {
+  const double bulk = flops / rate;
+  return blocks_in_flight > 0 ? std::max(bulk, heaviest_block_flops * blocks_in_flight / rate) : bulk;
 }
 
 // One elementwise kernel (or a few, `launches`) moving `bytes` through HBM.
@@ -136,6 +151,8 @@ void validate(const HardwareModel& hw) {
   const std::pair<const char*, double> non_negative[] = {{"collective_latency_s", hw.collective_latency_s},
                                                          {"launch_overhead_s", hw.launch_overhead_s},
                                                          {"forward_launches", hw.forward_launches},
+                                                         {"forward_blocks_in_flight", hw.forward_blocks_in_flight},
+                                                         {"backward_blocks_in_flight", hw.backward_blocks_in_flight},
                                                          {"backward_launches", hw.backward_launches}};
   for (const auto& [name, value] : non_negative)
     if (!(value >= 0) || std::isinf(value))
@@ -147,18 +164,40 @@ int64_t forward_computed_cells(const Mask& mask, const HardwareModel& hw) {
   return tile_cells(tiling::by_q_tile(mask, hw.forward_tile_q, hw.forward_tile_k));
 }
 
+double forward_effective_cells(const Mask& mask, const HardwareModel& hw) {
+  const auto large = static_cast<double>(forward_computed_cells(mask, hw));
+  if (hw.forward_tile_q != 128) return large;
+  const auto small = static_cast<double>(tile_cells(tiling::by_q_tile(mask, cuda::detail::kFwdSmallTileQ, hw.forward_tile_k)));
+  return large > cuda::detail::kSmallForwardTileGain * small ? small / cuda::detail::kSmallForwardTileRate : large;
+}
+
 int64_t backward_computed_cells(const Mask& mask, const HardwareModel& hw) {
   return tile_cells(tiling::by_k_tile(mask, hw.backward_tile_k, hw.backward_tile_q));
 }
 
 double forward_call_seconds(const Mask& mask, const HeadShape& heads, const HardwareModel& hw) {
-  const double flops = flops_forward(forward_computed_cells(mask, hw), heads.heads_q, heads.head_dim);
-  return hw.forward_launches * hw.launch_overhead_s + flops / hw.forward_flops_per_s;
+  const double cells = forward_effective_cells(mask, hw);
+  // The heaviest block at the tile the planner takes (64-row tiles also at their own rate).
+  const bool small = cells != static_cast<double>(forward_computed_cells(mask, hw));
+  const double heaviest =
+      small ? static_cast<double>(heaviest_tile_cells(tiling::by_q_tile(mask, cuda::detail::kFwdSmallTileQ,
+                                                                         hw.forward_tile_k))) /
+                  cuda::detail::kSmallForwardTileRate
+            : static_cast<double>(heaviest_tile_cells(tiling::by_q_tile(mask, hw.forward_tile_q, hw.forward_tile_k)));
+  const double per_cell = 4.0 * heads.head_dim;  // one head
+  return hw.forward_launches * hw.launch_overhead_s +
+         kernel_seconds(cells * per_cell * heads.heads_q, heaviest * per_cell, hw.forward_flops_per_s,
+                        hw.forward_blocks_in_flight);
 }
 
 double backward_call_seconds(const Mask& mask, const HeadShape& heads, const HardwareModel& hw) {
-  const double flops = flops_backward(backward_computed_cells(mask, hw), heads.heads_q, heads.head_dim);
-  return hw.backward_launches * hw.launch_overhead_s + flops / hw.backward_flops_per_s +
+  const tiling::TileLists lists = tiling::by_k_tile(mask, hw.backward_tile_k, hw.backward_tile_q);
+  const double per_cell = 2.5 * 4.0 * heads.head_dim;
+  // A dk/dv block is one k tile of one kv head and walks every q head of its group.
+  const double heaviest = static_cast<double>(heaviest_tile_cells(lists)) * (heads.heads_q / heads.heads_kv);
+  return hw.backward_launches * hw.launch_overhead_s +
+         kernel_seconds(static_cast<double>(tile_cells(lists)) * per_cell * heads.heads_q, heaviest * per_cell,
+                        hw.backward_flops_per_s, hw.backward_blocks_in_flight) +
          backward_call_bytes(mask.total_q, heads, hw) / hw.hbm_bytes_per_s;
 }
 
@@ -214,6 +253,7 @@ Prediction predict_distributed(const Mask& mask, const HeadShape& heads, int32_t
   std::vector<double> host_fwd(static_cast<size_t>(cp)), host_bwd(static_cast<size_t>(cp));
   std::vector<std::vector<double>> stage_fwd(static_cast<size_t>(stages), std::vector<double>(static_cast<size_t>(cp))),
       stage_bwd = stage_fwd;
+  std::vector<bool> has_remote(static_cast<size_t>(cp), false);  // the last remote stage writes out / lse
   for (int32_t r = 0; r < cp; ++r) {
     const RankPlan& rp = plan.ranks[r];
     RankCost& rc = p.ranks[r];
@@ -240,8 +280,10 @@ Prediction predict_distributed(const Mask& mask, const HeadShape& heads, int32_t
       rc.backward_compute_s += b;
       rc.forward_cells += forward_computed_cells(sp.mask, hw);
       rc.backward_cells += backward_computed_cells(sp.mask, hw);
-      // Forward: lse merge reads acc and part (out, lse), writes acc; backward: dq add, the same traffic.
-      stage_fwd[s][r] = f + elementwise_seconds(3 * 4 * (q_elems + lq * heads.heads_q), 1, hw);
+      // Forward: the kernel merges into the fp32 accumulators itself (reads them once more); backward: the
+      // dq add reads acc and part, writes acc.
+      stage_fwd[s][r] = f + 4 * (q_elems + lq * heads.heads_q) / hw.hbm_bytes_per_s;
+      has_remote[r] = true;
       stage_bwd[s][r] = b + elementwise_seconds(3 * 4 * q_elems, 1, hw);
     }
   }
@@ -270,9 +312,9 @@ Prediction predict_distributed(const Mask& mask, const HeadShape& heads, int32_t
     const std::vector<int32_t> fetched = enqueue_fetches(sched);
     sched.add(kCompute, host_fwd, {config.overlap_degree == 0 ? fetched[0] : -1});
     for (int32_t s = 0; s < stages; ++s) sched.add(kCompute, stage_fwd[s], {fetched[s]});
-    // Output and lse from the fp32 accumulators.
-    sched.add(kCompute, per_rank(cp, [&](int32_t) {
-                return elementwise_seconds(q_elems * (4 + elt) + lq * heads.heads_q * 8.0, 2, hw);
+    // Output and lse from the fp32 accumulators, where no remote stage wrote them.
+    sched.add(kCompute, per_rank(cp, [&](int32_t r) {
+                return has_remote[r] ? 0.0 : elementwise_seconds(q_elems * (4 + elt) + lq * heads.heads_q * 8.0, 2, hw);
               }));
     p.forward_s = sched.makespan();
     p.comm_forward_s = sched.collective_seconds();

@@ -9,8 +9,12 @@
 //    tile, by_k_tile at the backward tile) x tile area: a tile partly inside the mask costs a whole tile.
 //    flops_per_cell = 4 Hq D forward, 2.5x that backward (magi/flops.hpp). rate = the dense single-GPU
 //    rate (full mask, where cells = area), so the model predicts that kernel exactly at the calibration
-//    point and charges other masks for tile waste, not for anything else (no wave-quantisation term).
-//  - Elementwise kernels (lse merge, dq add, dk/dv sums, final conversions, row gathers): bytes / hbm.
+//    point and charges other masks for tile waste; and at least the heaviest block's serial chain (a q
+//    tile of one head forward, a k tile of one kv head over its q heads backward) at rate / blocks in
+//    flight, which long documents among short ones hit.
+//    The forward tile follows the CUDA planner (64-row tiles for fragmented masks, at their own rate).
+//  - Elementwise kernels (dq add, dk/dv sums, conversions, row gathers): bytes / hbm. The forward's remote
+//    stages merge into the accumulators inside the kernel (one more read of them); the last one writes out.
 //  - A collective (all-to-all-v of one stage, one ring shift): latency + max over ranks of max(bytes sent,
 //    bytes received) / link bandwidth (full-duplex links, the slowest rank finishes it for everyone);
 //    it starts when every rank has reached it (lockstep).
@@ -49,6 +53,9 @@ struct HardwareModel {
   int32_t backward_tile_k = 128, backward_tile_q = 64;
   // Kernel launches per magi::forward / magi::backward call (backward: preprocess, dq zero, main, dq convert).
   int32_t forward_launches = 1, backward_launches = 4;
+  // Blocks resident at once (H100/H200: 132 SMs x 2 forward blocks, x 1 fused dk/dv block): a kernel
+  // takes at least its heaviest block's serial work at rate / blocks_in_flight (0 = ignore that bound).
+  int32_t forward_blocks_in_flight = 264, backward_blocks_in_flight = 132;
   // false: comm never runs during a compute kernel (the persistent-grid kernels hold every SM, which
   // NCCL's kernels also need), i.e. one stream per rank; the cp=2 measurement (overlap 0 = 1) suggests so.
   bool comm_overlaps_compute = true;
@@ -60,6 +67,9 @@ void validate(const HardwareModel& hw);
 // Cells the CUDA kernel computes for `mask`: visited tiles x tile area.
 int64_t forward_computed_cells(const Mask& mask, const HardwareModel& hw);
 int64_t backward_computed_cells(const Mask& mask, const HardwareModel& hw);
+// Forward cells in units of the 128-row tile's rate, following the CUDA planner's 64-row choice
+// (src/cuda/params.hpp) when hw's forward tile is 128 rows.
+double forward_effective_cells(const Mask& mask, const HardwareModel& hw);
 
 // One magi::forward / magi::backward call on `mask`: launches + computed cells / rate (+ the backward's
 // per-call memory traffic over mask.total_q rows: preprocess, fp32 dq accumulator).

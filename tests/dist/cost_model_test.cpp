@@ -7,6 +7,7 @@
 #include <limits>
 #include <random>
 
+#include "cuda/params.hpp"
 #include "dist/cost_model.hpp"
 #include "magi/error.hpp"
 #include "magi/flops.hpp"
@@ -37,6 +38,7 @@ HardwareModel compute_only() {
   HardwareModel hw;
   hw.link_bytes_per_s = hw.inter_node_bytes_per_s = hw.hbm_bytes_per_s = kInf;
   hw.collective_latency_s = hw.launch_overhead_s = 0;
+  hw.forward_blocks_in_flight = hw.backward_blocks_in_flight = 0;  // tile work only
   return hw;
 }
 
@@ -91,7 +93,8 @@ TEST(CostModel, ComputedCellsCoverTheArea) {
 TEST(CostModel, FreeCommunicationLeavesTheSlowestRanksTileWork) {
   const uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
-  const HardwareModel hw = compute_only();
+  HardwareModel hw = compute_only();
+  hw.forward_tile_q = 64;  // exact tile cells: the planner's 128-or-64-row choice only applies at 128
   const HeadShape heads{8, 2, 64};
   const auto fwd_seconds = [&](int64_t cells) { return flops_forward(cells, heads.heads_q, heads.head_dim) / hw.forward_flops_per_s; };
   const auto bwd_seconds = [&](int64_t cells) { return flops_backward(cells, heads.heads_q, heads.head_dim) / hw.backward_flops_per_s; };
@@ -125,6 +128,21 @@ TEST(CostModel, FreeCommunicationLeavesTheSlowestRanksTileWork) {
     EXPECT_GE(ring.forward_s, fwd_seconds(max_fwd) * (1 - 1e-12)) << "seed " << seed << " cp " << cp;
     EXPECT_LE(ring.forward_s, steps * (1 + 1e-12)) << "seed " << seed << " cp " << cp;
   }
+}
+
+// The forward follows the CUDA planner: 128-row tiles, or 64-row tiles at their own rate when 128-row tiles
+// would compute more than kSmallForwardTileGain times the cells.
+TEST(CostModel, ForwardTileFollowsThePlanner) {
+  const HardwareModel hw = compute_only();
+  EXPECT_EQ(forward_effective_cells(masks::full(1024, 1024), hw), 1024.0 * 1024.0);
+  std::vector<int32_t> cu{0};
+  while (cu.back() < 4096) cu.push_back(cu.back() + 96);  // 96-token documents: 128-row tiles waste a lot
+  const Mask docs = masks::varlen_causal(cu);
+  HardwareModel small = hw;
+  small.forward_tile_q = 64;
+  const auto cells64 = static_cast<double>(forward_computed_cells(docs, small));
+  ASSERT_GT(static_cast<double>(forward_computed_cells(docs, hw)), cuda::detail::kSmallForwardTileGain * cells64);
+  EXPECT_DOUBLE_EQ(forward_effective_cells(docs, hw), cells64 / cuda::detail::kSmallForwardTileRate);
 }
 
 // cp=1 runs the whole mask as the host stage. The comm plan re-slices it per chunk, which can only add
