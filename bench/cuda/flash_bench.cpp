@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "common/long_tailed_documents.hpp"
 #include "cuda/backend.hpp"
 #include "magi/flops.hpp"
 #include "magi/mask.hpp"
@@ -45,23 +46,6 @@ struct Case {
   magi::Mask mask;
 };
 
-// Long-tailed document lengths (Pareto-like), fixed seed, summing exactly to `total`.
-std::vector<int32_t> long_tailed_docs(int32_t total, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> u(0.0, 1.0);
-  std::vector<int32_t> lengths;
-  int32_t left = total;
-  while (left > 0) {
-    const double x = 256.0 / std::pow(1.0 - u(rng), 1.0 / 1.2);  // Pareto(alpha 1.2, min 256)
-    int32_t len = static_cast<int32_t>(std::min<double>(x, 8192.0));
-    len = std::max(64, len / 64 * 64);
-    len = std::min(len, left);
-    lengths.push_back(len);
-    left -= len;
-  }
-  return lengths;
-}
-
 std::vector<int32_t> prefix(const std::vector<int32_t>& lengths) {
   std::vector<int32_t> cu{0};
   for (int32_t l : lengths) cu.push_back(cu.back() + l);
@@ -72,7 +56,7 @@ std::vector<Case> make_cases(int32_t seq, int32_t batch) {
   using namespace magi;
   const int32_t total = seq * batch;
   const std::vector<int32_t> batch_cu = prefix(std::vector<int32_t>(static_cast<size_t>(batch), seq));
-  const std::vector<int32_t> docs = prefix(long_tailed_docs(total, 42));
+  const std::vector<int32_t> docs = magi::bench::long_tailed_cu_seqlens(total, 42);
   std::vector<Case> cases;
   cases.push_back({"full", batch_cu, 0, 0, 0, masks::varlen_full(batch_cu)});
   cases.push_back({"causal", batch_cu, 0, 0, 0, masks::varlen_causal(batch_cu)});

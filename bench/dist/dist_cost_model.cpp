@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "dist/cost_model.hpp"
-#include "long_tailed_documents.hpp"
+#include "common/long_tailed_documents.hpp"
 #include "magi/error.hpp"
 
 namespace {
@@ -30,12 +30,6 @@ struct Options {
   magi::dist::HardwareModel hw;
 };
 
-magi::Mask make_mask(const std::string& kind, int32_t total) {
-  if (kind == "full") return magi::masks::full(total, total);
-  if (kind == "causal") return magi::masks::causal(total, total);
-  if (kind == "varlen_full") return magi::masks::varlen_full(magi::bench::long_tailed_cu_seqlens(total, 42));
-  return magi::masks::varlen_causal(magi::bench::long_tailed_cu_seqlens(total, 42));
-}
 
 std::vector<int32_t> parse_list(const std::string& text) {
   std::vector<int32_t> out;
@@ -115,9 +109,9 @@ int run(const Options& o) {
   for (int32_t cp : o.cps) layouts.push_back({cp, 0});
   if (o.nodes > 0) layouts.push_back({o.nodes * o.ranks_per_node, o.ranks_per_node});
   for (const std::string kind : {"full", "causal", "varlen_full", "varlen_causal"}) {
-    const Prediction single = predict_single(make_mask(kind, o.tokens_per_gpu), heads, hw);
+    const Prediction single = predict_single(magi::bench::distributed_bench_mask(kind, o.tokens_per_gpu), heads, hw);
     for (const Layout& layout : layouts) {
-      const magi::Mask mask = make_mask(kind, o.tokens_per_gpu * layout.cp);
+      const magi::Mask mask = magi::bench::distributed_bench_mask(kind, o.tokens_per_gpu * layout.cp);
       DistConfig config;
       config.chunk_size = o.chunk_size;
       config.overlap_degree = o.overlap;

@@ -25,7 +25,7 @@
 #include "dist/gpu_kernels.hpp"
 #include "magi/dist.hpp"
 #include "magi/flops.hpp"
-#include "long_tailed_documents.hpp"
+#include "common/long_tailed_documents.hpp"
 
 namespace {
 
@@ -48,12 +48,6 @@ void check(cudaError_t code, const char* what) {
   if (code != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(code));
 }
 
-magi::Mask make_mask(const std::string& kind, int32_t total) {
-  if (kind == "full") return magi::masks::full(total, total);
-  if (kind == "causal") return magi::masks::causal(total, total);
-  if (kind == "varlen_full") return magi::masks::varlen_full(magi::bench::long_tailed_cu_seqlens(total, 42));
-  return magi::masks::varlen_causal(magi::bench::long_tailed_cu_seqlens(total, 42));
-}
 
 class Buffer {
  public:
@@ -113,6 +107,40 @@ struct Timing {
   double fwd_ms = 0, bwd_ms = 0;
 };
 
+// Random bf16 q, k, v, dout and output buffers of one attention problem (tq query rows, tk key rows, the
+// options' heads) on `device`, with the forward and backward arguments over them.
+struct Problem {
+  Buffer q, k, v, out, lse, dout, dq, dk, dv;
+  magi::ForwardArgs forward;
+  magi::BackwardArgs backward;
+
+  Problem(int64_t tq, int64_t tk, const Options& o, int32_t device, uint64_t seed)
+      : q(tq * o.heads * o.head_dim * 2), k(tk * o.kv_heads * o.head_dim * 2), v(tk * o.kv_heads * o.head_dim * 2),
+        out(tq * o.heads * o.head_dim * 2), lse(tq * o.heads * 4), dout(tq * o.heads * o.head_dim * 2),
+        dq(tq * o.heads * o.head_dim * 2), dk(tk * o.kv_heads * o.head_dim * 2), dv(tk * o.kv_heads * o.head_dim * 2) {
+    using magi::DType;
+    const int64_t h = o.heads, hk = o.kv_heads, d = o.head_dim;
+    fill_random(q.get(), tq * h * d, seed);
+    fill_random(k.get(), tk * hk * d, seed + 100);
+    fill_random(v.get(), tk * hk * d, seed + 200);
+    fill_random(dout.get(), tq * h * d, seed + 300);
+    forward.q = view(q, DType::BF16, {tq, h, d}, device);
+    forward.k = view(k, DType::BF16, {tk, hk, d}, device);
+    forward.v = view(v, DType::BF16, {tk, hk, d}, device);
+    forward.out = view(out, DType::BF16, {tq, h, d}, device);
+    forward.lse = view(lse, DType::F32, {tq, h}, device);
+    backward.q = forward.q;
+    backward.k = forward.k;
+    backward.v = forward.v;
+    backward.out = forward.out;
+    backward.lse = forward.lse;
+    backward.dout = view(dout, DType::BF16, {tq, h, d}, device);
+    backward.dq = view(dq, DType::BF16, {tq, h, d}, device);
+    backward.dk = view(dk, DType::BF16, {tk, hk, d}, device);
+    backward.dv = view(dv, DType::BF16, {tk, hk, d}, device);
+  }
+};
+
 // Median over iterations of the slowest rank's time per call (host clock around each call; calc_attn
 // returns once its results are on the device).
 Timing time_distributed(NcclCommunicator& comm, const std::shared_ptr<NcclCommunicator>& comm_ptr,
@@ -125,30 +153,9 @@ Timing time_distributed(NcclCommunicator& comm, const std::shared_ptr<NcclCommun
   const dist::HeadShape heads{o.heads, o.kv_heads, o.head_dim};
   const dist::RuntimeKey key = dist::make_runtime_key(mask, heads, comm_ptr, config);
   *summary = key.summary();
-  const int64_t lq = key.local_q_tokens(), lk = key.local_k_tokens(), h = o.heads, hk = o.kv_heads, d = o.head_dim;
-  const int32_t dev = comm.cuda_device();
-  Buffer q(lq * h * d * 2), k(lk * hk * d * 2), v(lk * hk * d * 2), out(lq * h * d * 2), lse(lq * h * 4),
-      dout(lq * h * d * 2), dq(lq * h * d * 2), dk(lk * hk * d * 2), dv(lk * hk * d * 2);
-  fill_random(q.get(), lq * h * d, 1 + comm.rank());
-  fill_random(k.get(), lk * hk * d, 100 + comm.rank());
-  fill_random(v.get(), lk * hk * d, 200 + comm.rank());
-  fill_random(dout.get(), lq * h * d, 300 + comm.rank());
-  ForwardArgs f;
-  f.q = view(q, DType::BF16, {lq, h, d}, dev);
-  f.k = view(k, DType::BF16, {lk, hk, d}, dev);
-  f.v = view(v, DType::BF16, {lk, hk, d}, dev);
-  f.out = view(out, DType::BF16, {lq, h, d}, dev);
-  f.lse = view(lse, DType::F32, {lq, h}, dev);
-  BackwardArgs b;
-  b.q = f.q;
-  b.k = f.k;
-  b.v = f.v;
-  b.out = f.out;
-  b.lse = f.lse;
-  b.dout = view(dout, DType::BF16, {lq, h, d}, dev);
-  b.dq = view(dq, DType::BF16, {lq, h, d}, dev);
-  b.dk = view(dk, DType::BF16, {lk, hk, d}, dev);
-  b.dv = view(dv, DType::BF16, {lk, hk, d}, dev);
+  const Problem p(key.local_q_tokens(), key.local_k_tokens(), o, comm.cuda_device(), 1 + comm.rank());
+  const ForwardArgs& f = p.forward;
+  const BackwardArgs& b = p.backward;
   std::vector<double> fwd, bwd;
   for (int32_t i = 0; i < o.warmup + o.iters; ++i) {
     comm.barrier();
@@ -168,29 +175,9 @@ Timing time_distributed(NcclCommunicator& comm, const std::shared_ptr<NcclCommun
 // The single-GPU kernel on this rank's GPU, CUDA events, median.
 Timing time_single(const magi::Mask& mask, const Options& o, int32_t dev) {
   using namespace magi;
-  const int64_t t = mask.total_q, h = o.heads, hk = o.kv_heads, d = o.head_dim;
-  Buffer q(t * h * d * 2), k(t * hk * d * 2), v(t * hk * d * 2), out(t * h * d * 2), lse(t * h * 4),
-      dout(t * h * d * 2), dq(t * h * d * 2), dk(t * hk * d * 2), dv(t * hk * d * 2);
-  fill_random(q.get(), t * h * d, 1);
-  fill_random(k.get(), t * hk * d, 2);
-  fill_random(v.get(), t * hk * d, 3);
-  fill_random(dout.get(), t * h * d, 4);
-  ForwardArgs f;
-  f.q = view(q, DType::BF16, {t, h, d}, dev);
-  f.k = view(k, DType::BF16, {t, hk, d}, dev);
-  f.v = view(v, DType::BF16, {t, hk, d}, dev);
-  f.out = view(out, DType::BF16, {t, h, d}, dev);
-  f.lse = view(lse, DType::F32, {t, h}, dev);
-  BackwardArgs b;
-  b.q = f.q;
-  b.k = f.k;
-  b.v = f.v;
-  b.out = f.out;
-  b.lse = f.lse;
-  b.dout = view(dout, DType::BF16, {t, h, d}, dev);
-  b.dq = view(dq, DType::BF16, {t, h, d}, dev);
-  b.dk = view(dk, DType::BF16, {t, hk, d}, dev);
-  b.dv = view(dv, DType::BF16, {t, hk, d}, dev);
+  const Problem p(mask.total_q, mask.total_k, o, dev, 1);
+  const ForwardArgs& f = p.forward;
+  const BackwardArgs& b = p.backward;
   AttentionOptions options;
   options.backend = Backend::Cuda;
   cudaEvent_t e0, e1, e2;
@@ -409,8 +396,8 @@ int run(std::shared_ptr<NcclCommunicator> comm, const Options& o) {
     std::fflush(stdout);
   }
   for (const std::string& kind : o.masks) {
-    const magi::Mask global = make_mask(kind, o.tokens_per_gpu * cp);
-    const magi::Mask per_gpu = make_mask(kind, o.tokens_per_gpu);
+    const magi::Mask global = magi::bench::distributed_bench_mask(kind, o.tokens_per_gpu * cp);
+    const magi::Mask per_gpu = magi::bench::distributed_bench_mask(kind, o.tokens_per_gpu);
     const Timing single = time_single(per_gpu, o, comm->cuda_device());
     const double single_fwd = tflops(magi::flops_forward(per_gpu.area(), o.heads, o.head_dim), single.fwd_ms);
     const double single_bwd = tflops(magi::flops_backward(per_gpu.area(), o.heads, o.head_dim), single.bwd_ms);

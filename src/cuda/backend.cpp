@@ -230,9 +230,8 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   tiling::TileLists fwd_tiles = tiling::by_q_tile(mask, fwd_q, fwd_k);
   if (tuning.forward_tile_q == 0 && large_q != small_q) {
     tiling::TileLists small = tiling::by_q_tile(mask, small_q, fwd_k);
-    const double large_cells = static_cast<double>(fwd_tiles.items.size()) * large_q;
-    const double small_cells = static_cast<double>(small.items.size()) * small_q;
-    if (large_cells > detail::kSmallForwardTileGain * small_cells) {
+    if (detail::prefer_small_forward_tile(static_cast<double>(fwd_tiles.items.size()) * large_q,
+                                          static_cast<double>(small.items.size()) * small_q)) {
       fwd_q = small_q;
       fwd_tiles = std::move(small);
     }

@@ -45,6 +45,10 @@ constexpr int kFwdSmallTileQ = 64;
 // at 1.08 (varlen full: 262 vs 281).
 constexpr double kSmallForwardTileGain = 1.15;
 constexpr double kSmallForwardTileRate = 0.85;
+// The rule itself, on the cells each tile shape would compute.
+constexpr bool prefer_small_forward_tile(double large_tile_cells, double small_tile_cells) {
+  return large_tile_cells > kSmallForwardTileGain * small_tile_cells;
+}
 #ifndef MAGI_CUDA_FWD_TILE_K  // build-time override of the D <= 128 forward key tile, for experiments
 #define MAGI_CUDA_FWD_TILE_K 64
 #endif

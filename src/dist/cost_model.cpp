@@ -160,33 +160,45 @@ void validate(const HardwareModel& hw) {
                             std::to_string(value));
 }
 
-int64_t forward_computed_cells(const Mask& mask, const HardwareModel& hw) {
-  return tile_cells(tiling::by_q_tile(mask, hw.forward_tile_q, hw.forward_tile_k));
+namespace {
+
+// The forward work lists at the tile the CUDA planner takes (hw's tile, or 64 rows for fragmented masks when
+// hw's is 128 rows) and that tile's rate relative to hw's dense rate.
+struct ForwardTiles {
+  tiling::TileLists lists;
+  double rate = 1.0;
+};
+ForwardTiles forward_tiles(const Mask& mask, const HardwareModel& hw) {
+  ForwardTiles t{tiling::by_q_tile(mask, hw.forward_tile_q, hw.forward_tile_k)};
+  if (hw.forward_tile_q != 128) return t;
+  tiling::TileLists small = tiling::by_q_tile(mask, cuda::detail::kFwdSmallTileQ, hw.forward_tile_k);
+  if (cuda::detail::prefer_small_forward_tile(static_cast<double>(tile_cells(t.lists)),
+                                              static_cast<double>(tile_cells(small))))
+    t = {std::move(small), cuda::detail::kSmallForwardTileRate};
+  return t;
 }
 
-double forward_effective_cells(const Mask& mask, const HardwareModel& hw) {
-  const auto large = static_cast<double>(forward_computed_cells(mask, hw));
-  if (hw.forward_tile_q != 128) return large;
-  const auto small = static_cast<double>(tile_cells(tiling::by_q_tile(mask, cuda::detail::kFwdSmallTileQ, hw.forward_tile_k)));
-  return large > cuda::detail::kSmallForwardTileGain * small ? small / cuda::detail::kSmallForwardTileRate : large;
+}  // namespace
+
+int64_t forward_computed_cells(const Mask& mask, const HardwareModel& hw) {
+  return tile_cells(tiling::by_q_tile(mask, hw.forward_tile_q, hw.forward_tile_k));
 }
 
 int64_t backward_computed_cells(const Mask& mask, const HardwareModel& hw) {
   return tile_cells(tiling::by_k_tile(mask, hw.backward_tile_k, hw.backward_tile_q));
 }
 
+double forward_effective_cells(const Mask& mask, const HardwareModel& hw) {
+  const ForwardTiles t = forward_tiles(mask, hw);
+  return static_cast<double>(tile_cells(t.lists)) / t.rate;
+}
+
 double forward_call_seconds(const Mask& mask, const HeadShape& heads, const HardwareModel& hw) {
-  const double cells = forward_effective_cells(mask, hw);
-  // The heaviest block at the tile the planner takes (64-row tiles also at their own rate).
-  const bool small = cells != static_cast<double>(forward_computed_cells(mask, hw));
-  const double heaviest =
-      small ? static_cast<double>(heaviest_tile_cells(tiling::by_q_tile(mask, cuda::detail::kFwdSmallTileQ,
-                                                                         hw.forward_tile_k))) /
-                  cuda::detail::kSmallForwardTileRate
-            : static_cast<double>(heaviest_tile_cells(tiling::by_q_tile(mask, hw.forward_tile_q, hw.forward_tile_k)));
-  const double per_cell = 4.0 * heads.head_dim;  // one head
+  const ForwardTiles t = forward_tiles(mask, hw);
+  const double per_cell = 4.0 * heads.head_dim / t.rate;  // one head, at the chosen tile's rate
   return hw.forward_launches * hw.launch_overhead_s +
-         kernel_seconds(cells * per_cell * heads.heads_q, heaviest * per_cell, hw.forward_flops_per_s,
+         kernel_seconds(static_cast<double>(tile_cells(t.lists)) * per_cell * heads.heads_q,
+                        static_cast<double>(heaviest_tile_cells(t.lists)) * per_cell, hw.forward_flops_per_s,
                         hw.forward_blocks_in_flight);
 }
 

@@ -9,6 +9,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/backend.hpp"
@@ -83,15 +84,15 @@ inline cuda::Options cuda_options(const CaseConfig& c, bool deterministic = fals
   return o;
 }
 
-// All device buffers of one case; outputs are NaN-poisoned by poison().
+// All device buffers of one case; outputs NaN-poisoned at construction and by poison().
 struct DeviceCase {
   DeviceTensor q, k, v, sink, dout;
   DeviceTensor out, lse, max_logits, dq, dk, dv, dsink;
 
-  DeviceCase(CaseData& d, const CaseConfig& c)
+  DeviceCase(const CaseData& d, const CaseConfig& c)
       : q(d.q), k(d.k), v(d.v), sink(d.sink), dout(d.dout_tensor),
         out(HostTensor::poisoned(c.out_dtype(), {d.mask.total_q, c.heads_q, c.head_dim})),
-        lse(HostTensor::poisoned(DType::F32, {d.mask.total_q, c.heads_q})),
+        lse(HostTensor::poisoned(c.lse_dtype(), {d.mask.total_q, c.heads_q})),
         max_logits(c.max_logits ? HostTensor::poisoned(DType::F32, {c.heads_q}) : HostTensor()),
         dq(HostTensor::poisoned(c.dq_dtype(), d.q.shape())),
         dk(HostTensor::poisoned(c.dk_dtype(), d.k.shape())),
@@ -131,6 +132,16 @@ struct DeviceCase {
     a.dv = dv.view();
     a.dsink = dsink.view();
     return a;
+  }
+  // Every output, downloaded (for bitwise comparisons).
+  std::vector<std::pair<std::string, HostTensor>> results() const {
+    std::vector<std::pair<std::string, HostTensor>> r;
+    const std::pair<const char*, const DeviceTensor*> all[] = {{"out", &out}, {"lse", &lse}, {"max_logits", &max_logits},
+                                                              {"dq", &dq},   {"dk", &dk},   {"dv", &dv},
+                                                              {"dsink", &dsink}};
+    for (const auto& [name, t] : all)
+      if (t->defined()) r.emplace_back(name, t->download());
+    return r;
   }
 };
 

@@ -24,66 +24,6 @@ namespace {
 
 namespace ref_engine = magi::cuda::reference;
 
-// Device buffers of one case; outputs NaN-poisoned at construction and by poison().
-struct GpuBuffers {
-  DeviceTensor q, k, v, sink, dout;
-  DeviceTensor out, lse, max_logits, dq, dk, dv, dsink;
-
-  GpuBuffers(const CaseData& d, const CaseConfig& c)
-      : q(d.q), k(d.k), v(d.v), sink(d.sink), dout(d.dout_tensor),
-        out(HostTensor::poisoned(c.out_dtype(), {d.mask.total_q, c.heads_q, c.head_dim})),
-        lse(HostTensor::poisoned(c.lse_dtype(), {d.mask.total_q, c.heads_q})),
-        max_logits(c.max_logits ? HostTensor::poisoned(DType::F32, {c.heads_q}) : HostTensor()),
-        dq(HostTensor::poisoned(c.dq_dtype(), d.q.shape())),
-        dk(HostTensor::poisoned(c.dk_dtype(), d.k.shape())),
-        dv(HostTensor::poisoned(c.dv_dtype(), d.v.shape())),
-        dsink(d.sink.defined() ? HostTensor::poisoned(DType::F32, d.sink.shape()) : HostTensor()) {}
-
-  void poison() {
-    for (DeviceTensor* t : {&out, &lse, &max_logits, &dq, &dk, &dv, &dsink}) {
-      if (!t->defined()) continue;
-      const HostTensor now = t->download();
-      t->upload(HostTensor::poisoned(now.dtype(), now.shape()));
-    }
-  }
-  ForwardArgs forward_args() const {
-    ForwardArgs a;
-    a.q = q.view();
-    a.k = k.view();
-    a.v = v.view();
-    a.sink = sink.view();
-    a.out = out.view();
-    a.lse = lse.view();
-    a.max_logits = max_logits.view();
-    return a;
-  }
-  BackwardArgs backward_args() const {
-    BackwardArgs a;
-    a.q = q.view();
-    a.k = k.view();
-    a.v = v.view();
-    a.out = out.view();
-    a.lse = lse.view();
-    a.dout = dout.view();
-    a.sink = sink.view();
-    a.dq = dq.view();
-    a.dk = dk.view();
-    a.dv = dv.view();
-    a.dsink = dsink.view();
-    return a;
-  }
-  // Every output, downloaded (for bitwise comparisons).
-  std::vector<std::pair<std::string, HostTensor>> results() const {
-    std::vector<std::pair<std::string, HostTensor>> r;
-    const std::pair<const char*, const DeviceTensor*> all[] = {{"out", &out}, {"lse", &lse}, {"max_logits", &max_logits},
-                                                              {"dq", &dq},   {"dk", &dk},   {"dv", &dv},
-                                                              {"dsink", &dsink}};
-    for (const auto& [name, t] : all)
-      if (t->defined()) r.emplace_back(name, t->download());
-    return r;
-  }
-};
-
 ref_engine::Options engine_options(const CaseConfig& c) {
   return {c.softmax_scale.value_or(1.0 / std::sqrt(static_cast<double>(c.head_dim))), c.softcap, c.sink_layout};
 }
@@ -115,7 +55,7 @@ testing::AssertionResult check_engine_case(const Mask& mask, const CaseConfig& c
   const std::string context = context_of(name, c, seed);
   try {
     CaseData d = make_case(mask, c, seed);
-    GpuBuffers dev(d, c);
+    DeviceCase dev(d, c);
     auto plan = ref_engine::make_plan(mask, c.heads_q, c.heads_kv, c.head_dim, 0);
     const ref_engine::Options o = engine_options(c);
     ref_engine::forward(*plan, dev.forward_args(), o, nullptr);
@@ -252,7 +192,7 @@ Prepared prepared_case(DType dtype) {
 TEST(ReferenceEngineRuns, BitwiseDeterministic) {
   Prepared p = prepared_case(DType::F32);
   const std::string context = context_of("mixed_types_q_overlap", p.config, p.seed);
-  GpuBuffers dev(p.data, p.config);
+  DeviceCase dev(p.data, p.config);
   auto plan = ref_engine::make_plan(p.mask, p.config.heads_q, p.config.heads_kv, p.config.head_dim, 0);
   auto run = [&] {
     dev.poison();
@@ -270,7 +210,7 @@ TEST(ReferenceEngineRuns, BitwiseDeterministic) {
 TEST(ReferenceEngineRuns, GraphReplayEqualsEagerRun) {
   Prepared p = prepared_case(DType::F64);
   const std::string context = context_of("mixed_types_q_overlap", p.config, p.seed);
-  GpuBuffers dev(p.data, p.config);
+  DeviceCase dev(p.data, p.config);
   auto plan = ref_engine::make_plan(p.mask, p.config.heads_q, p.config.heads_kv, p.config.head_dim, 0);
   cudaStream_t stream = nullptr;
   MAGI_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -303,7 +243,7 @@ TEST(ReferenceEngineRuns, GraphReplayEqualsEagerRun) {
 TEST(ReferenceEngineRuns, PublicApiRoutesReferenceOnDeviceTensors) {
   Prepared p = prepared_case(DType::F64);
   const std::string context = context_of("mixed_types_q_overlap", p.config, p.seed);
-  GpuBuffers direct(p.data, p.config), api(p.data, p.config);
+  DeviceCase direct(p.data, p.config), api(p.data, p.config);
   auto plan = ref_engine::make_plan(p.mask, p.config.heads_q, p.config.heads_kv, p.config.head_dim, 0);
   ref_engine::forward(*plan, direct.forward_args(), engine_options(p.config), nullptr);
   ref_engine::backward(*plan, direct.backward_args(), engine_options(p.config), nullptr);
