@@ -210,6 +210,11 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
                        " has no compiled kernel (this build: multiples of 8 up to the tiles " + tiles +
                        "; see MAGI_ATTN_CUDA_HEAD_DIMS)");
   }
+  // The backward addresses a 64-row chunk of dq with 32-bit offsets.
+  constexpr int64_t kMaxRowElements = (int64_t{1} << 31) / detail::kDkdvTileQ;
+  if (int64_t{heads_q} * head_dim >= kMaxRowElements)
+    throw InvalidArgument("cuda plan: heads_q * head_dim = " + std::to_string(int64_t{heads_q} * head_dim) +
+                          " is too large (allowed: < " + std::to_string(kMaxRowElements) + ")");
   auto plan = std::make_shared<Plan>();
   plan->tq = mask.total_q;
   plan->tk = mask.total_k;

@@ -30,15 +30,21 @@ __device__ __forceinline__ BwdCell bwd_cell(const BwdParams& prm, float qk, floa
     s2 = qk * prm.scale_log2;
     dfactor = prm.softmax_scale;
   }
-  const float pr = kept ? fast_exp2(s2 - lse2) : 0.0f;
-  return {pr, pr * (dp - delta) * dfactor};
+  // Branch-free: ex2(-inf) = 0 for dropped cells (a predicated exp made the compiler reload the scale from
+  // constant memory per cell).
+  const float pr = fast_exp2(kept ? s2 - lse2 : -INFINITY);
+  return {pr, kept ? pr * (dp - delta) * dfactor : 0.0f};
 }
 
-// Runs body(std::true_type / std::false_type) so that the softcap branch sits outside the element loops.
+// Runs body(std::true_type / std::false_type) so that a branch sits outside the element loops.
+template <class F>
+__device__ __forceinline__ void with_bool(bool value, F&& body) {
+  if (value) body(std::true_type{});
+  else body(std::false_type{});
+}
 template <class F>
 __device__ __forceinline__ void with_softcap(const BwdParams& prm, F&& body) {
-  if (prm.softcap > 0.0f) body(std::true_type{});
-  else body(std::false_type{});
+  with_bool(prm.softcap > 0.0f, body);
 }
 
 // Row statistics from the preprocess kernel, head-major and padded: any row < tq_pad may be read.
@@ -72,9 +78,25 @@ template <class T, int kD, int kN, int kCols, int kDsRowBytes>
 __device__ __forceinline__ void accumulate_dq(const BwdParams& p, uint32_t ds_t, const FragAddr<kD>& k_t, int q0,
                                               int head, int warp, int lane) {
   constexpr int kChunk = kCols < 64 ? kCols : 64;
-  const int col_base = (warp / 4) * kCols;
-  const int row0 = q0 + (warp % 4) * 16 + lane / 4;
-  const int64_t q_stride = int64_t{p.hq} * p.d;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Hopper's vector atomics: lanes 2j and 2j + 1 trade halves so that each adds 4 consecutive columns (the
+  // even lane of column block i, the odd lane of block i + 1): a quarter of the ops.
+  const bool odd = lane & 1;
+  const int lane_col = (warp / 4) * kCols + (odd ? 8 : 0) + ((lane % 4) & 2) * 2;
+#else
+  const int lane_col = (warp / 4) * kCols + (lane % 4) * 2;
+#endif
+  // The chunk's base is uniform over the block and a lane's rows lie within 64 rows of it (32-bit offsets;
+  // make_plan bounds Hq * D); each atomic then addresses a row pointer + a compile-time immediate.
+  float* const chunk = p.dq_accum + (int64_t{q0} * p.hq + head) * p.d;
+  const int row0 = (warp % 4) * 16 + lane / 4;
+  float* row_ptr[2];
+  bool row_valid[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    row_valid[r] = q0 + row0 + r * 8 < p.tq;  // no early exit: the whole warp shuffles below
+    row_ptr[r] = chunk + ((row0 + r * 8) * p.hq * p.d + lane_col);
+  }
 #pragma unroll
   for (int c = 0; c < kCols / kChunk; ++c) {
     float acc[kChunk / 8][4];
@@ -94,31 +116,25 @@ __device__ __forceinline__ void accumulate_dq(const BwdParams& p, uint32_t ds_t,
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int row = row0 + r * 8;
-      const bool row_valid = row < p.tq;  // no early exit: the whole warp shuffles below
-      float* base = p.dq_accum + row * q_stride + int64_t{head} * p.d;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      // Hopper's vector atomics: lanes 2j and 2j + 1 trade halves so that each adds 4 consecutive
-      // columns (the even lane of column block i, the odd lane of block i + 1): a quarter of the ops.
-      const bool odd = lane & 1;
 #pragma unroll
       for (int i = 0; i < kChunk / 8; i += 2) {
         const float give0 = odd ? acc[i][2 * r] : acc[i + 1][2 * r];
         const float give1 = odd ? acc[i][2 * r + 1] : acc[i + 1][2 * r + 1];
         const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1);
         const float got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
-        const int col = col_base + c * kChunk + (i + (odd ? 1 : 0)) * 8 + ((lane % 4) & 2) * 2;
         const float4 v = odd ? make_float4(got0, got1, acc[i + 1][2 * r], acc[i + 1][2 * r + 1])
                              : make_float4(acc[i][2 * r], acc[i][2 * r + 1], got0, got1);
-        if (row_valid && col < p.d) atomicAdd(reinterpret_cast<float4*>(base + col), v);
+        const int offset = c * kChunk + i * 8;
+        red_add_v4(row_ptr[r] + offset, v, row_valid[r] && lane_col + offset < p.d);
       }
 #else
 #pragma unroll
       for (int i = 0; i < kChunk / 8; ++i) {
-        const int col = col_base + c * kChunk + i * 8 + (lane % 4) * 2;
-        if (row_valid && col < p.d) {
-          atomicAdd(base + col, acc[i][2 * r]);
-          atomicAdd(base + col + 1, acc[i][2 * r + 1]);
+        const int offset = c * kChunk + i * 8;
+        if (row_valid[r] && lane_col + offset < p.d) {
+          atomicAdd(row_ptr[r] + offset, acc[i][2 * r]);
+          atomicAdd(row_ptr[r] + offset + 1, acc[i][2 * r + 1]);
         }
       }
 #endif
@@ -179,13 +195,22 @@ __device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linea
   const int first = p.list.offsets[tile];
   const int count = p.list.offsets[tile + 1] - first;
   const int total = count * group;
-  auto issue_loads = [&](const WorkItem& w, int iteration, int stage) {
-    const int head = kv_head * group + iteration / count;
+  // Iteration i is item i % count of q head kv_head * group + i / count; cursors step through that order
+  // (no division in the loop): `load` is the iteration whose Q/dO are issued next, `fetch` the one whose
+  // item is read from global memory next (two ahead).
+  struct Cursor {
+    int pos, head;
+    __device__ __forceinline__ void advance(int count) {
+      if (++pos == count) pos = 0, ++head;
+    }
+  };
+  Cursor load{0, kv_head * group}, fetch{0, kv_head * group};
+  const TileLoader<kM, kD, kThreads> qo_loader(q_stride, p.d);
+  auto issue_loads = [&](const WorkItem& w, int head, int stage) {
     const int q0 = (w.q0 / kM) * kM;
     const int64_t offset = q0 * q_stride + int64_t{head} * p.d;
-    load_tile_async<kM, kD, kThreads>(sQ0 + stage * kM * kD * 2, q_tensor + offset, q_stride, p.tq - q0, p.d, q_tensor);
-    load_tile_async<kM, kD, kThreads>(sdO0 + stage * kM * kD * 2, dout_tensor + offset, q_stride, p.tq - q0, p.d,
-                                      dout_tensor);
+    qo_loader.issue(sQ0 + stage * kM * kD * 2, q_tensor + offset, q_stride, p.tq - q0, q_tensor);
+    qo_loader.issue(sdO0 + stage * kM * kD * 2, dout_tensor + offset, q_stride, p.tq - q0, dout_tensor);
     if (tid < 2 * kM / 4) {  // 16-byte chunks: first lse2, then Delta
       const bool is_lse = tid < kM / 4;
       const int chunk = is_lse ? tid : tid - kM / 4;
@@ -194,12 +219,17 @@ __device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linea
       cp_async16(smem_addr(dst), src, true);
     }
   };
-  auto item_at = [&](int iteration) { return p.list.items[first + iteration % count]; };
+  auto fetch_item = [&]() {
+    const WorkItem w = p.list.items[first + fetch.pos];
+    fetch.advance(count);
+    return w;
+  };
   WorkItem current{}, next{};
   if (total > 0) {
-    current = item_at(0);
-    next = total > 1 ? item_at(1) : current;
-    issue_loads(current, 0, 0);
+    current = fetch_item();
+    next = total > 1 ? fetch_item() : current;
+    issue_loads(current, load.head, 0);
+    load.advance(count);
   }
   cp_async_commit();
 
@@ -225,11 +255,15 @@ __device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linea
     const int stage = kStages == 2 ? it & 1 : 0;
     const WorkItem w = current;
     const int q0 = (w.q0 / kM) * kM;
+    [[maybe_unused]] const int head = load.pos == 0 ? load.head - 1 : load.head;  // `load` is one ahead
     cp_async_wait<0>();
     __syncthreads();
-    if (kStages == 2 && it + 1 < total) issue_loads(next, it + 1, (it + 1) & 1);
+    if (kStages == 2 && it + 1 < total) {
+      issue_loads(next, load.head, (it + 1) & 1);
+      load.advance(count);
+    }
     cp_async_commit();
-    const WorkItem after_next = it + 2 < total ? item_at(it + 2) : next;
+    const WorkItem after_next = it + 2 < total ? fetch_item() : next;
     const uint32_t stage_offset = stage * kM * kD * 2;
 
     // S^T = K Q^T and dP^T = V dO^T: this warp's 16 keys x all kM rows.
@@ -257,34 +291,46 @@ __device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linea
       }
     }
 
-    // P^T and dS^T, packed straight into A fragments (rows = keys, k index = q).
+    // P^T and dS^T, packed straight into A fragments (rows = keys, k index = q). Items that keep their whole
+    // block skip the per-cell test; kept rows are tested relative to q0.
+    const bool masked = (w.flags & kWorkMasked) != 0;
     KeyInterval rows[2] = {{0, 1 << 30}, {0, 1 << 30}};
-    if (w.flags & kWorkMasked) rows[0] = item_queries(w, my_key0), rows[1] = item_queries(w, my_key0 + 8);
+    if (masked) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        rows[r] = item_queries(w, my_key0 + r * 8);
+        rows[r].lo -= q0, rows[r].hi -= q0;
+      }
+    }
     uint32_t a_p[kM / 16][4], a_ds[kM / 16][4];
     with_softcap(p, [&](auto softcap) {
+      with_bool(masked, [&](auto is_masked) {
 #pragma unroll
-      for (int nb = 0; nb < kQBlocks; ++nb) {
-        float pv[4], dsv[4];
+        for (int nb = 0; nb < kQBlocks; ++nb) {
+          const int col0 = nb * 8 + (lane % 4) * 2;
+          const float2 lse2 = *reinterpret_cast<const float2*>(sLse + stage * kM + col0);
+          const float2 delta = *reinterpret_cast<const float2*>(sDelta + stage * kM + col0);
+          float pv[4], dsv[4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = nb * 8 + (lane % 4) * 2 + (e % 2);
-          const BwdCell c = bwd_cell<decltype(softcap)::value>(p, st[nb][e], dpt[nb][e], sLse[stage * kM + col],
-                                                               sDelta[stage * kM + col],
-                                                               rows[e / 2].contains(q0 + col));
-          pv[e] = c.p;
-          dsv[e] = c.ds;
+          for (int e = 0; e < 4; ++e) {
+            const bool kept = decltype(is_masked)::value ? rows[e / 2].contains(col0 + (e % 2)) : true;
+            const BwdCell c = bwd_cell<decltype(softcap)::value>(p, st[nb][e], dpt[nb][e], e % 2 ? lse2.y : lse2.x,
+                                                                 e % 2 ? delta.y : delta.x, kept);
+            pv[e] = c.p;
+            dsv[e] = c.ds;
+          }
+          const int t = nb / 2, half = (nb % 2) * 2;  // n-block 2t -> regs 0,1; 2t + 1 -> regs 2,3
+          a_p[t][half] = Mma<T>::pack(pv[0], pv[1]);
+          a_p[t][half + 1] = Mma<T>::pack(pv[2], pv[3]);
+          a_ds[t][half] = Mma<T>::pack(dsv[0], dsv[1]);
+          a_ds[t][half + 1] = Mma<T>::pack(dsv[2], dsv[3]);
+          if constexpr (kDq) {  // dS^T for dQ += dS K in the next iteration
+            const uint32_t at = ds_store + (it & 1) * kDsBytes + nb * 16;
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(a_ds[t][half]));
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at + 8 * kDsRowBytes), "r"(a_ds[t][half + 1]));
+          }
         }
-        const int t = nb / 2, half = (nb % 2) * 2;  // n-block 2t -> regs 0,1; 2t + 1 -> regs 2,3
-        a_p[t][half] = Mma<T>::pack(pv[0], pv[1]);
-        a_p[t][half + 1] = Mma<T>::pack(pv[2], pv[3]);
-        a_ds[t][half] = Mma<T>::pack(dsv[0], dsv[1]);
-        a_ds[t][half + 1] = Mma<T>::pack(dsv[2], dsv[3]);
-        if constexpr (kDq) {  // dS^T for dQ += dS K in the next iteration
-          const uint32_t at = ds_store + (it & 1) * kDsBytes + nb * 16;
-          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(a_ds[t][half]));
-          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at + 8 * kDsRowBytes), "r"(a_ds[t][half + 1]));
-        }
-      }
+      });
     });
 
     // dV += P^T dO, dK += dS^T Q.
@@ -307,7 +353,7 @@ __device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linea
         accumulate_dq<T, kD, kN, kDqCols, kDsRowBytes>(p, ds_load + ((it - 1) & 1) * kDsBytes, k_t, prev_q0, prev_head,
                                                        warp, lane);
       prev_q0 = q0;
-      prev_head = kv_head * group + it / count;
+      prev_head = head;
     }
     current = next;
     next = after_next;

@@ -155,6 +155,40 @@ __device__ __forceinline__ void load_tile_async(uint32_t smem, const T* global, 
   }
 }
 
+// load_tile_async for a loop that loads many tiles of one tensor with one row stride: the thread's offsets
+// are computed once, so each tile costs one pointer add plus a compare and a 64-bit add per pass (the
+// backward's Q/dO loads were ~150 instructions per thread and chunk).
+template <int kRows, int kCols, int kThreads>
+struct TileLoader {
+  static constexpr int kChunksPerRow = kCols / 8;
+  static constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+  static constexpr int kPasses = kRows / kRowsPerPass;
+  static_assert(kThreads % kChunksPerRow == 0 && kRowsPerPass % 8 == 0 && kRows % kRowsPerPass == 0,
+                "each pass must cover whole groups of 8 rows");
+  int64_t thread_offset;  // elements: this thread's row and column within any tile
+  uint32_t dst_offset;    // bytes into the swizzled shared tile
+  int row0;               // this thread's row in pass 0; rows beyond cols_valid are marked by row0 = kRows
+  __device__ __forceinline__ TileLoader(int64_t row_stride, int cols_valid) {
+    const int tid = static_cast<int>(threadIdx.x);
+    const int col = (tid % kChunksPerRow) * 8;
+    row0 = col < cols_valid ? tid / kChunksPerRow : kRows;
+    thread_offset = (tid / kChunksPerRow) * row_stride + col;
+    dst_offset = Swizzled<kCols>::offset(tid / kChunksPerRow, col);
+  }
+  // Rows >= rows_valid become zeros; `fallback` is any valid global address.
+  template <class T>
+  __device__ __forceinline__ void issue(uint32_t smem, const T* tile, int64_t row_stride, int rows_valid,
+                                        const T* fallback) const {
+    const T* src = tile + thread_offset;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const bool valid = row0 + i * kRowsPerPass < rows_valid;
+      cp_async16(smem + dst_offset + i * kRowsPerPass * kCols * 2, valid ? src : fallback, valid);
+      src += kRowsPerPass * row_stride;
+    }
+  }
+};
+
 // Keys [lo, hi) that a work item keeps for row q (kept_keys restricted to the item's rectangle); an empty
 // interval for rows outside it. Computed once per row so that the per-element test is two compares.
 struct KeyInterval {
@@ -168,6 +202,17 @@ __device__ __forceinline__ KeyInterval item_keys(const WorkItem& w, int q) {
   if (q < w.q0 || q >= w.q1) hi = lo;
   return {lo, hi};
 }
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// Hopper's vector reduction, predicated rather than branched: a branch per atomic let the compiler sink (and
+// recompute) the address math into every branch.
+__device__ __forceinline__ void red_add_v4(float* address, float4 v, bool enabled) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n @p red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n}\n" ::"l"(address),
+      "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(static_cast<int>(enabled))
+      : "memory");
+}
+#endif
 
 // Float atomic max via the integer orderings of IEEE floats (init the target to -inf).
 __device__ __forceinline__ void atomic_max_float(float* address, float value) {
