@@ -258,7 +258,7 @@ Timing time_ring(NcclCommunicator& comm, const magi::Mask& mask, const Options& 
       dq(q_elems * 2), dk(kv_elems * 2), dv(kv_elems * 2);
   Buffer bk0(kv_elems * 2), bk1(kv_elems * 2), bv0(kv_elems * 2), bv1(kv_elems * 2);
   Buffer acc_out(q_elems * 4), acc_lse(l * h * 4), part_out(q_elems * 4), part_lse(l * h * 4);
-  Buffer acc_dq(q_elems * 4), part_dq(q_elems * 4), part_dk(kv_elems * 4), part_dv(kv_elems * 4);
+  Buffer acc_dq(q_elems * 4), part_dk(kv_elems * 4), part_dv(kv_elems * 4);
   Buffer dk0(kv_elems * 4), dk1(kv_elems * 4), dv0(kv_elems * 4), dv1(kv_elems * 4);
   fill_random(q.get(), q_elems, 1 + me);
   fill_random(k.get(), kv_elems, 100 + me);
@@ -322,7 +322,6 @@ Timing time_ring(NcclCommunicator& comm, const magi::Mask& mask, const Options& 
         check(cudaEventRecord(kv_arrived[s + 1], comm_stream), "cudaEventRecord");
       }
       if (s > 0) check(cudaStreamWaitEvent(compute, kv_arrived[s], 0), "cudaStreamWaitEvent");
-      float* dq_target = s == 0 ? static_cast<float*>(acc_dq.get()) : static_cast<float*>(part_dq.get());
       if (!stage_masks[s].slices.empty()) {
         BackwardArgs b;
         b.q = tv(q.get(), DType::BF16, {l, h, d});
@@ -331,11 +330,11 @@ Timing time_ring(NcclCommunicator& comm, const magi::Mask& mask, const Options& 
         b.out = tv(out.get(), DType::BF16, {l, h, d});
         b.lse = tv(lse.get(), DType::F32, {l, h});
         b.dout = tv(dout.get(), DType::BF16, {l, h, d});
-        b.dq = tv(dq_target, DType::F32, {l, h, d});
+        b.dq = tv(acc_dq.get(), DType::F32, {l, h, d});
+        b.accumulate_dq = s > 0;  // the first step writes dq, later ones add (as the magi runtime does)
         b.dk = tv(part_dk.get(), DType::F32, {l, hk, d});
         b.dv = tv(part_dv.get(), DType::F32, {l, hk, d});
         backward(stage_masks[s], b, options, compute);
-        if (s > 0) g::add(static_cast<float*>(acc_dq.get()), static_cast<float*>(part_dq.get()), q_elems, compute);
       } else {
         if (s == 0) g::fill(static_cast<float*>(acc_dq.get()), 0.f, q_elems, compute);
         g::fill(static_cast<float*>(part_dk.get()), 0.f, kv_elems, compute);

@@ -64,6 +64,9 @@ struct BackwardArgs {
   TensorView sink;       // optional, as in forward
   TensorView dq, dk, dv; // like q, k, v (fp32 also accepted)
   TensorView dsink;      // required iff sink is given: like sink, fp32
+  // true: dq += this call's gradient (dq must be fp32 and hold the sum so far, as when the keys arrive in
+  // parts); dk, dv, dsink are still overwritten. Backends cpu and cuda.
+  bool accumulate_dq = false;
 };
 
 // Validates arguments (throws InvalidArgument naming the argument), then computes.

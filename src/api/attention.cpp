@@ -179,6 +179,20 @@ void cpu_forward_merged(const cpu::Plan& plan, const ForwardArgs& a, const cpu::
   }
 }
 
+// CPU engine adding into dq: compute dq into scratch, then add (fp32 in, fp32 out; sums in double).
+void cpu_backward_accumulating(const cpu::Plan& plan, const BackwardArgs& a, const cpu::EngineOptions& eo,
+                               const Shapes& s) {
+  const int64_t n = s.tq * s.hq * s.d;
+  std::vector<float> part(static_cast<size_t>(n));
+  BackwardArgs scratch = a;
+  scratch.dq = TensorView(part.data(), DType::F32, {s.tq, s.hq, s.d}, a.dq.device);
+  scratch.accumulate_dq = false;
+  cpu::backward(plan, scratch, eo);
+  float* dq = static_cast<float*>(a.dq.data);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) dq[i] = static_cast<float>(double{dq[i]} + part[static_cast<size_t>(i)]);
+}
+
 Shapes check_qkv(const Mask& mask, const TensorView& q, const TensorView& k, const TensorView& v) {
   require_defined(q, "q");
   require_defined(k, "k");
@@ -395,6 +409,13 @@ void backward(const Mask& mask, const BackwardArgs& a, const AttentionOptions& o
   } else if (a.dsink.ndim != 0) {
     throw InvalidArgument("dsink given but options.sink_layout is none (allowed: sh, ssh)");
   }
+  if (a.accumulate_dq) {
+    if (a.dq.dtype != DType::F32)
+      throw InvalidArgument("dq: accumulate_dq needs an fp32 dq, got " + describe(a.dq));
+    for (auto [t, name] : {std::pair{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.out, "out"}, {&a.dout, "dout"},
+                           {&a.lse, "lse"}, {&a.dk, "dk"}, {&a.dv, "dv"}})
+      if (overlaps(a.dq, *t)) throw InvalidArgument(std::string("dq: accumulate_dq needs a dq that does not overlap ") + name);
+  }
   const cpu::EngineOptions eo = engine_options(options, s, dt, backend);
 #if MAGI_ATTN_CUDA_BACKEND
   if (backend == Backend::Cuda) {
@@ -404,12 +425,15 @@ void backward(const Mask& mask, const BackwardArgs& a, const AttentionOptions& o
     return;
   }
   if (backend == Backend::Reference && a.q.device.type == DeviceType::CUDA) {
+    if (a.accumulate_dq)
+      throw NotAvailable("accumulate_dq: the GPU reference engine does not accumulate (backends cpu and cuda do)");
     cuda::reference::backward(*reference_plan_for(mask, s, a.q.device.index, stream), a, reference_options(eo),
                               static_cast<cudaStream_t>(stream));
     return;
   }
 #endif
-  cpu::backward(*cpu_plan_for(mask, s), a, eo);
+  if (a.accumulate_dq) cpu_backward_accumulating(*cpu_plan_for(mask, s), a, eo, s);
+  else cpu::backward(*cpu_plan_for(mask, s), a, eo);
 }
 
 }  // namespace magi

@@ -509,9 +509,11 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
   const bool dq_in_place = dq.grad_fp32 && reinterpret_cast<uintptr_t>(a.dq.data) % 16 == 0;
   dkdv.list = fused_dq ? plan.dkdv_fused : plan.dkdv;
   const int dkdv_blocks = dkdv.list.num_tiles * plan.hkv;
+  dq.accumulate_dq = a.accumulate_dq;
   if (fused_dq) {
     dkdv.dq_accum = dq_in_place ? static_cast<float*>(a.dq.data) : plan.dq_accum;
-    check(cudaMemsetAsync(dkdv.dq_accum, 0, dq_elements * 4, stream), "cudaMemsetAsync (dq accumulator)");
+    if (!(a.accumulate_dq && dq_in_place))  // accumulating in place: the atomics add to the caller's sum
+      check(cudaMemsetAsync(dkdv.dq_accum, 0, dq_elements * 4, stream), "cudaMemsetAsync (dq accumulator)");
   }
   timer.end();
   timer.begin(fused_dq ? "dkdv_kernel (dq by atomics)" : "dkdv_kernel + dq_kernel");
@@ -521,7 +523,9 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
   timer.end();
   if (fused_dq && !dq_in_place) {
     timer.begin("dq conversion");
-    if (dq.grad_fp32)
+    if (a.accumulate_dq)
+      detail::launch_add(static_cast<float*>(a.dq.data), dkdv.dq_accum, static_cast<int64_t>(dq_elements), stream);
+    else if (dq.grad_fp32)
       check(cudaMemcpyAsync(a.dq.data, dkdv.dq_accum, dq_elements * 4, cudaMemcpyDeviceToDevice, stream),
             "cudaMemcpyAsync (dq)");
     else detail::launch_convert(tag, dkdv.dq_accum, a.dq.data, static_cast<int64_t>(dq_elements), stream);

@@ -756,7 +756,14 @@ __device__ __forceinline__ void dq_kernel_tile(const BwdParams& p, int linear, u
 #pragma unroll
       for (int i = 0; i < kDBlocks; ++i) {
         const int col = i * 8 + (lane % 4) * 2;
-        if (col < p.d) store_pair<T>(p.dq, base + col, acc[mt][i][2 * r], acc[mt][i][2 * r + 1], p.grad_fp32);
+        if (col >= p.d) continue;
+        if (p.accumulate_dq) {
+          float2* at = reinterpret_cast<float2*>(static_cast<float*>(p.dq) + base + col);
+          const float2 sum = *at;
+          *at = make_float2(sum.x + acc[mt][i][2 * r], sum.y + acc[mt][i][2 * r + 1]);
+        } else {
+          store_pair<T>(p.dq, base + col, acc[mt][i][2 * r], acc[mt][i][2 * r + 1], p.grad_fp32);
+        }
       }
     }
   }

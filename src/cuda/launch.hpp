@@ -20,6 +20,7 @@ void launch_backward(const BwdParams& dkdv, int dkdv_blocks, const BwdParams& dq
 
 // Small kernels (src/cuda/small_kernels.cu).
 void launch_fill(float* data, int64_t n, float value, cudaStream_t stream);
+void launch_add(float* dst, const float* src, int64_t n, cudaStream_t stream);  // dst += src
 // Delta = dout . out per (row, head); converts fp32 dout to 16-bit into dout16 when given; per-row dsink
 // for the ssh layout.
 struct PreprocessArgs {

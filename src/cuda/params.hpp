@@ -120,6 +120,7 @@ struct BwdParams {
   float softcap, softcap_pre, softcap_post;
   int32_t grad_fp32;  // dq (dq kernel) or dk (dk/dv kernel) is fp32
   int32_t dv_fp32;
+  int32_t accumulate_dq;  // dq kernel: dq (fp32) += dQ instead of dq = dQ
   int32_t* work_counter;  // persistent grid: next work index (zeroed before each launch)
   DeviceList list;  // by_q_tile for dq, by_k_tile for dk/dv
   // Non-deterministic mode: the dk/dv kernel also adds dQ = dS K into this zeroed fp32 [Tq, Hq, D] buffer

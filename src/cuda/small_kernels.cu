@@ -90,7 +90,18 @@ __global__ void convert_kernel(const float4* src, uint32_t* dst, int64_t n4) {
   dst[2 * i + 1] = Mma<T>::pack(v.z, v.w);
 }
 
+__global__ void add_kernel(float* dst, const float* src, int64_t n) {
+  const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (i < n) dst[i] += src[i];
+}
+
 }  // namespace
+
+void launch_add(float* dst, const float* src, int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  add_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(dst, src, n);
+  check_launch("add_kernel");
+}
 
 void launch_convert(int dtype, const float* src, void* dst, int64_t n, cudaStream_t stream) {
   const int64_t n4 = n / 4;

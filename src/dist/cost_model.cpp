@@ -293,10 +293,10 @@ Prediction predict_distributed(const Mask& mask, const HeadShape& heads, int32_t
       rc.forward_cells += forward_computed_cells(sp.mask, hw);
       rc.backward_cells += backward_computed_cells(sp.mask, hw);
       // Forward: the kernel merges into the fp32 accumulators itself (reads them once more); backward: the
-      // dq add reads acc and part, writes acc.
+      // kernel adds into the running fp32 dq (accumulate_dq: no zeroing of its accumulator, no add pass).
       stage_fwd[s][r] = f + 4 * (q_elems + lq * heads.heads_q) / hw.hbm_bytes_per_s;
       has_remote[r] = true;
-      stage_bwd[s][r] = b + elementwise_seconds(3 * 4 * q_elems, 1, hw);
+      stage_bwd[s][r] = b - 4.0 * q_elems / hw.hbm_bytes_per_s;
     }
   }
 

@@ -157,7 +157,7 @@ struct State {
   bool allocated = false;
   DType dtype = DType::BF16, wire = DType::BF16;
   std::vector<DeviceMemory> send_k, send_v, k, v, part_dk, part_dv, reduce_k, reduce_v;
-  DeviceMemory acc_out, acc_lse, acc_max, part_max, acc_dq, part_dq, acc_dk, acc_dv;
+  DeviceMemory acc_out, acc_lse, acc_max, part_max, acc_dq, acc_dk, acc_dv;
 
   ~State() {
     if (compute != nullptr) {
@@ -235,7 +235,6 @@ void ensure_buffers(const DistAttnRuntime& rt, State& st, DType dtype, DType wir
   st.acc_max = DeviceMemory(bytes(h.heads_q, DType::F32));
   st.part_max = DeviceMemory(bytes(h.heads_q, DType::F32));
   st.acc_dq = DeviceMemory(bytes(q_elems, DType::F32));
-  st.part_dq = DeviceMemory(bytes(q_elems, DType::F32));
   st.acc_dk = DeviceMemory(bytes(lk * kv_row, DType::F32));
   st.acc_dv = DeviceMemory(bytes(lk * kv_row, DType::F32));
   st.dtype = dtype;
@@ -422,11 +421,11 @@ void backward(const DistAttnRuntime& rt, State& st, const BackwardArgs& a) {
       s.v = device_view(st.v[stage].get(), a.q.dtype, {rows, hkv, d}, dev);
       s.sink = {};
       s.dsink = {};
-      s.dq = device_view(st.part_dq.get(), DType::F32, {lq, hq, d}, dev);
+      s.dq = device_view(st.acc_dq.get(), DType::F32, {lq, hq, d}, dev);
+      s.accumulate_dq = true;  // the kernels add into the running sum (no partial buffer, no add pass)
       s.dk = device_view(st.part_dk[stage].get(), wire, {rows, hkv, d}, dev);
       s.dv = device_view(st.part_dv[stage].get(), wire, {rows, hkv, d}, dev);
       magi::backward(sp.mask, s, options, st.compute);
-      add(st.acc_dq.as<float>(), st.part_dq.as<float>(), lq * hq * d, st.compute);
     } else if (rows > 0) {
       check(cudaMemsetAsync(st.part_dk[stage].get(), 0, static_cast<size_t>(rows * wire_row), st.compute), "cudaMemsetAsync");
       check(cudaMemsetAsync(st.part_dv[stage].get(), 0, static_cast<size_t>(rows * wire_row), st.compute), "cudaMemsetAsync");

@@ -1,6 +1,8 @@
 // ForwardArgs::prev_out / prev_lse: attention over keys that arrive in two parts, the second call merging
 // the first part's partial result, must match the whole mask (SPEC section 5 bounds against the fp64
 // reference), in place and into a 16-bit out; bad partial-result arguments are refused by name.
+// BackwardArgs::accumulate_dq: the backward of the two key parts, the second adding into the first's dq,
+// must give the whole mask's dq; a non-fp32 or overlapping dq is refused.
 #include <gtest/gtest.h>
 
 #include <random>
@@ -127,6 +129,81 @@ TEST(PartialMerge, BadPartialResultsAreRefusedByName) {
   aliased_16bit.prev_out = TensorView(out.view().data, DType::F32, {64, 2, 64}, out.view().device);
   aliased_16bit.prev_lse = prev_lse.view();
   expect_refused(aliased_16bit, "prev_out");
+}
+
+TEST(AccumulateDq, TwoKeyPartsSumToTheWholeMasksDq) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  int index = 0;
+  for (DType dtype : {DType::F32, DType::BF16}) {
+    for (bool deterministic : {false, true}) {
+      CaseConfig c = config_for(dtype, 4, 2, 64);
+      c.fp32_outputs = dtype != DType::F32;
+      c.max_logits = false;
+      c.deterministic = deterministic;
+      const Mask mask = random_rectangles(rng, 150 + static_cast<int32_t>(rng() % 100), 200, 12);
+      const Split parts = split_keys(mask, rng);
+      CaseData data = make_case(mask, c, seed + index);
+      const ReferenceGrads expected = reference_backward(data.problem, data.dout);
+      EngineResult whole = run_forward(data, c);  // the parts' backward needs the whole out and lse
+      const std::string context = "seed " + std::to_string(seed) + ", " + c.describe();
+
+      HostTensor dq = HostTensor::poisoned(DType::F32, data.q.shape());
+      HostTensor dk = HostTensor::poisoned(c.dk_dtype(), data.k.shape());
+      HostTensor dv = HostTensor::poisoned(c.dv_dtype(), data.v.shape());
+      BackwardArgs b;
+      b.q = data.q.view();
+      b.k = data.k.view();
+      b.v = data.v.view();
+      b.out = whole.out.view();
+      b.lse = whole.lse.view();
+      b.dout = data.dout_tensor.view();
+      b.dq = dq.view();
+      b.dk = dk.view();
+      b.dv = dv.view();
+      backward(parts.first, b, c.options());
+      b.accumulate_dq = true;
+      backward(parts.second, b, c.options());
+      const DType judged = dtype == DType::F64 ? DType::F32 : dtype;
+      EXPECT_TRUE(check_close("dq", dq.values(), expected.dq, Quantity::Grad, judged, context));
+      ++index;
+    }
+  }
+}
+
+TEST(AccumulateDq, NonFp32OrOverlappingDqIsRefused) {
+  const Mask mask = masks::causal(64, 64);
+  CaseConfig c = config_for(DType::BF16, 2, 2, 64);
+  CaseData data = make_case(mask, c, 7);
+  HostTensor out(DType::BF16, {64, 2, 64}), lse(DType::F32, {64, 2});
+  HostTensor dq16(DType::BF16, {64, 2, 64}), dq32(DType::F32, {64, 2, 64});
+  HostTensor dk(DType::BF16, {64, 2, 64}), dv(DType::BF16, {64, 2, 64});
+  BackwardArgs b;
+  b.q = data.q.view();
+  b.k = data.k.view();
+  b.v = data.v.view();
+  b.out = out.view();
+  b.lse = lse.view();
+  b.dout = out.view();
+  b.dk = dk.view();
+  b.dv = dv.view();
+  b.accumulate_dq = true;
+  auto expect_refused = [&](const BackwardArgs& a, const std::string& needle) {
+    try {
+      backward(mask, a, c.options());
+      ADD_FAILURE() << "accepted; expected an error naming " << needle;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  BackwardArgs bf16_dq = b;
+  bf16_dq.dq = dq16.view();
+  expect_refused(bf16_dq, "accumulate_dq needs an fp32 dq");
+  HostTensor dv32(DType::F32, {64, 2, 64});
+  BackwardArgs dq_is_dv = b;  // dq and dv the same fp32 buffer
+  dq_is_dv.dv = dv32.view();
+  dq_is_dv.dq = dv32.view();
+  expect_refused(dq_is_dv, "overlap dv");
 }
 
 }  // namespace

@@ -401,6 +401,52 @@ TEST(CudaBackend, PartialResultMergeMatchesTheWholeMask) {
   }
 }
 
+// BackwardArgs::accumulate_dq: the backward of two key parts, the second adding into the first's fp32 dq,
+// gives the whole mask's dq: in both backward modes, into a 16-byte aligned dq (the fused kernel's atomics
+// add in place) and into one that is only 8-byte aligned (accumulator + add pass).
+TEST(CudaBackend, AccumulatedDqOfTwoKeyPartsMatchesTheWholeMask) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  int index = 0;
+  for (bool deterministic : {false, true}) {
+    for (bool aligned : {true, false}) {
+      const int32_t d = index % 2 ? 64 : 128;
+      CaseConfig c = config(index % 2 ? DType::F16 : DType::BF16, 4, 2, d);
+      c.fp32_outputs = true;
+      c.max_logits = false;
+      c.deterministic = deterministic;
+      const Mask mask = random_rectangles(rng, 700, 600, 30);
+      const int32_t at = static_cast<int32_t>(rng() % 601);
+      Mask first_keys{{}, mask.total_q, mask.total_k}, second_keys{{}, mask.total_q, mask.total_k};
+      for (const Slice& sl : mask.slices) {
+        dist::append_slices(dist::clip_cols(dist::band_of(sl), {0, at}), first_keys.slices);
+        dist::append_slices(dist::clip_cols(dist::band_of(sl), {at, mask.total_k}), second_keys.slices);
+      }
+      CaseData data = make_case(mask, c, seed + index);
+      const ReferenceGrads expected = reference_backward(data.problem, data.dout);
+      DeviceCase dev(data, c);
+      forward(mask, dev.forward_args(), c.options());  // the parts' backward takes the whole out and lse
+      const int64_t n = mask.total_q * c.heads_q * d;
+      DeviceTensor storage(HostTensor::poisoned(DType::F32, {n + 2}));
+      BackwardArgs b = dev.backward_args();
+      b.dq = aligned ? dev.dq.view()
+                     : TensorView(static_cast<float*>(storage.view().data) + 2, DType::F32, {mask.total_q, c.heads_q, d},
+                                  storage.view().device);
+      backward(first_keys, b, c.options());
+      b.accumulate_dq = true;
+      backward(second_keys, b, c.options());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      std::vector<double> got = aligned ? dev.dq.download().values() : storage.download().values();
+      if (!aligned) got.erase(got.begin(), got.begin() + 2);
+      got.resize(static_cast<size_t>(n));
+      const std::string context = "seed " + std::to_string(seed) + ", " + c.describe() + ", keys split at " +
+                                  std::to_string(at) + (aligned ? ", aligned dq" : ", 8-byte aligned dq");
+      EXPECT_TRUE(check_close("dq", got, expected.dq, Quantity::Grad, c.dtype, context));
+      ++index;
+    }
+  }
+}
+
 TEST(CudaBackend, PlanRejectsUncompiledHeadDim) {
   EXPECT_FALSE(cuda::head_dim_supported(0));
   EXPECT_FALSE(cuda::head_dim_supported(12));
