@@ -90,11 +90,11 @@ launch() {
 launch_mode() { [ -z "$MPI_SHIM" ] && command -v mpirun >/dev/null && echo "mpirun -np $1" || echo "forked, $1 ranks"; }
 
 if [ $RUN_TESTS = 1 ]; then
-  # The single-GPU pieces the distributed runtime leans on (merging partial results in the kernel).
+  # The single-GPU pieces the distributed runtime leans on (merging partial results, accumulating dq).
   bin=$(program flash_attention_test)
   if [ -n "$bin" ]; then
     t0=$(date +%s)
-    CUDA_VISIBLE_DEVICES=0 timeout 300 "$bin" --gtest_filter='CudaBackend.PartialResult*:CudaBackend.ForwardTile*' \
+    CUDA_VISIBLE_DEVICES=0 timeout 300 "$bin" --gtest_filter='CudaBackend.PartialResult*:CudaBackend.AccumulatedDq*:CudaBackend.ForwardTile*' \
       > "$LOGS/flash_attention_test.log" 2>&1
     rc=$?
     grep -E "Failure|FAILED" "$LOGS/flash_attention_test.log" | head -10

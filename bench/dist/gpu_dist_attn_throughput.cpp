@@ -21,6 +21,7 @@
 
 #include "comm/nccl_communicator.hpp"
 #include "comm/nccl_local_launch.hpp"
+#include "cuda/launch.hpp"
 #include "dist/cost_model.hpp"
 #include "dist/gpu_kernels.hpp"
 #include "magi/dist.hpp"
@@ -342,8 +343,8 @@ Timing time_ring(NcclCommunicator& comm, const magi::Mask& mask, const Options& 
       }
       // The accumulator of the kv held at step s arrived from rank - 1 (step 0: zeros, our own).
       if (s > 0) check(cudaStreamWaitEvent(compute, dk_arrived[s], 0), "cudaStreamWaitEvent");
-      g::add(bufdk[s % 2], static_cast<float*>(part_dk.get()), kv_elems, compute);
-      g::add(bufdv[s % 2], static_cast<float*>(part_dv.get()), kv_elems, compute);
+      magi::cuda::detail::launch_add(bufdk[s % 2], static_cast<float*>(part_dk.get()), kv_elems, compute);
+      magi::cuda::detail::launch_add(bufdv[s % 2], static_cast<float*>(part_dv.get()), kv_elems, compute);
       check(cudaEventRecord(computed[s], compute), "cudaEventRecord");
       check(cudaStreamWaitEvent(comm_stream, computed[s], 0), "cudaStreamWaitEvent");
       ring_shift(comm, {{bufdk[s % 2], bufdk[(s + 1) % 2]}, {bufdv[s % 2], bufdv[(s + 1) % 2]}}, acc_bytes, comm_stream);

@@ -49,11 +49,6 @@ __global__ void lse_merge_kernel(float* acc_out, float* acc_lse, const float* pa
   if (lane == 0) acc_lse[warp] = w.lse;
 }
 
-__global__ void add_kernel(float* acc, const float* part, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
-    acc[i] += part[i];
-}
-
 __global__ void max_kernel(float* acc, const float* part, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
     acc[i] = fmaxf(acc[i], part[i]);
@@ -116,12 +111,6 @@ void lse_merge(float* acc_out, float* acc_lse, const float* part_out, const floa
   lse_merge_kernel<<<blocks_for(row_heads * 32), kThreads, 0, stream>>>(acc_out, acc_lse, part_out, part_lse,
                                                                         row_heads, head_dim);
   check_launch("lse_merge");
-}
-
-void add(float* acc, const float* part, int64_t n, cudaStream_t stream) {
-  if (n == 0) return;
-  add_kernel<<<blocks_for(n), kThreads, 0, stream>>>(acc, part, n);
-  check_launch("add");
 }
 
 void max_into(float* acc, const float* part, int64_t n, cudaStream_t stream) {

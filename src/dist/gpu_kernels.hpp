@@ -21,8 +21,6 @@ void gather_rows(const void* src, const int32_t* index, int64_t rows, int64_t ro
 void lse_merge(float* acc_out, float* acc_lse, const float* part_out, const float* part_lse, int64_t row_heads,
                int32_t head_dim, cudaStream_t stream);
 
-// acc[i] += part[i], fp32.
-void add(float* acc, const float* part, int64_t n, cudaStream_t stream);
 // acc[i] = max(acc[i], part[i]), fp32.
 void max_into(float* acc, const float* part, int64_t n, cudaStream_t stream);
 void fill(float* dst, float value, int64_t n, cudaStream_t stream);

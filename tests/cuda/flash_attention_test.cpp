@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "cuda/cuda_test_support.hpp"
-#include "dist/band.hpp"
 #include "magi/error.hpp"
+#include "reference/key_parts.hpp"
 #include "reference/random_inputs.hpp"
 
 namespace magi::test {
@@ -362,11 +362,7 @@ TEST(CudaBackend, PartialResultMergeMatchesTheWholeMask) {
       if (index % 2 == 0) c.sink_layout = SinkLayout::SSH;
       const Mask mask = random_rectangles(rng, 700, 600, 30);
       const int32_t at = static_cast<int32_t>(rng() % 601);
-      Mask first_keys{{}, mask.total_q, mask.total_k}, second_keys{{}, mask.total_q, mask.total_k};
-      for (const Slice& sl : mask.slices) {
-        dist::append_slices(dist::clip_cols(dist::band_of(sl), {0, at}), first_keys.slices);
-        dist::append_slices(dist::clip_cols(dist::band_of(sl), {at, mask.total_k}), second_keys.slices);
-      }
+      const Mask first_keys = keys_between(mask, 0, at), second_keys = keys_between(mask, at, mask.total_k);
       CaseData data = make_case(mask, c, seed + index);
       const ReferenceForward expected = reference_forward(data.problem);
       DeviceCase dev(data, c);
@@ -417,11 +413,7 @@ TEST(CudaBackend, AccumulatedDqOfTwoKeyPartsMatchesTheWholeMask) {
       c.deterministic = deterministic;
       const Mask mask = random_rectangles(rng, 700, 600, 30);
       const int32_t at = static_cast<int32_t>(rng() % 601);
-      Mask first_keys{{}, mask.total_q, mask.total_k}, second_keys{{}, mask.total_q, mask.total_k};
-      for (const Slice& sl : mask.slices) {
-        dist::append_slices(dist::clip_cols(dist::band_of(sl), {0, at}), first_keys.slices);
-        dist::append_slices(dist::clip_cols(dist::band_of(sl), {at, mask.total_k}), second_keys.slices);
-      }
+      const Mask first_keys = keys_between(mask, 0, at), second_keys = keys_between(mask, at, mask.total_k);
       CaseData data = make_case(mask, c, seed + index);
       const ReferenceGrads expected = reference_backward(data.problem, data.dout);
       DeviceCase dev(data, c);
