@@ -5,7 +5,10 @@
 // GPU` tokens, measured in the same run. Prints a table on rank 0.
 //   dist_attn_gpu_bench (this file's program) [--tokens-per-gpu N] [--heads H] [--kv-heads H] [--head-dim D]
 //                       [--overlaps 0,1,2] [--masks full,causal,varlen_full,varlen_causal]
-//                       [--iters N] [--chunk-size N] [--ring 0|1]
+//                       [--iters N] [--chunk-size N] [--ring 0|1] [--stage-kernels 0|1] [--stage-cp N]
+//   --stage-kernels 1: also time each rank's stage kernels alone (forward and backward, no communication) and
+//   print them under the table row, to tell kernel efficiency on the stage masks from time spent waiting.
+//   --stage-cp N: only that, for all N ranks' plans in turn on each process's GPU (one GPU suffices).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -22,7 +25,9 @@
 #include "comm/nccl_communicator.hpp"
 #include "comm/nccl_local_launch.hpp"
 #include "cuda/launch.hpp"
+#include "dist/comm_plan.hpp"
 #include "dist/cost_model.hpp"
+#include "dist/dispatch.hpp"
 #include "dist/gpu_kernels.hpp"
 #include "magi/dist.hpp"
 #include "magi/flops.hpp"
@@ -42,6 +47,8 @@ struct Options {
   int32_t warmup = 3;
   std::vector<int32_t> overlaps{0, 1, 2};
   bool ring = true;  // measure the ring-attention baseline
+  bool stage_kernels = false;  // also time each rank's stage kernels alone (no comm), per rank
+  int32_t stage_cp = 0;         // > 0: only time the stage kernels of all stage_cp ranks' plans on this GPU
   std::vector<std::string> masks{"full", "causal", "varlen_full", "varlen_causal"};
 };
 
@@ -377,6 +384,104 @@ Timing time_ring(NcclCommunicator& comm, const magi::Mask& mask, const Options& 
   return {median(fwd), median(bwd)};
 }
 
+// Each rank's stage kernels alone on its GPU (CUDA events, median), called as the runtime calls them: the
+// host stage into fp32 accumulators, each remote stage merging into them (forward) or adding into the fp32 dq
+// (backward); no communication, no reductions. Against the distributed time this separates kernel
+// efficiency on the stage masks from waiting.
+struct StageKernelTimes {
+  double host_fwd = 0, remote_fwd = 0, host_bwd = 0, remote_bwd = 0;
+};
+StageKernelTimes time_stage_kernels(const magi::Mask& mask, const Options& o, int32_t cp, int32_t rank, int32_t overlap,
+                                    int32_t dev) {
+  using namespace magi;
+  const dist::Dispatch dispatch = dist::make_dispatch(mask, cp, o.chunk_size, dist::DistConfig{}.algorithm);
+  const dist::CommPlan plan = dist::make_comm_plan(mask, dispatch, overlap);
+  const dist::RankPlan& mine = plan.ranks[static_cast<size_t>(rank)];
+  const int64_t lq = dispatch.q.local_tokens(), lk = dispatch.k.local_tokens();
+  int64_t rows = 1;
+  for (const dist::StagePlan& sp : mine.stages) rows = std::max<int64_t>(rows, sp.buffer_rows);
+  const int64_t tk = std::max(lk, rows), h = o.heads, hk = o.kv_heads, d = o.head_dim;
+  const Problem p(lq, tk, o, dev, 7 + rank);
+  const Buffer acc(lq * h * d * 4), acc_lse(lq * h * 4), acc_dk(tk * hk * d * 4), acc_dv(tk * hk * d * 4);
+  const auto kv = [&](const TensorView& t, int64_t n) { return TensorView(t.data, t.dtype, {n, hk, d}, t.device); };
+  AttentionOptions options;
+  options.backend = Backend::Cuda;
+  cudaEvent_t e0, e1, e2;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  cudaEventCreate(&e2);
+  std::vector<double> times[4];
+  const auto timed = [&](std::vector<double>& first, std::vector<double>& second, int32_t i, auto&& host, auto&& remote) {
+    cudaEventRecord(e0, nullptr);
+    if (!mine.host_mask.slices.empty()) host();
+    cudaEventRecord(e1, nullptr);
+    for (const dist::StagePlan& sp : mine.stages)
+      if (!sp.mask.slices.empty()) remote(sp);
+    cudaEventRecord(e2, nullptr);
+    check(cudaEventSynchronize(e2), "cudaEventSynchronize");
+    float a = 0, b = 0;
+    cudaEventElapsedTime(&a, e0, e1);
+    cudaEventElapsedTime(&b, e1, e2);
+    if (i >= o.warmup) first.push_back(a), second.push_back(b);
+  };
+  const dist::StagePlan* last = nullptr;
+  for (const dist::StagePlan& sp : mine.stages)
+    if (!sp.mask.slices.empty()) last = &sp;
+  ForwardArgs f = p.forward;
+  f.out = view(acc, DType::F32, {lq, h, d}, dev);
+  f.lse = view(acc_lse, DType::F32, {lq, h}, dev);
+  BackwardArgs b = p.backward;  // out and lse: what the forward loop wrote
+  b.dq = f.out;
+  b.dk = view(acc_dk, DType::F32, {lk, hk, d}, dev);
+  b.dv = view(acc_dv, DType::F32, {lk, hk, d}, dev);
+  for (int32_t i = 0; i < o.warmup + o.iters; ++i)
+    timed(times[0], times[1], i,
+          [&] {
+            ForwardArgs s = f;
+            s.k = kv(f.k, lk), s.v = kv(f.v, lk);
+            forward(mine.host_mask, s, options);
+          },
+          [&](const dist::StagePlan& sp) {
+            ForwardArgs s = f;
+            s.k = kv(f.k, sp.buffer_rows), s.v = kv(f.v, sp.buffer_rows);
+            s.prev_out = f.out, s.prev_lse = f.lse;
+            if (&sp == last) s.out = p.forward.out, s.lse = p.forward.lse;  // the last one writes the results
+            forward(sp.mask, s, options);
+          });
+  for (int32_t i = 0; i < o.warmup + o.iters; ++i)
+    timed(times[2], times[3], i,
+          [&] {
+            BackwardArgs s = b;
+            s.k = kv(b.k, lk), s.v = kv(b.v, lk);
+            backward(mine.host_mask, s, options);
+          },
+          [&](const dist::StagePlan& sp) {
+            BackwardArgs s = b;
+            s.k = kv(b.k, sp.buffer_rows), s.v = kv(b.v, sp.buffer_rows);
+            s.accumulate_dq = true;
+            s.dk = kv(p.backward.dk, sp.buffer_rows), s.dv = kv(p.backward.dv, sp.buffer_rows);
+            backward(sp.mask, s, options);
+          });
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaEventDestroy(e2);
+  return {median(times[0]), median(times[1]), median(times[2]), median(times[3])};
+}
+
+// One line per mask and overlap degree: every rank's host + remote stage times (and the distributed call's
+// times when measured, else negative).
+void print_stage_kernels(const std::string& kind, int32_t overlap, const std::vector<StageKernelTimes>& all,
+                         double dist_fwd_ms, double dist_bwd_ms) {
+  std::printf("  stage kernels alone (%s, overlap %d), ms per rank, host + remote stages: fwd", kind.c_str(), overlap);
+  if (dist_fwd_ms >= 0) std::printf(" (dist %.2f)", dist_fwd_ms);
+  for (size_t r = 0; r < all.size(); ++r) std::printf(" [%zu] %.2f + %.2f", r, all[r].host_fwd, all[r].remote_fwd);
+  std::printf("; bwd");
+  if (dist_bwd_ms >= 0) std::printf(" (dist %.2f)", dist_bwd_ms);
+  for (size_t r = 0; r < all.size(); ++r) std::printf(" [%zu] %.2f + %.2f", r, all[r].host_bwd, all[r].remote_bwd);
+  std::printf("\n");
+  std::fflush(stdout);
+}
+
 double tflops(double flops, double ms) { return flops / (ms * 1e-3) / 1e12; }
 
 int run(std::shared_ptr<NcclCommunicator> comm, const Options& o) {
@@ -394,6 +499,18 @@ int run(std::shared_ptr<NcclCommunicator> comm, const Options& o) {
                 "fwd vs single | bwd vs single | fwd+bwd vs ring | imbalance | kv rows vs ring | fwd ms | bwd ms |\n"
                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     std::fflush(stdout);
+  }
+  if (o.stage_cp > 0) {  // one GPU plays every rank's kernels in turn
+    for (const std::string& kind : o.masks) {
+      const magi::Mask global = magi::bench::distributed_bench_mask(kind, o.tokens_per_gpu * o.stage_cp);
+      for (int32_t overlap : o.overlaps) {
+        std::vector<StageKernelTimes> all;
+        for (int32_t r = 0; r < o.stage_cp; ++r)
+          all.push_back(time_stage_kernels(global, o, o.stage_cp, r, overlap, comm->cuda_device()));
+        if (root) print_stage_kernels(kind, overlap, all, -1, -1);
+      }
+    }
+    return 0;
   }
   for (const std::string& kind : o.masks) {
     const magi::Mask global = magi::bench::distributed_bench_mask(kind, o.tokens_per_gpu * cp);
@@ -420,6 +537,12 @@ int run(std::shared_ptr<NcclCommunicator> comm, const Options& o) {
                     summary.ring_kv_rows ? static_cast<double>(fetched) / summary.ring_kv_rows : 0.0, t.fwd_ms,
                     t.bwd_ms);
         std::fflush(stdout);
+      }
+      if (o.stage_kernels) {
+        const StageKernelTimes mine = time_stage_kernels(global, o, cp, comm->rank(), overlap, comm->cuda_device());
+        std::vector<StageKernelTimes> all(static_cast<size_t>(cp));
+        comm->allgather(&mine, sizeof(mine), all.data());
+        if (root) print_stage_kernels(kind, overlap, all, t.fwd_ms, t.bwd_ms);
       }
     }
     magi::dist::clear_runtime_cache();
@@ -454,6 +577,8 @@ int main(int argc, char** argv) {
     else if (flag == "--iters") o.iters = std::stoi(value);
     else if (flag == "--overlaps") o.overlaps = parse_list(value);
     else if (flag == "--ring") o.ring = value != "0";
+    else if (flag == "--stage-kernels") o.stage_kernels = value != "0";
+    else if (flag == "--stage-cp") o.stage_cp = std::stoi(value);
     else if (flag == "--masks") {
       o.masks.clear();
       std::stringstream in(value);
@@ -468,7 +593,7 @@ int main(int argc, char** argv) {
     }
     else {
       std::fprintf(stderr, "unknown option %s (allowed: --tokens-per-gpu --heads --kv-heads --head-dim --chunk-size --iters "
-                           "--overlaps --ring 0|1 --masks a,b)\n", flag.c_str());
+                           "--overlaps --ring 0|1 --stage-kernels 0|1 --stage-cp N --masks a,b)\n", flag.c_str());
       return 2;
     }
   }

@@ -179,8 +179,11 @@ void NcclCommunicator::await_launch(ncclResult_t code, const std::string& what) 
   if (aborted_) throw CommError(what + ": the communicator was aborted by an earlier error");
   if (code != ncclSuccess && code != ncclInProgress)
     abort_and_throw(what + " on " + where() + " failed: " + nccl_message(code, comm_));
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout());
-  // Launches settle in microseconds, connecting peers takes milliseconds: back off from 1 us to 1 ms.
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + std::chrono::duration<double>(timeout());
+  // Launches settle in microseconds (yield, as CUDA's own synchronisation does, for the first millisecond:
+  // a sleep overshoots by its timer slack, and the compute stream's next kernel waits for this), connecting
+  // peers takes milliseconds: then back off to 1 ms sleeps.
   auto pause = std::chrono::microseconds(1);
   while (true) {
     ncclResult_t state = ncclInProgress;
@@ -192,6 +195,10 @@ void NcclCommunicator::await_launch(ncclResult_t code, const std::string& what) 
     if (std::chrono::steady_clock::now() > deadline)
       abort_and_throw(what + " on " + where() + " did not get going within the timeout of " + seconds_text(timeout()) +
                       " (a peer never joined it: it skipped this call, diverged or died); communicator aborted");
+    if (std::chrono::steady_clock::now() - start < std::chrono::milliseconds(1)) {
+      std::this_thread::yield();
+      continue;
+    }
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::microseconds(1000));
   }
@@ -207,7 +214,7 @@ void NcclCommunicator::wait_event(cudaEvent_t event, const std::string& what) {
     if (std::chrono::steady_clock::now() > deadline)
       abort_and_throw(what + " on " + where() + " did not complete within the timeout of " + seconds_text(timeout()) +
                       " (a rank diverged, died, or passed mismatched counts); communicator aborted");
-    std::this_thread::sleep_for(std::chrono::microseconds(20));
+    std::this_thread::yield();  // as cudaEventSynchronize does by default: a sleep adds its timer slack to every call
   }
   check_async_error(what);
 }

@@ -162,6 +162,7 @@ class StageTimer {
 struct Plan {
   int32_t tq = 0, tk = 0, hq = 0, hkv = 0, d = 0, padded_d = 0, device = 0;
   int32_t fwd_tile_q = 0;  // rows per forward block (the fwd list's major tile)
+  int32_t fwd_itemless_tiles = 0;  // q tiles without items: the last ones of the fwd order
   int32_t smem_optin = 0;  // the device's per-block shared-memory limit (opt-in)
   DeviceList fwd, dkdv, dq;
   DeviceList dkdv_fused;  // the default backward's k tiles (dq by atomics), see detail::dkdv_tile_k
@@ -243,6 +244,7 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   }
   plan->fwd_tile_q = fwd_q;
   const HostList fwd = convert(mask, fwd_tiles, true);
+  for (size_t t = 0; t + 1 < fwd.offsets.size(); ++t) plan->fwd_itemless_tiles += fwd.offsets[t + 1] == fwd.offsets[t];
   const HostList dkdv = convert(mask, tiling::by_k_tile(mask, detail::kDkdvTileK, detail::kDkdvTileQ), false);
   const int fused_k = detail::dkdv_tile_k(plan->padded_d, true);
   const bool fused_shared = fused_k == detail::kDkdvTileK;
@@ -338,16 +340,16 @@ int dtype_tag(DType dtype) {
 }
 
 template <int kDtype>
-void run_forward(int padded, const detail::FwdParams& p, int tile_q, int blocks, int margin, cudaStream_t stream) {
+void run_forward(int padded, const detail::FwdParams& p, int tile_q, int itemless, int margin, cudaStream_t stream) {
   switch (padded) {
 #if MAGI_CUDA_HEAD_DIM_64
-    case 64: return detail::launch_forward<kDtype, 64>(p, tile_q, blocks, margin, stream);
+    case 64: return detail::launch_forward<kDtype, 64>(p, tile_q, itemless, margin, stream);
 #endif
 #if MAGI_CUDA_HEAD_DIM_128
-    case 128: return detail::launch_forward<kDtype, 128>(p, tile_q, blocks, margin, stream);
+    case 128: return detail::launch_forward<kDtype, 128>(p, tile_q, itemless, margin, stream);
 #endif
 #if MAGI_CUDA_HEAD_DIM_256
-    case 256: return detail::launch_forward<kDtype, 256>(p, tile_q, blocks, margin, stream);
+    case 256: return detail::launch_forward<kDtype, 256>(p, tile_q, itemless, margin, stream);
 #endif
     default: throw NotAvailable("cuda backend: no forward kernel for head-dim tile " + std::to_string(padded));
   }
@@ -433,9 +435,10 @@ void forward(const Plan& plan, const ForwardArgs& a, const Options& o, cudaStrea
   StageTimer timer(o.profile, stream);
   timer.begin("forward_kernel");
   if (p.max_logits != nullptr) detail::launch_fill(p.max_logits, plan.hq, -INFINITY, stream);
-  const int blocks = plan.fwd.num_tiles * plan.hq;
-  if (tag == detail::kBf16) run_forward<detail::kBf16>(plan.padded_d, p, plan.fwd_tile_q, blocks, o.sm_margin, stream);
-  else run_forward<detail::kFp16>(plan.padded_d, p, plan.fwd_tile_q, blocks, o.sm_margin, stream);
+  // Item-less tiles take their own copy kernel unless a sink joins their (otherwise empty) rows.
+  const int itemless = p.sink_kind == detail::kSinkNone ? plan.fwd_itemless_tiles : 0;
+  if (tag == detail::kBf16) run_forward<detail::kBf16>(plan.padded_d, p, plan.fwd_tile_q, itemless, o.sm_margin, stream);
+  else run_forward<detail::kFp16>(plan.padded_d, p, plan.fwd_tile_q, itemless, o.sm_margin, stream);
   timer.end();
   timer.report("cuda forward, " + std::to_string(plan.fwd_items) + " work items, " +
                std::to_string(plan.fwd_tile_q) + "-row tiles, head-dim tile " + std::to_string(plan.padded_d));

@@ -753,17 +753,27 @@ __device__ __forceinline__ void dq_kernel_tile(const BwdParams& p, int linear, u
       const int row = my_row0 + mt * kStride + r * 8;
       if (row >= p.tq) continue;
       const int64_t base = row * q_stride + int64_t{head} * p.d;
+      if (p.accumulate_dq) {
+        // All of the row's loads before its first store (see the forward's merge epilogue: interleaved, each
+        // pair would wait a full memory latency, since the compiler may not reorder them).
+        float2* const at = reinterpret_cast<float2*>(static_cast<float*>(p.dq) + base);
+        float2 sum[kDBlocks];
+#pragma unroll
+        for (int i = 0; i < kDBlocks; ++i) {
+          const int col = i * 8 + (lane % 4) * 2;
+          sum[i] = col < p.d ? at[col / 2] : make_float2(0.f, 0.f);
+        }
+#pragma unroll
+        for (int i = 0; i < kDBlocks; ++i) {
+          const int col = i * 8 + (lane % 4) * 2;
+          if (col < p.d) at[col / 2] = make_float2(sum[i].x + acc[mt][i][2 * r], sum[i].y + acc[mt][i][2 * r + 1]);
+        }
+        continue;
+      }
 #pragma unroll
       for (int i = 0; i < kDBlocks; ++i) {
         const int col = i * 8 + (lane % 4) * 2;
-        if (col >= p.d) continue;
-        if (p.accumulate_dq) {
-          float2* at = reinterpret_cast<float2*>(static_cast<float*>(p.dq) + base + col);
-          const float2 sum = *at;
-          *at = make_float2(sum.x + acc[mt][i][2 * r], sum.y + acc[mt][i][2 * r + 1]);
-        } else {
-          store_pair<T>(p.dq, base + col, acc[mt][i][2 * r], acc[mt][i][2 * r + 1], p.grad_fp32);
-        }
+        if (col < p.d) store_pair<T>(p.dq, base + col, acc[mt][i][2 * r], acc[mt][i][2 * r + 1], p.grad_fp32);
       }
     }
   }

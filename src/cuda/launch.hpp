@@ -11,9 +11,10 @@ namespace magi::cuda::detail {
 enum DtypeTag : int { kBf16 = 0, kFp16 = 1 };
 
 // Persistent grids sized (SMs - sm_margin) x resident blocks per SM. tile_q: fwd_tile_q(kD) or
-// kFwdSmallTileQ (the rows per block of the plan's forward list).
+// kFwdSmallTileQ (the rows per block of the plan's forward list). The last `itemless_tiles` tiles of the
+// list's order (tiles without work items; only without a sink) go to a copy kernel of their own.
 template <int kDtype, int kD>
-void launch_forward(const FwdParams& params, int tile_q, int num_blocks, int sm_margin, cudaStream_t stream);
+void launch_forward(const FwdParams& params, int tile_q, int itemless_tiles, int sm_margin, cudaStream_t stream);
 template <int kDtype, int kD>
 void launch_backward(const BwdParams& dkdv, int dkdv_blocks, const BwdParams& dq, int dq_blocks, int sm_margin,
                      cudaStream_t stream);

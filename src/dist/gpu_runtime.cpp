@@ -450,8 +450,9 @@ void backward(const DistAttnRuntime& rt, State& st, const BackwardArgs& a) {
              st.reduce_v[stage].get(), element(wire), comm);
   }
   check(cudaEventRecord(st.reduced, comm), "cudaEventRecord");
-  check(cudaStreamWaitEvent(st.compute, st.reduced, 0), "cudaStreamWaitEvent");
+  // dq is complete once the last stage has computed: its conversion runs while the dk/dv reduce is on the wire.
   convert(st.acc_dq.as<float>(), a.dq.data, element(a.dq.dtype), lq * hq * d, st.compute);
+  check(cudaStreamWaitEvent(st.compute, st.reduced, 0), "cudaStreamWaitEvent");
   convert(st.acc_dk.as<float>(), a.dk.data, element(a.dk.dtype), lk * kv_row, st.compute);
   convert(st.acc_dv.as<float>(), a.dv.data, element(a.dv.dtype), lk * kv_row, st.compute);
   check(cudaEventRecord(st.done, st.compute), "cudaEventRecord");

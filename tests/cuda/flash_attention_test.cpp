@@ -347,52 +347,65 @@ TEST(CudaBackend, ForwardTileChoicesMatchReference) {
   EXPECT_THROW(cuda::make_plan(documents, 1, 1, 128, 0, bad), InvalidArgument);
 }
 
+// Causal documents over the keys, then 150 query rows with no slice: split at a key, whole q tiles of the
+// second part have no items (they only take the first part's result), and the last rows are empty in both.
+Mask documents_then_empty_rows(std::mt19937_64& rng) {
+  std::vector<int32_t> cu{0};
+  while (cu.back() < 500) cu.push_back(cu.back() + 40 + static_cast<int32_t>(rng() % 260));
+  Mask mask = masks::varlen_causal(cu);
+  mask.total_q += 150;
+  return mask;
+}
+
 // ForwardArgs::prev_out / prev_lse on the GPU: keys in two parts, the second call merging the first's
-// partial result (in place, and into a 16-bit out), against the fp64 reference of the whole mask; both
-// forward tiles.
+// partial result (in place, and into a 16-bit out), against the fp64 reference of the whole mask, on random
+// rectangles and on documents whose parts have item-less q tiles (the copy kernel).
 TEST(CudaBackend, PartialResultMergeMatchesTheWholeMask) {
   const uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
   int index = 0;
   for (bool in_place : {true, false}) {
     for (int32_t d : {64, 128}) {
-      CaseConfig c = config(index % 2 ? DType::F16 : DType::BF16, 4, 2, d);
-      c.backward = false;
-      c.max_logits = false;
-      if (index % 2 == 0) c.sink_layout = SinkLayout::SSH;
-      const Mask mask = random_rectangles(rng, 700, 600, 30);
-      const int32_t at = static_cast<int32_t>(rng() % 601);
-      const Mask first_keys = keys_between(mask, 0, at), second_keys = keys_between(mask, at, mask.total_k);
-      CaseData data = make_case(mask, c, seed + index);
-      const ReferenceForward expected = reference_forward(data.problem);
-      DeviceCase dev(data, c);
-      const int64_t tq = mask.total_q;
-      DeviceTensor part_out(HostTensor::poisoned(DType::F32, {tq, c.heads_q, d}));
-      DeviceTensor part_lse(HostTensor::poisoned(DType::F32, {tq, c.heads_q}));
-      ForwardArgs first = dev.forward_args();
-      first.out = part_out.view();
-      first.lse = part_lse.view();
-      first.max_logits = TensorView();
-      forward(first_keys, first, c.options());
-      ForwardArgs second = first;
-      second.sink = TensorView();
-      second.prev_out = part_out.view();
-      second.prev_lse = part_lse.view();
-      if (!in_place) {
-        second.out = dev.out.view();
-        second.lse = dev.lse.view();
+      for (bool documents : {false, true}) {
+        CaseConfig c = config(index % 2 ? DType::F16 : DType::BF16, 4, 2, d);
+        c.backward = false;
+        c.max_logits = false;
+        if (index % 2 == 0) c.sink_layout = SinkLayout::SSH;
+        const Mask mask = documents ? documents_then_empty_rows(rng) : random_rectangles(rng, 700, 600, 30);
+        const int32_t at = static_cast<int32_t>(rng() % (mask.total_k + 1));
+        const Mask first_keys = keys_between(mask, 0, at), second_keys = keys_between(mask, at, mask.total_k);
+        CaseData data = make_case(mask, c, seed + index);
+        const ReferenceForward expected = reference_forward(data.problem);
+        DeviceCase dev(data, c);
+        const int64_t tq = mask.total_q;
+        DeviceTensor part_out(HostTensor::poisoned(DType::F32, {tq, c.heads_q, d}));
+        DeviceTensor part_lse(HostTensor::poisoned(DType::F32, {tq, c.heads_q}));
+        ForwardArgs first = dev.forward_args();
+        first.out = part_out.view();
+        first.lse = part_lse.view();
+        first.max_logits = TensorView();
+        forward(first_keys, first, c.options());
+        ForwardArgs second = first;
+        second.sink = TensorView();
+        second.prev_out = part_out.view();
+        second.prev_lse = part_lse.view();
+        if (!in_place) {
+          second.out = dev.out.view();
+          second.lse = dev.lse.view();
+        }
+        AttentionOptions options = c.options();
+        options.sink_layout = SinkLayout::None;
+        forward(second_keys, second, options);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const std::string context = "seed " + std::to_string(seed) + ", " + c.describe() + ", keys split at " +
+                                    std::to_string(at) + (in_place ? ", in place" : ", into out") +
+                                    (documents ? ", documents + empty rows" : ", rectangles");
+        EXPECT_TRUE(check_close("out", (in_place ? part_out : dev.out).download().values(), expected.out, Quantity::Out,
+                                c.dtype, context));
+        EXPECT_TRUE(check_close("lse", (in_place ? part_lse : dev.lse).download().values(), expected.lse, Quantity::Lse,
+                                c.dtype, context));
+        ++index;
       }
-      AttentionOptions options = c.options();
-      options.sink_layout = SinkLayout::None;
-      forward(second_keys, second, options);
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      const std::string context = "seed " + std::to_string(seed) + ", " + c.describe() + ", keys split at " +
-                                  std::to_string(at) + (in_place ? ", in place" : ", into out");
-      EXPECT_TRUE(check_close("out", (in_place ? part_out : dev.out).download().values(), expected.out, Quantity::Out,
-                              c.dtype, context));
-      EXPECT_TRUE(check_close("lse", (in_place ? part_lse : dev.lse).download().values(), expected.lse, Quantity::Lse,
-                              c.dtype, context));
-      ++index;
     }
   }
 }
