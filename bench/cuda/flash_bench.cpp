@@ -17,10 +17,10 @@
 #include <cstring>
 #include <fstream>
 #include <random>
-#include <sstream>
 #include <string>
 #include <vector>
 
+#include "common/arguments.hpp"
 #include "common/long_tailed_documents.hpp"
 #include "cuda/backend.hpp"
 #include "magi/flops.hpp"
@@ -146,11 +146,7 @@ int main(int argc, char** argv) {
   const std::vector<Case> cases = make_cases(seq, batch);
   const int32_t total = seq * batch;
   std::vector<int32_t> dims = quick ? std::vector<int32_t>{128} : std::vector<int32_t>{64, 128, 256};
-  if (!dims_arg.empty()) {
-    dims.clear();
-    std::stringstream ss(dims_arg);
-    for (std::string item; std::getline(ss, item, ',');) dims.push_back(std::stoi(item));
-  }
+  if (!dims_arg.empty()) dims = magi::bench::parse_int_list(dims_arg);
 
   if (!cases_path.empty()) {
     std::ofstream js(cases_path);

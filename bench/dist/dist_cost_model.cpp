@@ -8,13 +8,13 @@
 //                   [--blocks-in-flight 264,132]
 //                   [--hbm-gbps 4000] [--comm-overlaps-compute 1|0] [--wire bf16|fp32] [--fwd-tile 128x64] [--bwd-tile 128x64]
 #include <cstdio>
-#include <sstream>
 #include <stdexcept>
 #include <tuple>
 #include <string>
 #include <vector>
 
 #include "dist/cost_model.hpp"
+#include "common/arguments.hpp"
 #include "common/long_tailed_documents.hpp"
 #include "magi/error.hpp"
 
@@ -30,14 +30,6 @@ struct Options {
   magi::dist::HardwareModel hw;
 };
 
-
-std::vector<int32_t> parse_list(const std::string& text) {
-  std::vector<int32_t> out;
-  std::stringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ',')) out.push_back(std::stoi(item));
-  return out;
-}
 
 std::pair<int32_t, int32_t> parse_pair(const std::string& text, const std::string& flag) {
   const size_t x = text.find('x');
@@ -57,7 +49,7 @@ Options parse(int argc, char** argv) {
     else if (flag == "--head-dim") o.head_dim = std::stoi(value);
     else if (flag == "--chunk-size") o.chunk_size = std::stoi(value);
     else if (flag == "--overlap") o.overlap = std::stoi(value);
-    else if (flag == "--cps") o.cps = parse_list(value);
+    else if (flag == "--cps") o.cps = magi::bench::parse_int_list(value);
     else if (flag == "--hierarchical") {
       if (value == "none") o.nodes = 0;
       else std::tie(o.nodes, o.ranks_per_node) = parse_pair(value, flag);

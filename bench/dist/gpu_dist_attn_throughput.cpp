@@ -31,6 +31,7 @@
 #include "dist/gpu_kernels.hpp"
 #include "magi/dist.hpp"
 #include "magi/flops.hpp"
+#include "common/arguments.hpp"
 #include "common/long_tailed_documents.hpp"
 
 namespace {
@@ -291,16 +292,22 @@ Timing time_ring(NcclCommunicator& comm, const magi::Mask& mask, const Options& 
   };
   const int64_t kv_bytes = kv_elems * 2, acc_bytes = kv_elems * 4;
 
+  // Step s's kv on the compute stream; step s + 1's starts around the ring while step s computes (into the
+  // buffer step s - 1 read, once that step has computed).
+  const auto kv_for_step = [&](int32_t s) {
+    if (s + 1 < cp) {
+      if (s > 0) check(cudaStreamWaitEvent(comm_stream, computed[s - 1], 0), "cudaStreamWaitEvent");
+      ring_shift(comm, {{cur_k(s), bufk[(s + 1) % 2]}, {cur_v(s), bufv[(s + 1) % 2]}}, kv_bytes, comm_stream);
+      check(cudaEventRecord(kv_arrived[s + 1], comm_stream), "cudaEventRecord");
+    }
+    if (s > 0) check(cudaStreamWaitEvent(compute, kv_arrived[s], 0), "cudaStreamWaitEvent");
+  };
+
   const auto forward_pass = [&] {
-    g::fill(static_cast<float*>(acc_out.get()), 0.f, q_elems, compute);
-    g::fill(static_cast<float*>(acc_lse.get()), -INFINITY, l * h, compute);
+    cuda::detail::launch_fill(static_cast<float*>(acc_out.get()), q_elems, 0.f, compute);
+    cuda::detail::launch_fill(static_cast<float*>(acc_lse.get()), l * h, -INFINITY, compute);
     for (int32_t s = 0; s < cp; ++s) {
-      if (s + 1 < cp) {  // fetch step s + 1's kv while step s computes
-        if (s > 0) check(cudaStreamWaitEvent(comm_stream, computed[s - 1], 0), "cudaStreamWaitEvent");
-        ring_shift(comm, {{cur_k(s), bufk[(s + 1) % 2]}, {cur_v(s), bufv[(s + 1) % 2]}}, kv_bytes, comm_stream);
-        check(cudaEventRecord(kv_arrived[s + 1], comm_stream), "cudaEventRecord");
-      }
-      if (s > 0) check(cudaStreamWaitEvent(compute, kv_arrived[s], 0), "cudaStreamWaitEvent");
+      kv_for_step(s);
       if (!stage_masks[s].slices.empty()) {
         ForwardArgs f;
         f.q = tv(q.get(), DType::BF16, {l, h, d});
@@ -321,15 +328,10 @@ Timing time_ring(NcclCommunicator& comm, const magi::Mask& mask, const Options& 
   };
 
   const auto backward_pass = [&] {
-    g::fill(bufdk[0], 0.f, kv_elems, compute);
-    g::fill(bufdv[0], 0.f, kv_elems, compute);
+    cuda::detail::launch_fill(bufdk[0], kv_elems, 0.f, compute);
+    cuda::detail::launch_fill(bufdv[0], kv_elems, 0.f, compute);
     for (int32_t s = 0; s < cp; ++s) {
-      if (s + 1 < cp) {
-        if (s > 0) check(cudaStreamWaitEvent(comm_stream, computed[s - 1], 0), "cudaStreamWaitEvent");
-        ring_shift(comm, {{cur_k(s), bufk[(s + 1) % 2]}, {cur_v(s), bufv[(s + 1) % 2]}}, kv_bytes, comm_stream);
-        check(cudaEventRecord(kv_arrived[s + 1], comm_stream), "cudaEventRecord");
-      }
-      if (s > 0) check(cudaStreamWaitEvent(compute, kv_arrived[s], 0), "cudaStreamWaitEvent");
+      kv_for_step(s);
       if (!stage_masks[s].slices.empty()) {
         BackwardArgs b;
         b.q = tv(q.get(), DType::BF16, {l, h, d});
@@ -344,9 +346,9 @@ Timing time_ring(NcclCommunicator& comm, const magi::Mask& mask, const Options& 
         b.dv = tv(part_dv.get(), DType::F32, {l, hk, d});
         backward(stage_masks[s], b, options, compute);
       } else {
-        if (s == 0) g::fill(static_cast<float*>(acc_dq.get()), 0.f, q_elems, compute);
-        g::fill(static_cast<float*>(part_dk.get()), 0.f, kv_elems, compute);
-        g::fill(static_cast<float*>(part_dv.get()), 0.f, kv_elems, compute);
+        if (s == 0) cuda::detail::launch_fill(static_cast<float*>(acc_dq.get()), q_elems, 0.f, compute);
+        cuda::detail::launch_fill(static_cast<float*>(part_dk.get()), kv_elems, 0.f, compute);
+        cuda::detail::launch_fill(static_cast<float*>(part_dv.get()), kv_elems, 0.f, compute);
       }
       // The accumulator of the kv held at step s arrived from rank - 1 (step 0: zeros, our own).
       if (s > 0) check(cudaStreamWaitEvent(compute, dk_arrived[s], 0), "cudaStreamWaitEvent");
@@ -555,14 +557,6 @@ int run(std::shared_ptr<NcclCommunicator> comm, const Options& o) {
   return 0;
 }
 
-std::vector<int32_t> parse_list(const std::string& text) {
-  std::vector<int32_t> out;
-  std::stringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ',')) out.push_back(std::stoi(item));
-  return out;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -575,7 +569,7 @@ int main(int argc, char** argv) {
     else if (flag == "--head-dim") o.head_dim = std::stoi(value);
     else if (flag == "--chunk-size") o.chunk_size = std::stoi(value);
     else if (flag == "--iters") o.iters = std::stoi(value);
-    else if (flag == "--overlaps") o.overlaps = parse_list(value);
+    else if (flag == "--overlaps") o.overlaps = magi::bench::parse_int_list(value);
     else if (flag == "--ring") o.ring = value != "0";
     else if (flag == "--stage-kernels") o.stage_kernels = value != "0";
     else if (flag == "--stage-cp") o.stage_cp = std::stoi(value);

@@ -349,7 +349,7 @@ __global__ void __launch_bounds__(FwdConfig<kD, kTileQ>::kThreads, FwdConfig<kD,
   }
 }
 
-// The plan's item-less q tiles (the last `count` of its heaviest-first order), one block per (tile, head).
+// The plan's item-less q tiles (its heaviest-first order from `first` on), one block per (tile, head).
 template <class T, int kD, int kTileQ>
 __global__ void __launch_bounds__(FwdConfig<kD, kTileQ>::kThreads) forward_itemless_kernel(const FwdParams p, int first) {
   const int linear = static_cast<int>(blockIdx.x);

@@ -40,9 +40,10 @@ struct PreprocessArgs {
   int tq, hq, d;
 };
 void launch_preprocess(int dtype, const PreprocessArgs& args, cudaStream_t stream);
-// dsink for the sh layout: a fixed-order reduction over rows per (s, head).
-// dst (16-bit, dtype tag) = src (fp32), n elements (a multiple of 8).
+// dst (16-bit, dtype tag) = src (fp32), n elements: 16-byte loads where n and the pointers allow, else one
+// element per thread.
 void launch_convert(int dtype, const float* src, void* dst, int64_t n, cudaStream_t stream);
+// dsink for the sh layout: a fixed-order reduction over rows per (s, head).
 void launch_dsink_sh(const float* sink, const float* lse, const float* delta, int tq_pad, float* dsink, int sink_len,
                      int tq, int hq, cudaStream_t stream);
 

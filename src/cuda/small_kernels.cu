@@ -1,4 +1,5 @@
 // Small helper kernels of the portable backend: fills, backward preprocessing, dsink reduction.
+#include <cstdint>
 #include <string>
 
 #include "cuda/kernel_common.cuh"
@@ -90,6 +91,13 @@ __global__ void convert_kernel(const float4* src, uint32_t* dst, int64_t n4) {
   dst[2 * i + 1] = Mma<T>::pack(v.z, v.w);
 }
 
+// Any length and alignment: one element per thread.
+template <class T>
+__global__ void convert_scalar_kernel(const float* src, T* dst, int64_t n) {
+  const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (i < n) dst[i] = Mma<T>::from_float(src[i]);
+}
+
 __global__ void add_kernel(float* dst, const float* src, int64_t n) {
   const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   if (i < n) dst[i] += src[i];
@@ -104,13 +112,20 @@ void launch_add(float* dst, const float* src, int64_t n, cudaStream_t stream) {
 }
 
 void launch_convert(int dtype, const float* src, void* dst, int64_t n, cudaStream_t stream) {
-  const int64_t n4 = n / 4;
-  if (n4 == 0) return;
-  const unsigned blocks = static_cast<unsigned>((n4 + 255) / 256);
-  const auto* s = reinterpret_cast<const float4*>(src);
-  auto* d = static_cast<uint32_t*>(dst);
-  if (dtype == kBf16) convert_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(s, d, n4);
-  else convert_kernel<__half><<<blocks, 256, 0, stream>>>(s, d, n4);
+  if (n == 0) return;
+  const auto address = [](const void* p) { return reinterpret_cast<uintptr_t>(p); };
+  if (n % 4 == 0 && address(src) % 16 == 0 && address(dst) % 8 == 0) {
+    const int64_t n4 = n / 4;
+    const unsigned blocks = static_cast<unsigned>((n4 + 255) / 256);
+    const auto* s = reinterpret_cast<const float4*>(src);
+    auto* d = static_cast<uint32_t*>(dst);
+    if (dtype == kBf16) convert_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(s, d, n4);
+    else convert_kernel<__half><<<blocks, 256, 0, stream>>>(s, d, n4);
+  } else {
+    const unsigned blocks = static_cast<unsigned>((n + 255) / 256);
+    if (dtype == kBf16) convert_scalar_kernel<<<blocks, 256, 0, stream>>>(src, static_cast<__nv_bfloat16*>(dst), n);
+    else convert_scalar_kernel<<<blocks, 256, 0, stream>>>(src, static_cast<__half*>(dst), n);
+  }
   check_launch("convert_kernel");
 }
 

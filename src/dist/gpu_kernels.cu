@@ -58,11 +58,6 @@ __global__ void max_kernel(float* acc, const float* part, int64_t n) {
     acc[i] = fmaxf(acc[i], part[i]);
 }
 
-__global__ void fill_kernel(float* dst, float value, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
-    dst[i] = value;
-}
-
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
@@ -81,19 +76,6 @@ __global__ void sum_rows_kernel(float* acc, int64_t rows, int64_t elems, const i
       out[e] = sum;
     }
   }
-}
-
-template <class T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half(v); }
-
-template <class T>
-__global__ void convert_kernel(const float* src, T* dst, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
-    dst[i] = from_float<T>(src[i]);
 }
 
 }  // namespace
@@ -127,12 +109,6 @@ void max_into(float* acc, const float* part, int64_t n, cudaStream_t stream) {
   check_launch("max_into");
 }
 
-void fill(float* dst, float value, int64_t n, cudaStream_t stream) {
-  if (n == 0) return;
-  fill_kernel<<<blocks_for(n), kThreads, 0, stream>>>(dst, value, n);
-  check_launch("fill");
-}
-
 void sum_rows(float* acc, int64_t rows, int64_t elems, const int32_t* offsets, const int32_t* index,
               const void* received, Element type, cudaStream_t stream) {
   if (rows == 0) return;
@@ -154,26 +130,13 @@ void sum_rows(float* acc, int64_t rows, int64_t elems, const int32_t* offsets, c
 
 void convert(const float* src, void* dst, Element type, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
-  switch (type) {
-    case Element::F32:
-      if (static_cast<const void*>(src) != dst)
-        cudaMemcpyAsync(dst, src, static_cast<size_t>(n) * 4, cudaMemcpyDeviceToDevice, stream);
-      return;
-    case Element::BF16:
-    case Element::F16: {
-      // The CUDA backend's vectorised conversion where the layout allows: with a scalar 16-bit store per
-      // element, the dq conversion was the distributed backward's tail (0.41 -> 0.23 ms, cp = 2, H200).
-      const auto address = [](const void* p) { return reinterpret_cast<uintptr_t>(p); };
-      if (n % 4 == 0 && address(src) % 16 == 0 && address(dst) % 8 == 0)
-        return cuda::detail::launch_convert(type == Element::BF16 ? cuda::detail::kBf16 : cuda::detail::kFp16, src, dst,
-                                            n, stream);
-      if (type == Element::BF16)
-        convert_kernel<<<blocks_for(n), kThreads, 0, stream>>>(src, static_cast<__nv_bfloat16*>(dst), n);
-      else convert_kernel<<<blocks_for(n), kThreads, 0, stream>>>(src, static_cast<__half*>(dst), n);
-      break;
-    }
+  if (type == Element::F32) {
+    if (static_cast<const void*>(src) == dst) return;
+    const cudaError_t code = cudaMemcpyAsync(dst, src, static_cast<size_t>(n) * 4, cudaMemcpyDeviceToDevice, stream);
+    if (code != cudaSuccess) throw Error(std::string("convert (fp32 copy): ") + cudaGetErrorString(code));
+    return;
   }
-  check_launch("convert");
+  cuda::detail::launch_convert(type == Element::BF16 ? cuda::detail::kBf16 : cuda::detail::kFp16, src, dst, n, stream);
 }
 
 }  // namespace magi::dist::gpu

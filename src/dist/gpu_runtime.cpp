@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "comm/nccl_communicator.hpp"
+#include "cuda/launch.hpp"
 #include "dist/gpu_kernels.hpp"
 
 namespace magi::dist::gpu {
@@ -332,9 +333,9 @@ void forward(const DistAttnRuntime& rt, State& st, const ForwardArgs& a) {
     if (want_max) s.max_logits = device_view(st.acc_max.get(), DType::F32, {hq}, dev);
     magi::forward(mine.host_mask, s, options, st.compute);
   } else {
-    fill(st.acc_out.as<float>(), 0.f, lq * hq * d, st.compute);
-    fill(st.acc_lse.as<float>(), kNegInf, lq * hq, st.compute);
-    fill(st.acc_max.as<float>(), kNegInf, hq, st.compute);
+    cuda::detail::launch_fill(st.acc_out.as<float>(), lq * hq * d, 0.f, st.compute);
+    cuda::detail::launch_fill(st.acc_lse.as<float>(), lq * hq, kNegInf, st.compute);
+    cuda::detail::launch_fill(st.acc_max.as<float>(), hq, kNegInf, st.compute);
   }
   options.sink_layout = SinkLayout::None;
   // Each remote stage's kernel merges its result into the fp32 accumulators itself (prev_out / prev_lse,
@@ -402,9 +403,9 @@ void backward(const DistAttnRuntime& rt, State& st, const BackwardArgs& a) {
     s.dv = device_view(st.acc_dv.get(), DType::F32, {lk, hkv, d}, dev);
     magi::backward(mine.host_mask, s, options, st.compute);
   } else {
-    fill(st.acc_dq.as<float>(), 0.f, lq * hq * d, st.compute);
-    fill(st.acc_dk.as<float>(), 0.f, lk * kv_row, st.compute);
-    fill(st.acc_dv.as<float>(), 0.f, lk * kv_row, st.compute);
+    cuda::detail::launch_fill(st.acc_dq.as<float>(), lq * hq * d, 0.f, st.compute);
+    cuda::detail::launch_fill(st.acc_dk.as<float>(), lk * kv_row, 0.f, st.compute);
+    cuda::detail::launch_fill(st.acc_dv.as<float>(), lk * kv_row, 0.f, st.compute);
   }
   check(cudaEventRecord(st.host_done, st.compute), "cudaEventRecord");
   options.sink_layout = SinkLayout::None;

@@ -41,8 +41,11 @@ void launch_forward_tiles(const FwdParams& params, int num_blocks, int sm_margin
   check_launch("forward_kernel");
 }
 
+// The list's tiles with items on the attention kernel, the item-less ones (the last of its order) on the copy kernel.
 template <class T, int kD, int kTileQ>
-void launch_forward_itemless(const FwdParams& params, int itemless_tiles, cudaStream_t stream) {
+void launch_forward_list(const FwdParams& params, int itemless_tiles, int sm_margin, cudaStream_t stream) {
+  const int num_blocks = (params.list.num_tiles - itemless_tiles) * params.hq;
+  if (num_blocks > 0) launch_forward_tiles<T, kD, kTileQ>(params, num_blocks, sm_margin, stream);
   if (itemless_tiles == 0) return;
   forward_itemless_kernel<T, kD, kTileQ><<<itemless_tiles * params.hq, FwdConfig<kD, kTileQ>::kThreads, 0, stream>>>(
       params, params.list.num_tiles - itemless_tiles);
@@ -52,15 +55,11 @@ void launch_forward_itemless(const FwdParams& params, int itemless_tiles, cudaSt
 template <int kDtype, int kD>
 void launch_forward(const FwdParams& params, int tile_q, int itemless_tiles, int sm_margin, cudaStream_t stream) {
   using T = DtypeOf<kDtype>;
-  const int num_blocks = (params.list.num_tiles - itemless_tiles) * params.hq;
   if constexpr (fwd_tile_q(kD) != kFwdSmallTileQ) {
-    if (tile_q == kFwdSmallTileQ) {
-      if (num_blocks > 0) launch_forward_tiles<T, kD, kFwdSmallTileQ>(params, num_blocks, sm_margin, stream);
-      return launch_forward_itemless<T, kD, kFwdSmallTileQ>(params, itemless_tiles, stream);
-    }
+    if (tile_q == kFwdSmallTileQ)
+      return launch_forward_list<T, kD, kFwdSmallTileQ>(params, itemless_tiles, sm_margin, stream);
   }
-  if (num_blocks > 0) launch_forward_tiles<T, kD, fwd_tile_q(kD)>(params, num_blocks, sm_margin, stream);
-  launch_forward_itemless<T, kD, fwd_tile_q(kD)>(params, itemless_tiles, stream);
+  launch_forward_list<T, kD, fwd_tile_q(kD)>(params, itemless_tiles, sm_margin, stream);
 }
 
 template <class T, int kD, bool kDq>
