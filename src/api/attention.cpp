@@ -119,6 +119,17 @@ void require_device(const TensorView& t, const char* name, Device device) {
     throw InvalidArgument(std::string(name) + ": all tensors must be on the same device as q");
 }
 
+// The GPU kernels read [T, H, D] rows in 16-byte pieces (D is a multiple of 8) and write outputs by element
+// pairs: inputs (and out, which the backward reads) need 16-byte aligned addresses, as every CUDA allocation
+// has; gradients need two elements' alignment.
+void require_aligned(const TensorView& t, const char* name, size_t bytes) {
+  const auto address = reinterpret_cast<uintptr_t>(t.data);
+  if (address % bytes != 0)
+    throw InvalidArgument(std::string(name) + ": the cuda backend needs an address aligned to " +
+                          std::to_string(bytes) + " bytes, got one " + std::to_string(address % bytes) +
+                          " bytes past a multiple of " + std::to_string(bytes));
+}
+
 // Whether two tensors' bytes overlap (host or device addresses alike).
 bool overlaps(const TensorView& a, const TensorView& b) {
   if (a.data == nullptr || b.data == nullptr || a.nbytes() == 0 || b.nbytes() == 0) return false;
@@ -361,6 +372,9 @@ void forward(const Mask& mask, const ForwardArgs& a, const AttentionOptions& opt
 #if MAGI_ATTN_CUDA_BACKEND
   if (backend == Backend::Cuda) {
     require_dtype(a.q, "q", {DType::BF16, DType::F16});  // the GPU kernels take 16-bit inputs
+    for (auto [t, name] : {std::pair{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.out, "out"}})
+      require_aligned(*t, name, 16);
+    if (merge) require_aligned(a.prev_out, "prev_out", 16);
     cuda::forward(*cuda_plan_for(mask, s, a.q.device.index, stream), a, cuda_options(eo, options, true),
                   static_cast<cudaStream_t>(stream));
     return;
@@ -420,6 +434,10 @@ void backward(const Mask& mask, const BackwardArgs& a, const AttentionOptions& o
 #if MAGI_ATTN_CUDA_BACKEND
   if (backend == Backend::Cuda) {
     require_dtype(a.q, "q", {DType::BF16, DType::F16});
+    for (auto [t, name] : {std::pair{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.out, "out"}, {&a.dout, "dout"}})
+      require_aligned(*t, name, 16);
+    for (auto [t, name] : {std::pair{&a.dq, "dq"}, {&a.dk, "dk"}, {&a.dv, "dv"}})
+      require_aligned(*t, name, static_cast<size_t>(2 * dtype_size(t->dtype)));
     cuda::backward(*cuda_plan_for(mask, s, a.q.device.index, stream), a, cuda_options(eo, options, false),
                    static_cast<cudaStream_t>(stream));
     return;

@@ -69,9 +69,32 @@ struct HostList {
   std::vector<WorkItem> items;
 };
 
+// The test groups of a masked item (WorkFlags): each 16-row (q-major) or 16-key group of its major tile is tested
+// against the item's minor block [mn0, mn0 + minor) with the mask's own kept_keys / kept_queries; the bit is
+// set unless the group keeps every cell of the block.
+int32_t test_groups(const Slice& s, const tiling::TileWork& w, bool q_major, int64_t mj0, int32_t major, int64_t mn0,
+                    int32_t minor) {
+  const Range mj = q_major ? w.q : w.k, mn = q_major ? w.k : w.q;
+  int32_t bits = 0;
+  for (int32_t g = 0; g < major / 16; ++g) {
+    for (int64_t x = mj0 + g * 16; x < mj0 + (g + 1) * 16; ++x) {
+      Range kept{0, 0};
+      if (x >= mj.start && x < mj.end)
+        kept = q_major ? kept_keys(s, static_cast<int32_t>(x)) : kept_queries(s, static_cast<int32_t>(x));
+      if (std::max(kept.start, mn.start) > mn0 || std::min(kept.end, mn.end) < mn0 + minor) {
+        bits |= 1 << g;
+        break;
+      }
+    }
+  }
+  return bits;
+}
+
 // Converts a tiling list; `q_major` says whether the major axis is q. A rectangle is unmasked only when
 // it covers its whole tile x tile block and every cell is kept.
 HostList convert(const Mask& mask, const tiling::TileLists& lists, bool q_major) {
+  if (lists.tile_major % 16 != 0 || lists.tile_major / 16 > 31 - detail::kWorkTestGroupShift)
+    throw Error("cuda plan: major tile " + std::to_string(lists.tile_major) + " is not whole 16-row groups");
   HostList out;
   const int64_t tiles = lists.num_tiles();
   out.offsets.resize(static_cast<size_t>(tiles) + 1);
@@ -97,7 +120,10 @@ HostList convert(const Mask& mask, const tiling::TileLists& lists, bool q_major)
       const int64_t mj0 = t * major;
       const int64_t mn0 = int64_t{mn.start} / minor * minor;
       const bool covers = mj.start == mj0 && mj.end == mj0 + major && mn.start == mn0 && mn.end == mn0 + minor;
-      if (w.needs_mask || !covers) item.flags |= detail::kWorkMasked;
+      if (w.needs_mask || !covers) {
+        item.flags |= detail::kWorkMasked;
+        item.flags |= test_groups(s, w, q_major, mj0, major, mn0, minor) << detail::kWorkTestGroupShift;
+      }
       out.items.push_back(item);
     }
   }
@@ -467,13 +493,6 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
   pre.tq = plan.tq;
   pre.hq = plan.hq;
   pre.d = plan.d;
-  StageTimer timer(o.profile, stream);
-  timer.begin("preprocess");
-  detail::launch_preprocess(tag, pre, stream);
-  if (o.sink_layout == SinkLayout::SH)
-    detail::launch_dsink_sh(pre.sink, pre.lse, plan.delta, plan.tq_pad, pre.dsink, pre.sink_len, plan.tq, plan.hq,
-                            stream);
-
   detail::BwdParams p{};
   p.q = a.q.data;
   p.k = a.k.data;
@@ -515,9 +534,15 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
   dq.accumulate_dq = a.accumulate_dq;
   if (fused_dq) {
     dkdv.dq_accum = dq_in_place ? static_cast<float*>(a.dq.data) : plan.dq_accum;
-    if (!(a.accumulate_dq && dq_in_place))  // accumulating in place: the atomics add to the caller's sum
-      check(cudaMemsetAsync(dkdv.dq_accum, 0, dq_elements * 4, stream), "cudaMemsetAsync (dq accumulator)");
+    // The preprocess zeroes the atomics' target, unless they add to the caller's sum in place.
+    if (!(a.accumulate_dq && dq_in_place)) pre.dq_zero = dkdv.dq_accum;
   }
+  StageTimer timer(o.profile, stream);
+  timer.begin("preprocess");
+  detail::launch_preprocess(tag, pre, stream);
+  if (o.sink_layout == SinkLayout::SH)
+    detail::launch_dsink_sh(pre.sink, pre.lse, plan.delta, plan.tq_pad, pre.dsink, pre.sink_len, plan.tq, plan.hq,
+                            stream);
   timer.end();
   timer.begin(fused_dq ? "dkdv_kernel (dq by atomics)" : "dkdv_kernel + dq_kernel");
   if (tag == detail::kBf16)

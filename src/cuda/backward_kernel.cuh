@@ -291,9 +291,9 @@ __device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linea
       }
     }
 
-    // P^T and dS^T, packed straight into A fragments (rows = keys, k index = q). Items that keep their whole
-    // block skip the per-cell test; kept rows are tested relative to q0.
-    const bool masked = (w.flags & kWorkMasked) != 0;
+    // P^T and dS^T, packed straight into A fragments (rows = keys, k index = q). Only warps that the plan marks
+    // (their 16 keys keep part of the chunk's rows) take the per-cell test; kept rows are tested relative to q0.
+    const bool masked = (w.flags >> (kWorkTestGroupShift + warp)) & 1;
     KeyInterval rows[2] = {{0, 1 << 30}, {0, 1 << 30}};
     if (masked) {
 #pragma unroll

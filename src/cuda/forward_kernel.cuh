@@ -78,7 +78,9 @@ __device__ __forceinline__ void write_itemless_tile(const FwdParams& p, int q_ba
   }
 }
 
-template <class T, int kD, int kTileQ>
+// kWarpTests: masked items' m-tiles that keep all or none of the item's keys are recognised per warp (the plain
+// grid); the persistent grid has no registers to spare for it (ptxas spills ~200 bytes in its loop).
+template <class T, int kD, int kTileQ, bool kWarpTests>
 __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int linear, unsigned char* smem) {
   using Cfg = FwdConfig<kD, kTileQ>;
   constexpr int kM = Cfg::kM, kN = Cfg::kN, kThreads = Cfg::kThreads, kMT = Cfg::kMTiles;
@@ -173,15 +175,33 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
     for (int mt = 0; mt < kMT; ++mt) {
       if (softcapped) softcap_logits(s[mt], p);
       if (flags & kWorkMasked) {
+        // Most m-tiles of a masked item (diagonals, document edges) keep all or none of its keys: decided per
+        // warp, those skip the per-cell test (all) or contribute nothing (none: P = 0, the row state stays).
         const WorkItem w = p.list.items[item];
         const int row = my_row0 + mt * Cfg::kMTileStride;
         const KeyInterval keys[2] = {item_keys(w, row), item_keys(w, row + 8)};
+        bool test_cells = true;
+        if constexpr (kWarpTests) {
+          const int k_end = k0 + kN;
+          const bool none_kept = max(keys[0].lo, k0) >= min(keys[0].hi, k_end) &&
+                                 max(keys[1].lo, k0) >= min(keys[1].hi, k_end);
+          if (__all_sync(0xffffffffu, none_kept)) {
 #pragma unroll
-        for (int nb = 0; nb < kNBlocks; ++nb) {
+            for (int t = 0; t < kN / 16; ++t)
+              p_frag[mt][t][0] = p_frag[mt][t][1] = p_frag[mt][t][2] = p_frag[mt][t][3] = 0u;
+            continue;
+          }
+          const bool all_kept = keys[0].lo <= k0 && keys[0].hi >= k_end && keys[1].lo <= k0 && keys[1].hi >= k_end;
+          test_cells = !__all_sync(0xffffffffu, all_kept);
+        }
+        if (test_cells) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int col = k0 + nb * 8 + (lane % 4) * 2 + (e % 2);
-            if (!keys[e / 2].contains(col)) s[mt][nb][e] = -INFINITY;
+          for (int nb = 0; nb < kNBlocks; ++nb) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int col = k0 + nb * 8 + (lane % 4) * 2 + (e % 2);
+              if (!keys[e / 2].contains(col)) s[mt][nb][e] = -INFINITY;
+            }
           }
         }
       }
@@ -194,7 +214,9 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float base = mx == -INFINITY ? 0.0f : mx * logit_scale;  // log2 units
-        const float scale_old = fast_exp2(row_max[mt][r] * logit_scale - base);
+        // Exactly 1 while the maximum stands (the contracted x * s - round(x * s) is not 0): an m-tile that an
+        // item leaves unchanged then changes nothing, so the warp-test skips above are bitwise neutral.
+        const float scale_old = mx == row_max[mt][r] ? 1.0f : fast_exp2(row_max[mt][r] * logit_scale - base);
         row_max[mt][r] = mx;
         float sum = 0.0f;
 #pragma unroll
@@ -326,7 +348,7 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
 template <class T, int kD, int kTileQ>
 __global__ void __launch_bounds__(FwdConfig<kD, kTileQ>::kThreads) forward_kernel(const FwdParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
-  forward_kernel_tile<T, kD, kTileQ>(p, static_cast<int>(blockIdx.x), smem);
+  forward_kernel_tile<T, kD, kTileQ, true>(p, static_cast<int>(blockIdx.x), smem);
 }
 
 // Persistent grid: block b starts with work b, then takes the next unclaimed index from a counter, so the
@@ -341,7 +363,7 @@ __global__ void __launch_bounds__(FwdConfig<kD, kTileQ>::kThreads, FwdConfig<kD,
   __shared__ int next_work;
   int linear = static_cast<int>(blockIdx.x);
   while (linear < num_work) {
-    forward_kernel_tile<T, kD, kTileQ>(p, linear, smem);
+    forward_kernel_tile<T, kD, kTileQ, false>(p, linear, smem);
     if (threadIdx.x == 0) next_work = atomicAdd(p.work_counter, 1) + static_cast<int>(gridDim.x);
     __syncthreads();  // also: the next work item reuses shared memory
     linear = next_work;

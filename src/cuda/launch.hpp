@@ -30,6 +30,7 @@ struct PreprocessArgs {
   const void* dout;
   int dout_fp32;
   void* dout16;  // null unless dout is fp32
+  float* dq_zero;  // [Tq, Hq, D] fp32 set to 0 (the dq atomics' target), or null
   const float* lse;  // [Tq, Hq], natural log
   float* delta;      // out: [Hq][tq_pad]
   float* lse2;       // out: [Hq][tq_pad], log2 units, empty rows 0

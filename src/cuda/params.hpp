@@ -12,13 +12,17 @@ struct WorkItem {
   int32_t q0, q1, k0, k1;
   int32_t causal_offset;  // slice: k <= q + causal_offset   (ke - qe)
   int32_t inv_offset;     // slice: k >= q + inv_offset      (ks - qs)
-  int32_t flags;
+  int32_t flags;  // WorkFlags, and the test groups from bit kWorkTestGroupShift on
   int32_t pad;
 };
 enum WorkFlags : int32_t {
   kWorkCausal = 1,  // apply the causal bound
   kWorkInv = 2,     // apply the inverse-causal bound
   kWorkMasked = 4,  // some cell of the full tile x tile block is not kept: test every element
+  // Masked items: bit kWorkTestGroupShift + g = the 16-row (q-major lists) or 16-key (k-major lists) group g of
+  // the tile does not keep every cell of the item's block, so it needs the per-cell test (the dk/dv kernel's
+  // warps read it; kept in `flags`, which stays live anyway, for the registers).
+  kWorkTestGroupShift = 8,
 };
 
 // A CSR work list on the device. Blocks take tiles in `order` (heaviest first).

@@ -21,12 +21,18 @@ __global__ void fill_kernel(float* data, int64_t n, float value) {
   if (i < n) data[i] = value;
 }
 
+// Four consecutive elements as floats (16-bit: one 8-byte load; fp32: one 16-byte load).
 template <class T>
-__device__ __forceinline__ float load_as_float(const void* base, int64_t i, bool fp32) {
-  return fp32 ? static_cast<const float*>(base)[i] : Mma<T>::to_float(static_cast<const T*>(base)[i]);
+__device__ __forceinline__ float4 load4_as_float(const void* base, int64_t i, bool fp32) {
+  if (fp32) return *reinterpret_cast<const float4*>(static_cast<const float*>(base) + i);
+  const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const T*>(base) + i);
+  const T* h = reinterpret_cast<const T*>(&raw);
+  return make_float4(Mma<T>::to_float(h[0]), Mma<T>::to_float(h[1]), Mma<T>::to_float(h[2]), Mma<T>::to_float(h[3]));
 }
 
-// One warp per (row, head): Delta = dout . out (fp32), optional dout conversion, ssh dsink.
+// One warp per (row, head), four columns per lane and step (D is a multiple of 8; the API asks 16-byte aligned
+// tensors): Delta = dout . out (fp32), optional dout conversion, optional zeroing of the row's dq accumulator
+// (the atomics' target; one pass over the rows instead of a memset of its own), ssh dsink.
 template <class T>
 __global__ void preprocess_kernel(const PreprocessArgs a) {
   const int warp = static_cast<int>((int64_t{blockIdx.x} * blockDim.x + threadIdx.x) / 32);
@@ -35,10 +41,15 @@ __global__ void preprocess_kernel(const PreprocessArgs a) {
   const int row = warp / a.hq, head = warp % a.hq;
   const int64_t base = int64_t{warp} * a.d;  // [Tq, Hq, D] contiguous: (row * hq + head) * d
   float dot = 0.0f;
-  for (int c = lane; c < a.d; c += 32) {
-    const float g = load_as_float<T>(a.dout, base + c, a.dout_fp32);
-    dot += g * load_as_float<T>(a.out, base + c, a.out_fp32);
-    if (a.dout16 != nullptr) static_cast<T*>(a.dout16)[base + c] = Mma<T>::from_float(g);
+  for (int c = lane * 4; c < a.d; c += 128) {
+    const float4 g = load4_as_float<T>(a.dout, base + c, a.dout_fp32);
+    const float4 o = load4_as_float<T>(a.out, base + c, a.out_fp32);
+    dot += g.x * o.x + g.y * o.y + g.z * o.z + g.w * o.w;
+    if (a.dout16 != nullptr) {
+      T h[4] = {Mma<T>::from_float(g.x), Mma<T>::from_float(g.y), Mma<T>::from_float(g.z), Mma<T>::from_float(g.w)};
+      *reinterpret_cast<uint2*>(static_cast<T*>(a.dout16) + base + c) = *reinterpret_cast<const uint2*>(h);
+    }
+    if (a.dq_zero != nullptr) *reinterpret_cast<float4*>(a.dq_zero + base + c) = make_float4(0.f, 0.f, 0.f, 0.f);
   }
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);

@@ -452,6 +452,52 @@ TEST(CudaBackend, AccumulatedDqOfTwoKeyPartsMatchesTheWholeMask) {
   }
 }
 
+// The kernels read rows in 16-byte pieces and write element pairs: the API rejects inputs (and out) whose
+// address is not 16-byte aligned and gradients not aligned to two elements, names the tensor, and leaves the
+// outputs alone.
+TEST(CudaBackend, MisalignedTensorsAreRejectedByName) {
+  const uint64_t seed = fresh_seed();
+  const Mask mask = masks::causal(256, 256);
+  CaseConfig c = config(DType::BF16, 2, 1, 64);
+  CaseData d = make_case(mask, c, seed);
+  DeviceCase dev(d, c);  // each allocation has 16 spare bytes: the shifts stay inside it
+  AttentionOptions options;
+  options.backend = Backend::Cuda;
+  auto shifted = [](TensorView t, int bytes) {
+    t.data = static_cast<unsigned char*>(t.data) + bytes;
+    return t;
+  };
+  auto expect_rejected = [](auto&& call, const std::string& name, int alignment) {
+    try {
+      call();
+      ADD_FAILURE() << name << ": a misaligned tensor was accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(name + ": the cuda backend needs an address aligned to " +
+                                           std::to_string(alignment) + " bytes"),
+                std::string::npos)
+          << e.what();
+    }
+  };
+  for (const std::string name : {"q", "k", "v", "out"}) {
+    ForwardArgs a = dev.forward_args();
+    TensorView* t = name == "q" ? &a.q : name == "k" ? &a.k : name == "v" ? &a.v : &a.out;
+    *t = shifted(*t, 8);
+    expect_rejected([&] { forward(mask, a, options); }, name, 16);
+  }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (float x : dev.lse.download().values()) ASSERT_TRUE(std::isnan(x)) << "lse written by a rejected call";
+  forward(mask, dev.forward_args(), options);  // aligned: accepted
+  for (const std::string name : {"dout", "dq", "dk", "dv"}) {
+    BackwardArgs a = dev.backward_args();
+    TensorView* t = name == "dout" ? &a.dout : name == "dq" ? &a.dq : name == "dk" ? &a.dk : &a.dv;
+    const bool gradient = name != "dout";
+    *t = shifted(*t, gradient ? 2 : 8);  // bf16 gradients: element pairs, 4 bytes
+    expect_rejected([&] { backward(mask, a, options); }, name, gradient ? 4 : 16);
+  }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (float x : dev.dk.download().values()) ASSERT_TRUE(std::isnan(x)) << "dk written by a rejected call";
+}
+
 TEST(CudaBackend, PlanRejectsUncompiledHeadDim) {
   EXPECT_FALSE(cuda::head_dim_supported(0));
   EXPECT_FALSE(cuda::head_dim_supported(12));
