@@ -79,7 +79,8 @@ __device__ __forceinline__ void write_itemless_tile(const FwdParams& p, int q_ba
 }
 
 // kWarpTests: masked items' m-tiles that keep all or none of the item's keys are recognised per warp (the plain
-// grid); the persistent grid has no registers to spare for it (ptxas spills ~200 bytes in its loop).
+// grid on sm_90); the persistent grid, and sm_80 code, have no registers to spare for it (ptxas spills 80-200
+// bytes).
 template <class T, int kD, int kTileQ, bool kWarpTests>
 __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int linear, unsigned char* smem) {
   using Cfg = FwdConfig<kD, kTileQ>;
@@ -181,7 +182,12 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
         const int row = my_row0 + mt * Cfg::kMTileStride;
         const KeyInterval keys[2] = {item_keys(w, row), item_keys(w, row + 8)};
         bool test_cells = true;
-        if constexpr (kWarpTests) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        constexpr bool kTestWarps = kWarpTests;
+#else
+        constexpr bool kTestWarps = false;
+#endif
+        if constexpr (kTestWarps) {
           const int k_end = k0 + kN;
           const bool none_kept = max(keys[0].lo, k0) >= min(keys[0].hi, k_end) &&
                                  max(keys[1].lo, k0) >= min(keys[1].hi, k_end);
@@ -213,10 +219,12 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
         for (int nb = 0; nb < kNBlocks; ++nb) mx = fmaxf(mx, fmaxf(s[mt][nb][2 * r], s[mt][nb][2 * r + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float base = mx == -INFINITY ? 0.0f : mx * logit_scale;  // log2 units
-        // Exactly 1 while the maximum stands (the contracted x * s - round(x * s) is not 0): an m-tile that an
-        // item leaves unchanged then changes nothing, so the warp-test skips above are bitwise neutral.
-        const float scale_old = mx == row_max[mt][r] ? 1.0f : fast_exp2(row_max[mt][r] * logit_scale - base);
+        const float mx_finite = mx == -INFINITY ? 0.0f : mx;
+        const float base = mx_finite * logit_scale;  // log2 units
+        // The difference first: exactly 1 while the maximum stands (a contracted x * s - round(x * s) is not
+        // 0), so an m-tile that an item leaves unchanged changes nothing and the warp tests' skips above are
+        // bitwise neutral.
+        const float scale_old = fast_exp2((row_max[mt][r] - mx_finite) * logit_scale);
         row_max[mt][r] = mx;
         float sum = 0.0f;
 #pragma unroll
