@@ -69,19 +69,17 @@ struct HostList {
   std::vector<WorkItem> items;
 };
 
-// The test groups of a masked item (WorkFlags): each 16-row (q-major) or 16-key group of its major tile is tested
-// against the item's minor block [mn0, mn0 + minor) with the mask's own kept_keys / kept_queries; the bit is
-// set unless the group keeps every cell of the block.
-int32_t test_groups(const Slice& s, const tiling::TileWork& w, bool q_major, int64_t mj0, int32_t major, int64_t mn0,
-                    int32_t minor) {
-  const Range mj = q_major ? w.q : w.k, mn = q_major ? w.k : w.q;
+// The test groups of a masked item of a k-major list (WorkFlags; the dk/dv kernels read them): each 16-key
+// group of its k tile is tested against the item's q chunk [q_chunk0, q_chunk0 + chunk) with the mask's own
+// kept_queries; the bit is set unless the group keeps every cell of the chunk.
+int32_t test_groups(const Slice& s, const tiling::TileWork& w, int64_t k_tile0, int32_t tile, int64_t q_chunk0,
+                    int32_t chunk) {
   int32_t bits = 0;
-  for (int32_t g = 0; g < major / 16; ++g) {
-    for (int64_t x = mj0 + g * 16; x < mj0 + (g + 1) * 16; ++x) {
+  for (int32_t g = 0; g < tile / 16; ++g) {
+    for (int64_t k = k_tile0 + g * 16; k < k_tile0 + (g + 1) * 16; ++k) {
       Range kept{0, 0};
-      if (x >= mj.start && x < mj.end)
-        kept = q_major ? kept_keys(s, static_cast<int32_t>(x)) : kept_queries(s, static_cast<int32_t>(x));
-      if (std::max(kept.start, mn.start) > mn0 || std::min(kept.end, mn.end) < mn0 + minor) {
+      if (k >= w.k.start && k < w.k.end) kept = kept_queries(s, static_cast<int32_t>(k));
+      if (std::max(kept.start, w.q.start) > q_chunk0 || std::min(kept.end, w.q.end) < q_chunk0 + chunk) {
         bits |= 1 << g;
         break;
       }
@@ -93,7 +91,7 @@ int32_t test_groups(const Slice& s, const tiling::TileWork& w, bool q_major, int
 // Converts a tiling list; `q_major` says whether the major axis is q. A rectangle is unmasked only when
 // it covers its whole tile x tile block and every cell is kept.
 HostList convert(const Mask& mask, const tiling::TileLists& lists, bool q_major) {
-  if (lists.tile_major % 16 != 0 || lists.tile_major / 16 > 31 - detail::kWorkTestGroupShift)
+  if (!q_major && (lists.tile_major % 16 != 0 || lists.tile_major / 16 > 31 - detail::kWorkTestGroupShift))
     throw Error("cuda plan: major tile " + std::to_string(lists.tile_major) + " is not whole 16-row groups");
   HostList out;
   const int64_t tiles = lists.num_tiles();
@@ -122,7 +120,7 @@ HostList convert(const Mask& mask, const tiling::TileLists& lists, bool q_major)
       const bool covers = mj.start == mj0 && mj.end == mj0 + major && mn.start == mn0 && mn.end == mn0 + minor;
       if (w.needs_mask || !covers) {
         item.flags |= detail::kWorkMasked;
-        item.flags |= test_groups(s, w, q_major, mj0, major, mn0, minor) << detail::kWorkTestGroupShift;
+        if (!q_major) item.flags |= test_groups(s, w, mj0, major, mn0, minor) << detail::kWorkTestGroupShift;
       }
       out.items.push_back(item);
     }

@@ -19,9 +19,9 @@ enum WorkFlags : int32_t {
   kWorkCausal = 1,  // apply the causal bound
   kWorkInv = 2,     // apply the inverse-causal bound
   kWorkMasked = 4,  // some cell of the full tile x tile block is not kept: test every element
-  // Masked items: bit kWorkTestGroupShift + g = the 16-row (q-major lists) or 16-key (k-major lists) group g of
-  // the tile does not keep every cell of the item's block, so it needs the per-cell test (the dk/dv kernel's
-  // warps read it; kept in `flags`, which stays live anyway, for the registers).
+  // Masked items of k-major lists: bit kWorkTestGroupShift + g = the 16-key group g of the tile does not keep
+  // every cell of the item's q chunk, so it needs the per-cell test (the dk/dv kernel's warps read it; kept in
+  // `flags`, which stays live anyway, for the registers).
   kWorkTestGroupShift = 8,
 };
 
