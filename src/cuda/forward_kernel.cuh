@@ -78,9 +78,13 @@ __device__ __forceinline__ void write_itemless_tile(const FwdParams& p, int q_ba
   }
 }
 
-// kWarpTests: masked items' m-tiles that keep all or none of the item's keys are recognised per warp (the plain
-// grid on sm_90); the persistent grid, and sm_80 code, have no registers to spare for it (ptxas spills 80-200
-// bytes).
+// kWarpTests: masked items' m-tiles that keep all or none of the item's keys are recognised per warp (sm_90
+// code; sm_80 code has no registers to spare for it: ptxas spilled 80 bytes). Chosen per kernel from H100 A/Bs
+// (flash_bench, masked masks): the plain grids gain 2-4% at every D; of the persistent grids, D 64 and the
+// 64-row D 128 kernel gain 2-6%, D 256 loses 1-3% and the 128-row D 128 kernel has no registers for them
+// (196 bytes of spills).
+template <int kD, int kTileQ, bool kPersistent>
+constexpr bool kUseWarpTests = !kPersistent || kD == 64 || (kD == 128 && kTileQ == 64);
 template <class T, int kD, int kTileQ, bool kWarpTests>
 __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int linear, unsigned char* smem) {
   using Cfg = FwdConfig<kD, kTileQ>;
@@ -356,7 +360,7 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
 template <class T, int kD, int kTileQ>
 __global__ void __launch_bounds__(FwdConfig<kD, kTileQ>::kThreads) forward_kernel(const FwdParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
-  forward_kernel_tile<T, kD, kTileQ, true>(p, static_cast<int>(blockIdx.x), smem);
+  forward_kernel_tile<T, kD, kTileQ, kUseWarpTests<kD, kTileQ, false>>(p, static_cast<int>(blockIdx.x), smem);
 }
 
 // Persistent grid: block b starts with work b, then takes the next unclaimed index from a counter, so the
@@ -371,7 +375,7 @@ __global__ void __launch_bounds__(FwdConfig<kD, kTileQ>::kThreads, FwdConfig<kD,
   __shared__ int next_work;
   int linear = static_cast<int>(blockIdx.x);
   while (linear < num_work) {
-    forward_kernel_tile<T, kD, kTileQ, false>(p, linear, smem);
+    forward_kernel_tile<T, kD, kTileQ, kUseWarpTests<kD, kTileQ, true>>(p, linear, smem);
     if (threadIdx.x == 0) next_work = atomicAdd(p.work_counter, 1) + static_cast<int>(gridDim.x);
     __syncthreads();  // also: the next work item reuses shared memory
     linear = next_work;

@@ -452,6 +452,55 @@ TEST(CudaBackend, AccumulatedDqOfTwoKeyPartsMatchesTheWholeMask) {
   }
 }
 
+// The default backward on one plan, call after call, switching between a 16-bit dq and an fp32 dq that is only
+// 8-byte aligned (both through the plan's fp32 accumulator) and between the plain grid and a persistent grid on
+// one SM (every block walks many tiles): documents with q-overlap, GQA, 64-row chunks without any work item
+// (rows with no key: dq must be 0) and a partial last chunk; every call against fp64.
+TEST(CudaBackend, DefaultBackwardReusesItsPlanCleanly) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  Mask mask = documents_then_empty_rows(rng);
+  // q-overlap with the first documents, on keys of its own (slice areas must not overlap)
+  mask.slices.push_back(make_slice(10, 140, mask.total_k, mask.total_k + 100, MaskType::Full));
+  mask.total_k += 100;
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  int index = 0;
+  for (int32_t d : {64, 128}) {
+    CaseConfig c = config(d == 64 ? DType::F16 : DType::BF16, 4, 2, d);
+    c.max_logits = false;
+    CaseData data = make_case(mask, c, seed + index++);
+    const ReferenceGrads expected = reference_backward(data.problem, data.dout);
+    DeviceCase dev(data, c);
+    auto plan = cuda::make_plan(mask, c.heads_q, c.heads_kv, d, 0);
+    const int64_t n = int64_t{mask.total_q} * c.heads_q * d;
+    DeviceTensor storage(HostTensor::poisoned(DType::F32, {n + 2}));
+    const TensorView fp32_dq(static_cast<float*>(storage.view().data) + 2, DType::F32, {mask.total_q, c.heads_q, d},
+                             storage.view().device);
+    const struct {
+      const char* what;
+      bool fp32_dq;
+      int margin;
+    } calls[] = {{"16-bit dq", false, 0}, {"8-byte aligned fp32 dq", true, 0}, {"16-bit dq again", false, 0},
+                 {"16-bit dq, persistent grid on one SM", false, sms - 1}, {"16-bit dq, plain grid", false, 0}};
+    for (const auto& call : calls) {
+      dev.poison();
+      cuda::forward(*plan, dev.forward_args(), cuda_options(c), nullptr);
+      BackwardArgs b = dev.backward_args();
+      if (call.fp32_dq) b.dq = fp32_dq;
+      cuda::Options o = cuda_options(c);
+      o.sm_margin = call.margin;
+      cuda::backward(*plan, b, o, nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      std::vector<double> got = call.fp32_dq ? storage.download().values() : dev.dq.download().values();
+      if (call.fp32_dq) got.erase(got.begin(), got.begin() + 2);
+      const std::string context = "seed " + std::to_string(seed) + ", " + c.describe() + ", " + call.what;
+      EXPECT_TRUE(check_close("dq", got, expected.dq, Quantity::Grad, c.dtype, context));
+      EXPECT_TRUE(check_close("dk", dev.dk.download().values(), expected.dk, Quantity::Grad, c.dtype, context));
+    }
+  }
+}
+
 // The kernels read rows in 16-byte pieces and write element pairs: the API rejects inputs (and out) whose
 // address is not 16-byte aligned and gradients not aligned to two elements, names the tensor, and leaves the
 // outputs alone.
