@@ -119,6 +119,7 @@ void require_device(const TensorView& t, const char* name, Device device) {
     throw InvalidArgument(std::string(name) + ": all tensors must be on the same device as q");
 }
 
+#if MAGI_ATTN_CUDA_BACKEND
 // The GPU kernels read [T, H, D] rows in 16-byte pieces (D is a multiple of 8) and write outputs by element
 // pairs: inputs (and out, which the backward reads) need 16-byte aligned addresses, as every CUDA allocation
 // has; gradients need two elements' alignment.
@@ -129,6 +130,7 @@ void require_aligned(const TensorView& t, const char* name, size_t bytes) {
                           std::to_string(bytes) + " bytes, got one " + std::to_string(address % bytes) +
                           " bytes past a multiple of " + std::to_string(bytes));
 }
+#endif
 
 // Whether two tensors' bytes overlap (host or device addresses alike).
 bool overlaps(const TensorView& a, const TensorView& b) {
@@ -349,7 +351,8 @@ cuda::Options cuda_options(const cpu::EngineOptions& e, const AttentionOptions& 
 
 }  // namespace
 
-void forward(const Mask& mask, const ForwardArgs& a, const AttentionOptions& options, StreamHandle stream) {
+void forward(const Mask& mask, const ForwardArgs& a, const AttentionOptions& options,
+             [[maybe_unused]] StreamHandle stream) {
   env::ensure_validated();
   const Shapes s = check_qkv(mask, a.q, a.k, a.v);
   const Backend backend = resolve_backend(options, a.q.device);
@@ -391,7 +394,8 @@ void forward(const Mask& mask, const ForwardArgs& a, const AttentionOptions& opt
   else cpu::forward(*cpu_plan_for(mask, s), a, eo);
 }
 
-void backward(const Mask& mask, const BackwardArgs& a, const AttentionOptions& options, StreamHandle stream) {
+void backward(const Mask& mask, const BackwardArgs& a, const AttentionOptions& options,
+              [[maybe_unused]] StreamHandle stream) {
   env::ensure_validated();
   const Shapes s = check_qkv(mask, a.q, a.k, a.v);
   const Backend backend = resolve_backend(options, a.q.device);

@@ -145,7 +145,10 @@ int dist_run(DistWorld& world, std::span<const std::string> args) {
     HostTensor out(wide, {lq, hq, d}), lse(wide, {lq, hq});
     world.comm().barrier();  // time the computation, not the scatter's stragglers
     const auto fwd_start = std::chrono::steady_clock::now();
-    dist::calc_attn(key, {q.view(), k.view(), v.view(), sink.view(), out.view(), lse.view(), {}});
+    ForwardArgs fa;
+    fa.q = q.view(), fa.k = k.view(), fa.v = v.view(), fa.sink = sink.view();
+    fa.out = out.view(), fa.lse = lse.view();
+    dist::calc_attn(key, fa);
     fwd_ms = milliseconds_since(fwd_start);
     if (root) {
       out_g = HostTensor(wide, {tq, hq, d});

@@ -14,18 +14,6 @@
 namespace magi::test {
 namespace {
 
-// The InvalidArgument message of `call`, or a description of what happened instead.
-std::string invalid_argument_message(const std::function<void()>& call) {
-  try {
-    call();
-  } catch (const InvalidArgument& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    return std::string("<not InvalidArgument> ") + e.what();
-  }
-  return "<no exception>";
-}
-
 bool all_nan(const HostTensor& t) {
   for (double x : t.values())
     if (!std::isnan(x)) return false;

@@ -97,12 +97,8 @@ TEST(PartialMerge, BadPartialResultsAreRefusedByName) {
     return a;
   };
   auto expect_refused = [&](const ForwardArgs& a, const std::string& needle) {
-    try {
-      forward(mask, a, c.options());
-      ADD_FAILURE() << "accepted; expected an error naming " << needle;
-    } catch (const InvalidArgument& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
+    const std::string message = invalid_argument_message([&] { forward(mask, a, c.options()); });
+    EXPECT_NE(message.find(needle), std::string::npos) << message;
   };
   ForwardArgs only_out = args();
   only_out.prev_out = prev_out.view();
@@ -178,12 +174,8 @@ TEST(AccumulateDq, NonFp32OrOverlappingDqIsRefused) {
   b.dv = dv.view();
   b.accumulate_dq = true;
   auto expect_refused = [&](const BackwardArgs& a, const std::string& needle) {
-    try {
-      backward(mask, a, c.options());
-      ADD_FAILURE() << "accepted; expected an error naming " << needle;
-    } catch (const InvalidArgument& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
+    const std::string message = invalid_argument_message([&] { backward(mask, a, c.options()); });
+    EXPECT_NE(message.find(needle), std::string::npos) << message;
   };
   BackwardArgs bf16_dq = b;
   bf16_dq.dq = dq16.view();

@@ -6,6 +6,7 @@
 #include <sstream>
 #include <utility>
 
+#include "magi/error.hpp"
 #include "reference/compare.hpp"
 
 namespace magi::test {
@@ -108,6 +109,17 @@ CaseData make_case(const Mask& mask, const CaseConfig& c, uint64_t seed) {
   d.dout = random_normal(rng, static_cast<std::size_t>(tq * c.heads_q * c.head_dim), c.dout_dtype());
   d.dout_tensor = HostTensor::from_values(d.dout, c.dout_dtype(), {tq, c.heads_q, c.head_dim});
   return d;
+}
+
+std::string invalid_argument_message(const std::function<void()>& call) {
+  try {
+    call();
+  } catch (const InvalidArgument& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("<not InvalidArgument> ") + e.what();
+  }
+  return "<no exception>";
 }
 
 EngineResult run_forward(CaseData& d, const CaseConfig& c) {
