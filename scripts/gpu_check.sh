@@ -5,7 +5,8 @@
 #
 # usage: scripts/gpu_check.sh [--arch "80;90a"] [--skip-tests] [--skip-sanitizer] [--skip-bench] [--skip-peers] [--quick]
 #   --quick: D=128 only in the benchmark, FlexAttention only on varlen causal.
-# Env: BUILD_DIR (default build-gpu), OUT (logs/CSV; default $BUILD_DIR/out), GTEST_FILTER for the tests.
+# Env: BUILD_DIR (default build-gpu), OUT (logs/CSV; default $BUILD_DIR/out), TESTS_REGEX (ctest -R) for the tests; not GTEST_FILTER,
+#   which the build's test discovery would obey too (an empty or narrow one lists no tests).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=${BUILD_DIR:-$ROOT/build-gpu}
@@ -50,7 +51,7 @@ note "build ($ARCH): $(( $(date +%s) - t0 )) s"
 TEST_BIN="$BUILD/tests/cuda/flash_attention_test"
 if [ $RUN_TESTS = 1 ]; then
   t0=$(date +%s)
-  (cd "$BUILD" && ctest -L gpu -E "^(nccl_engine_gpu|dist_attn_gpu)$" -j"$(nproc)" --output-on-failure ${GTEST_FILTER:+-R "$GTEST_FILTER"}) > "$LOGS/tests.log" 2>&1  # multi-GPU tests: scripts/dist_gpu_check.sh
+  (cd "$BUILD" && ctest -L gpu -E "^(nccl_engine_gpu|dist_attn_gpu)$" -j"$(nproc)" --output-on-failure ${TESTS_REGEX:+-R "$TESTS_REGEX"}) > "$LOGS/tests.log" 2>&1  # multi-GPU tests: scripts/dist_gpu_check.sh
   rc=$?
   grep -E "non-finite|must be exactly|\) > [0-9.e+-]+ |= [0-9.e+-]+ > [0-9.e+-]+|threw|differ" "$LOGS/tests.log" | cut -c1-420 | sort -u | head -30
   grep -E "\*\*\*Failed|Timeout" "$LOGS/tests.log" | head -30
