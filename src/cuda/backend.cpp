@@ -189,8 +189,7 @@ struct Plan {
   int32_t fwd_itemless_tiles = 0;  // q tiles without items: the last ones of the fwd order
   int32_t smem_optin = 0;  // the device's per-block shared-memory limit (opt-in)
   DeviceList fwd, dkdv, dq;
-  DeviceList dkdv_fused;  // the default backward's k tiles (dq by atomics), see detail::dkdv_tile_k
-  int64_t fwd_items = 0, dkdv_items = 0, dq_items = 0, dkdv_fused_items = 0;
+  int64_t fwd_items = 0, dkdv_items = 0, dq_items = 0;
   void* arena = nullptr;
   size_t arena_bytes = 0;
   int32_t tq_pad = 0;
@@ -269,12 +268,8 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   plan->fwd_tile_q = fwd_q;
   const HostList fwd = convert(mask, fwd_tiles, true);
   for (size_t t = 0; t + 1 < fwd.offsets.size(); ++t) plan->fwd_itemless_tiles += fwd.offsets[t + 1] == fwd.offsets[t];
-  const HostList dkdv = convert(mask, tiling::by_k_tile(mask, detail::kDkdvTileK, detail::kDkdvTileQ), false);
-  const int fused_k = detail::dkdv_tile_k(plan->padded_d, true);
-  const bool fused_shared = fused_k == detail::kDkdvTileK;
-  HostList fused_own;
-  if (!fused_shared) fused_own = convert(mask, tiling::by_k_tile(mask, fused_k, detail::kDkdvTileQ), false);
-  const HostList& dkdv_fused = fused_shared ? dkdv : fused_own;
+  const HostList dkdv =
+      convert(mask, tiling::by_k_tile(mask, detail::dkdv_tile_k(plan->padded_d), detail::kDkdvTileQ), false);
   const int dq_k = detail::dq_tile_k(plan->padded_d);
   const int dq_q = detail::dq_tile_q(plan->padded_d);
   const bool dq_shared = dq_k == fwd_k && dq_q == fwd_q;
@@ -300,7 +295,6 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   const Offsets o_fwd = append_list(fwd);
   const Offsets o_dkdv = append_list(dkdv);
   const Offsets o_dq = dq_shared ? o_fwd : append_list(dq_own);
-  const Offsets o_fused = fused_shared ? o_dkdv : append_list(fused_own);
   const size_t delta_at = align_up(staging.size());
   plan->tq_pad = (plan->tq + 63) / 64 * 64 + 64;
   const size_t stats_bytes = static_cast<size_t>(plan->tq_pad) * plan->hq * sizeof(float);
@@ -329,8 +323,6 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   plan->fwd = make_list(fwd, o_fwd);
   plan->dkdv = make_list(dkdv, o_dkdv);
   plan->dq = make_list(dq, o_dq);
-  plan->dkdv_fused = make_list(dkdv_fused, o_fused);
-  plan->dkdv_fused_items = static_cast<int64_t>(dkdv_fused.items.size());
   plan->fwd_items = static_cast<int64_t>(fwd.items.size());
   plan->dkdv_items = static_cast<int64_t>(dkdv.items.size());
   plan->dq_items = static_cast<int64_t>(dq.items.size());
@@ -470,6 +462,12 @@ void forward(const Plan& plan, const ForwardArgs& a, const Options& o, cudaStrea
 
 void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStream_t stream) {
   DeviceGuard guard(plan.device);
+  // Checked before anything is launched: parts with ~100 KB per block (sm_86, sm_89) have no D 128 backward.
+  const int dkdv_smem = detail::dkdv_smem_bytes(plan.padded_d, false);
+  if (dkdv_smem > plan.smem_optin)
+    throw Error("cuda backward: head dim " + std::to_string(plan.d) + " needs " + std::to_string(dkdv_smem) +
+                " bytes of shared memory per block; this device allows " + std::to_string(plan.smem_optin) +
+                " (use the CPU backend or a GPU with more shared memory, e.g. A100 / H100)");
   const int tag = dtype_tag(a.q.dtype);
   const ScaleTerms t = scale_terms(o);
   const bool dout_fp32 = a.dout.dtype == DType::F32;
@@ -527,7 +525,7 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
   const bool fused_dq = !o.deterministic && detail::dkdv_smem_bytes(plan.padded_d, true) <= plan.smem_optin;
   const size_t dq_elements = static_cast<size_t>(plan.tq) * plan.hq * plan.d;
   const bool dq_in_place = dq.grad_fp32 && reinterpret_cast<uintptr_t>(a.dq.data) % 16 == 0;
-  dkdv.list = fused_dq ? plan.dkdv_fused : plan.dkdv;
+  dkdv.list = plan.dkdv;
   const int dkdv_blocks = dkdv.list.num_tiles * plan.hkv;
   dq.accumulate_dq = a.accumulate_dq;
   if (fused_dq) {
@@ -558,7 +556,7 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
     timer.end();
   }
   timer.report("cuda backward, " +
-               (fused_dq ? std::to_string(plan.dkdv_fused_items) + " dk/dv items (dq by atomics)"
+               (fused_dq ? std::to_string(plan.dkdv_items) + " dk/dv items (dq by atomics)"
                          : std::to_string(plan.dkdv_items) + " dk/dv items, " + std::to_string(plan.dq_items) +
                                " dq items"));
 }

@@ -1,7 +1,8 @@
 // Backward flash kernels.
-//  - dk/dv: one block = one k tile (64 keys) of one kv head; it walks the by_k_tile items of its tile for
-//    every q head of the GQA group, recomputing P^T and dS^T, and accumulates dV += P^T dO, dK += dS^T Q
-//    in registers (D <= 128: P^T / dS^T stay in registers; D 256: staged in shared memory).
+//  - dk/dv: one block = one k tile (128 keys up to D 128, 64 at D 256) of one kv head; it walks the
+//    by_k_tile items of its tile for every q head of the GQA group, recomputing P^T and dS^T, and
+//    accumulates dV += P^T dO, dK += dS^T Q in registers (D <= 128: half of P^T / dS^T from registers, half
+//    from the warp pair's partner; D 256: all staged in shared memory).
 //  - Deterministic mode, no atomics on values: a dq kernel, one block = one q tile (128 rows; 64 for
 //    D 256) of one q head over the by_q_tile items, dQ += dS K, recomputing S and dP (7 GEMMs).
 //  - Default mode: the dk/dv kernel (kDq) also adds dQ += dS K for each chunk into an fp32 buffer with
@@ -58,10 +59,9 @@ __device__ __forceinline__ float load_delta(const BwdParams& prm, int row, int h
 template <int kD, bool kDq>
 struct DkdvConfig {
   static constexpr int kM = kDkdvTileQ;             // q rows per item chunk
-  static constexpr int kN = dkdv_tile_k(kD, kDq);  // keys per block
-  // D <= 128: one warp per 16 keys, each owns its keys end to end (P^T, dS^T stay in registers, one
-  // barrier per step). D 256: 8 warps, P^T and dS^T staged in shared memory, d columns split between warp
-  // halves.
+  static constexpr int kN = dkdv_tile_k(kD);  // keys per block
+  // D <= 128: one warp pair per 32 keys (see dkdv_register_tile). D 256: 8 warps, P^T and dS^T staged in
+  // shared memory, d columns split between warp halves.
   static constexpr bool kRegisterResident = kD <= 128;
   static constexpr int kWarps = kRegisterResident ? kN / 16 : 8;
   static constexpr int kThreads = kWarps * 32;
@@ -69,77 +69,91 @@ struct DkdvConfig {
   static constexpr int kSmemBytes = dkdv_smem_bytes(kD, kDq);  // laid out by the tile functions
 };
 
-// dQ += dS K for one 64-row chunk, added to p.dq_accum with atomics. dS^T ([kN keys][64 rows]) and K
-// ([kN][kD]) are in shared memory: `ds_t` addresses this thread's ldmatrix row of dS^T for keys [0, 16)
-// (the next 16 keys are kDsRowBytes * 16 further), `k_t` the K^T fragments with this warp's column offset
-// folded in. Warp w computes rows [16 (w % 4), +16) and columns [(w / 4) kCols, +kCols), 64 columns at a
-// time to bound live registers.
-template <class T, int kD, int kN, int kCols, int kDsRowBytes>
-__device__ __forceinline__ void accumulate_dq(const BwdParams& p, uint32_t ds_t, const FragAddr<kD>& k_t, int q0,
-                                              int head, int warp, int lane) {
+// dQ += dS K for one 64-row chunk, added to p.dq_accum with atomics. dS^T ([kN keys][64 rows], Swizzled<64>) and
+// K ([kN][kD]) are in shared memory: `ds_t[mt]` addresses this thread's ldmatrix row of dS^T for keys [0, 16)
+// and row tile mt (the next 16 keys are 16 rows further), `k_t` the K^T fragments with this warp's column
+// offset folded in. Warps form kRowGroups groups of kRowTiles 16-row tiles and kWarps / kRowGroups column
+// groups of kCols columns (squarer warp tiles read less shared memory per MMA), 64 columns at a time.
+template <class T, int kD, int kN, int kCols, int kRowTiles, int kRowGroups>
+__device__ __forceinline__ void accumulate_dq(const BwdParams& p, const uint32_t (&ds_t)[kRowTiles],
+                                              const FragAddr<kD>& k_t, int q0, int head, int warp, int lane) {
   constexpr int kChunk = kCols < 64 ? kCols : 64;
+  constexpr int kDsRowBytes = kDkdvTileQ * 2;
+  const int col_group = warp / kRowGroups;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Hopper's vector atomics: lanes 2j and 2j + 1 trade halves so that each adds 4 consecutive columns (the
   // even lane of column block i, the odd lane of block i + 1): a quarter of the ops.
   const bool odd = lane & 1;
-  const int lane_col = (warp / 4) * kCols + (odd ? 8 : 0) + ((lane % 4) & 2) * 2;
+  const int lane_col = col_group * kCols + (odd ? 8 : 0) + ((lane % 4) & 2) * 2;
 #else
-  const int lane_col = (warp / 4) * kCols + (lane % 4) * 2;
+  const int lane_col = col_group * kCols + (lane % 4) * 2;
 #endif
   // The chunk's base is uniform over the block and a lane's rows lie within 64 rows of it (32-bit offsets;
   // make_plan bounds Hq * D); each atomic then addresses a row pointer + a compile-time immediate.
   float* const chunk = p.dq_accum + (int64_t{q0} * p.hq + head) * p.d;
-  const int row0 = (warp % 4) * 16 + lane / 4;
-  float* row_ptr[2];
-  bool row_valid[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    row_valid[r] = q0 + row0 + r * 8 < p.tq;  // no early exit: the whole warp shuffles below
-    row_ptr[r] = chunk + ((row0 + r * 8) * p.hq * p.d + lane_col);
-  }
+  const int row0 = (warp % kRowGroups) * 16 * kRowTiles + lane / 4;  // + 16 mt + 8 r
 #pragma unroll
   for (int c = 0; c < kCols / kChunk; ++c) {
-    float acc[kChunk / 8][4];
+    float acc[kRowTiles][kChunk / 8][4];
 #pragma unroll
-    for (int i = 0; i < kChunk / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    for (int mt = 0; mt < kRowTiles; ++mt)
+#pragma unroll
+      for (int i = 0; i < kChunk / 8; ++i) acc[mt][i][0] = acc[mt][i][1] = acc[mt][i][2] = acc[mt][i][3] = 0.0f;
 #pragma unroll
     for (int kk = 0; kk < kN / 16; ++kk) {
-      uint32_t a[4];
-      ldmatrix_x4_trans(a, ds_t + kk * 16 * kDsRowBytes);
+      uint32_t a[kRowTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kRowTiles; ++mt) ldmatrix_x4_trans(a[mt], ds_t[mt] + kk * 16 * kDsRowBytes);
 #pragma unroll
       for (int dp = 0; dp < kChunk / 16; ++dp) {
         uint32_t b[4];
         ldmatrix_x4_trans(b, k_t.at(kk * 16, c * (kChunk / 16) + dp));
-        Mma<T>::run(acc[2 * dp], a, b[0], b[1]);
-        Mma<T>::run(acc[2 * dp + 1], a, b[2], b[3]);
-      }
-    }
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#pragma unroll
-      for (int i = 0; i < kChunk / 8; i += 2) {
-        const float give0 = odd ? acc[i][2 * r] : acc[i + 1][2 * r];
-        const float give1 = odd ? acc[i][2 * r + 1] : acc[i + 1][2 * r + 1];
-        const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1);
-        const float got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
-        const float4 v = odd ? make_float4(got0, got1, acc[i + 1][2 * r], acc[i + 1][2 * r + 1])
-                             : make_float4(acc[i][2 * r], acc[i][2 * r + 1], got0, got1);
-        const int offset = c * kChunk + i * 8;
-        red_add_v4(row_ptr[r] + offset, v, row_valid[r] && lane_col + offset < p.d);
-      }
-#else
-#pragma unroll
-      for (int i = 0; i < kChunk / 8; ++i) {
-        const int offset = c * kChunk + i * 8;
-        if (row_valid[r] && lane_col + offset < p.d) {
-          atomicAdd(row_ptr[r] + offset, acc[i][2 * r]);
-          atomicAdd(row_ptr[r] + offset + 1, acc[i][2 * r + 1]);
+        for (int mt = 0; mt < kRowTiles; ++mt) {
+          Mma<T>::run(acc[mt][2 * dp], a[mt], b[0], b[1]);
+          Mma<T>::run(acc[mt][2 * dp + 1], a[mt], b[2], b[3]);
         }
       }
+    }
+#pragma unroll
+    for (int mt = 0; mt < kRowTiles; ++mt) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = row0 + mt * 16 + r * 8;
+        const bool row_valid = q0 + row < p.tq;  // no early exit: the whole warp shuffles below
+        float* const row_ptr = chunk + (row * p.hq * p.d + lane_col);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#pragma unroll
+        for (int i = 0; i < kChunk / 8; i += 2) {
+          const float give0 = odd ? acc[mt][i][2 * r] : acc[mt][i + 1][2 * r];
+          const float give1 = odd ? acc[mt][i][2 * r + 1] : acc[mt][i + 1][2 * r + 1];
+          const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1);
+          const float got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
+          const float4 v = odd ? make_float4(got0, got1, acc[mt][i + 1][2 * r], acc[mt][i + 1][2 * r + 1])
+                               : make_float4(acc[mt][i][2 * r], acc[mt][i][2 * r + 1], got0, got1);
+          const int offset = c * kChunk + i * 8;
+          red_add_v4(row_ptr + offset, v, row_valid && lane_col + offset < p.d);
+        }
+#else
+#pragma unroll
+        for (int i = 0; i < kChunk / 8; ++i) {
+          const int offset = c * kChunk + i * 8;
+          if (row_valid && lane_col + offset < p.d) {
+            atomicAdd(row_ptr + offset, acc[mt][i][2 * r]);
+            atomicAdd(row_ptr + offset + 1, acc[mt][i][2 * r + 1]);
+          }
+        }
 #endif
+      }
     }
   }
+}
+
+// This thread's ldmatrix row of a Swizzled<64> dS^T tile, for dS row tile `row_tile` (16 rows) as the A operand
+// of dQ += dS K (transposed load: lanes supply keys).
+__device__ __forceinline__ uint32_t ds_t_address(uint32_t ds_tile, int row_tile, int lane) {
+  const int key = (lane % 8) + (lane / 16) * 8;
+  return ds_tile + Swizzled<kDkdvTileQ>::offset(key, (row_tile * 2 + (lane / 8) % 2) * 8);
 }
 
 // Rows (q) that a work item keeps for key k: the transpose of item_keys, via kept_queries' bounds.
@@ -151,14 +165,20 @@ __device__ __forceinline__ KeyInterval item_queries(const WorkItem& w, int k) {
   return {lo, hi};
 }
 
-// dk/dv for D <= 128: each warp owns 16 keys; S^T and dP^T come out of the tensor cores in the
-// layout of the A operand of dV += P^T dO and dK += dS^T Q, so P^T and dS^T never leave registers.
+// dk/dv for D <= 128. Warp pairs own 32 keys: in phase 1 each warp of a pair computes S^T and dP^T for the
+// pair's keys and its half of the chunk's rows, so P^T and dS^T come out of the tensor cores already in the
+// layout of the A operand of dV += P^T dO and dK += dS^T Q; in phase 2 each warp accumulates dK, dV for the
+// pair's keys and its half of the d columns, over its own rows (A from registers) and then, after a pair
+// barrier, over the partner's rows (A from shared memory). Against one warp per 16 keys x all rows, each warp
+// reads half of Q and dO per GEMM instead of all of it: the kernel was bound by shared-memory reads.
 template <class T, int kD, bool kDq>
 __device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linear, unsigned char* smem) {
   using Cfg = DkdvConfig<kD, kDq>;
   constexpr int kM = Cfg::kM, kN = Cfg::kN, kThreads = Cfg::kThreads, kStages = Cfg::kStages;
   constexpr int kDSteps = kD / 16;
-  constexpr int kQBlocks = kM / 8;  // 8-wide q column blocks of S^T
+  constexpr int kHalfD = kD / 2;
+  constexpr int kRows = kM / 2;  // a warp's rows in phase 1
+  static_assert(kM == kDkdvTileQ && kRows == 32, "phase 1 covers 32 keys x 32 rows per warp");
 
   const uint32_t sK = smem_addr(smem);
   const uint32_t sV = sK + kN * kD * 2;
@@ -166,13 +186,15 @@ __device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linea
   const uint32_t sdO0 = sQ0 + kStages * kM * kD * 2;  // [stage][kM][kD]
   float* const sLse = reinterpret_cast<float*>(smem + (sdO0 + kStages * kM * kD * 2 - sK));  // [stage][kM]
   float* const sDelta = sLse + kStages * kM;                                                // [stage][kM]
-  // kDq: dS^T as [2][kN][kM + 8] (padded rows: the stores and the ldmatrix reads are conflict-free, and
-  // every address is one register + an immediate). Chunk i's dS^T goes to buffer i % 2; its dQ += dS K runs
-  // at the end of iteration i + 1, after the barrier that iteration starts with, overlapping other warps'
-  // work; no barrier of its own.
-  constexpr int kDsRowBytes = (kM + 8) * 2;
-  constexpr uint32_t kDsBytes = kN * kDsRowBytes;
-  const uint32_t sdS = smem_addr(sDelta + kStages * kM);
+  // P^T and dS^T ([kN keys][kM rows], Swizzled<kM>). kDq: two dS^T buffers, chunk i's in buffer i % 2: its
+  // dQ += dS K runs at the end of iteration i + 1, after the barrier that iteration starts with.
+  constexpr uint32_t kPdsBytes = kN * kM * 2;
+  const uint32_t sP = smem_addr(sDelta + kStages * kM);
+  const uint32_t sdS = sP + kPdsBytes;
+  auto ds_buffer = [&](int it) { return sdS + (kDq ? (it & 1) * kPdsBytes : 0u); };
+  // Each stage's work item arrives with its Q/dO (cp.async) and is read from shared memory where used: items
+  // held in registers across iterations cost ~20 of them.
+  const WorkItem* const sItem = reinterpret_cast<const WorkItem*>(smem + (sdS + (kDq ? 2 : 1) * kPdsBytes - sK));
 
   const int tile = p.list.order[linear / p.hkv];
   const int kv_head = linear % p.hkv;
@@ -180,7 +202,8 @@ __device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linea
   const int k_base = tile * kN;
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid / 32, lane = tid % 32;
-  const int my_key0 = k_base + warp * 16 + lane / 4;  // and + 8
+  const int pair = warp / 2, half = warp % 2;  // keys [32 pair, +32); rows [32 half, +32); d [half kD/2, +kD/2)
+  const int my_key0 = k_base + pair * 32 + lane / 4;  // + 16 mt + 8 r
 
   const int64_t q_stride = int64_t{p.hq} * p.d;
   const int64_t kv_stride = int64_t{p.hkv} * p.d;
@@ -196,8 +219,8 @@ __device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linea
   const int count = p.list.offsets[tile + 1] - first;
   const int total = count * group;
   // Iteration i is item i % count of q head kv_head * group + i / count; cursors step through that order
-  // (no division in the loop): `load` is the iteration whose Q/dO are issued next, `fetch` the one whose
-  // item is read from global memory next (two ahead).
+  // (no division in the loop): `load` is the iteration whose loads are issued next, `fetch` the one whose
+  // q0 is read from global memory next (two ahead).
   struct Cursor {
     int pos, head;
     __device__ __forceinline__ void advance(int count) {
@@ -206,178 +229,228 @@ __device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linea
   };
   Cursor load{0, kv_head * group}, fetch{0, kv_head * group};
   const TileLoader<kM, kD, kThreads> qo_loader(q_stride, p.d);
-  auto issue_loads = [&](const WorkItem& w, int head, int stage) {
-    const int q0 = (w.q0 / kM) * kM;
-    const int64_t offset = q0 * q_stride + int64_t{head} * p.d;
+  auto issue_loads = [&](int q0, int stage) {
+    const int64_t offset = q0 * q_stride + int64_t{load.head} * p.d;
     qo_loader.issue(sQ0 + stage * kM * kD * 2, q_tensor + offset, q_stride, p.tq - q0, q_tensor);
     qo_loader.issue(sdO0 + stage * kM * kD * 2, dout_tensor + offset, q_stride, p.tq - q0, dout_tensor);
     if (tid < 2 * kM / 4) {  // 16-byte chunks: first lse2, then Delta
       const bool is_lse = tid < kM / 4;
       const int chunk = is_lse ? tid : tid - kM / 4;
-      const float* src = (is_lse ? p.lse2 : p.delta) + int64_t{head} * p.tq_pad + q0 + chunk * 4;
+      const float* src = (is_lse ? p.lse2 : p.delta) + int64_t{load.head} * p.tq_pad + q0 + chunk * 4;
       const float* dst = (is_lse ? sLse : sDelta) + stage * kM + chunk * 4;
       cp_async16(smem_addr(dst), src, true);
+    } else if (tid < 2 * kM / 4 + 2) {  // the item, in two 16-byte halves
+      const int half_item = tid - 2 * kM / 4;
+      cp_async16(smem_addr(sItem + stage) + half_item * 16,
+                 reinterpret_cast<const char*>(p.list.items + first + load.pos) + half_item * 16, true);
     }
-  };
-  auto fetch_item = [&]() {
-    const WorkItem w = p.list.items[first + fetch.pos];
-    fetch.advance(count);
-    return w;
-  };
-  WorkItem current{}, next{};
-  if (total > 0) {
-    current = fetch_item();
-    next = total > 1 ? fetch_item() : current;
-    issue_loads(current, load.head, 0);
     load.advance(count);
+  };
+  auto fetch_q0 = [&]() {
+    const int q0 = (p.list.items[first + fetch.pos].q0 / kM) * kM;
+    fetch.advance(count);
+    return q0;
+  };
+  int next_q0 = 0;  // the chunk of iteration it + 1
+  if (total > 0) {
+    issue_loads(fetch_q0(), 0);
+    if (total > 1) next_q0 = fetch_q0();
   }
   cp_async_commit();
 
-  float dk[kD / 8][4], dv[kD / 8][4];
+  float dk[2][kHalfD / 8][4], dv[2][kHalfD / 8][4];  // [key tile][8-column block]
 #pragma unroll
-  for (int i = 0; i < kD / 8; ++i)
+  for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.0f;
+    for (int i = 0; i < kHalfD / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dk[mt][i][e] = dv[mt][i][e] = 0.0f;
 
-  const FragAddr<kD> kv_a(sK, warp * 16 + (lane % 16), lane / 16);                  // A: K, V rows
-  const FragAddr<kD> qo_b(sQ0, (lane % 8) + (lane / 16) * 8, (lane / 8) % 2);        // B: Q, dO rows
-  const FragAddr<kD> qo_t(sQ0, (lane % 8) + ((lane / 8) % 2) * 8, lane / 16);        // B^T: Q, dO
+  const FragAddr<kD> kv_a(sK, pair * 32 + (lane % 16), lane / 16);                            // A: K, V rows
+  const FragAddr<kD> qo_b(sQ0, half * kRows + (lane % 8) + (lane / 16) * 8, (lane / 8) % 2);  // B: Q, dO rows
+  // B^T: Q, dO rows of this warp's half (the partner's are kRows rows away), this warp's d columns.
+  const FragAddr<kD> qo_t(sQ0, half * kRows + (lane % 8) + ((lane / 8) % 2) * 8, half * (kHalfD / 8) + lane / 16);
+  const uint32_t partner_rows = half ? -uint32_t{kRows * kD * 2} : uint32_t{kRows * kD * 2};
+  // A: the partner's P^T / dS^T (its rows, the pair's keys).
+  const FragAddr<kM> pds_a(sP, pair * 32 + (lane % 16), (1 - half) * (kRows / 8) + lane / 16);
   constexpr uint32_t kKV = kN * kD * 2;            // sV - sK
   constexpr uint32_t kQO = kStages * kM * kD * 2;  // sdO - sQ
-  const uint32_t ds_store = sdS + (warp * 16 + lane / 4) * kDsRowBytes + (lane % 4) * 4;
-  const uint32_t ds_load = sdS + ((lane % 8) + (lane / 16) * 8) * kDsRowBytes + ((warp % 4) * 2 + (lane / 8) % 2) * 16;
-  // dQ: warps split the chunk's 4 row blocks x (kWarps / 4) column groups.
-  constexpr int kDqCols = kD / (Cfg::kWarps / 4);
-  const FragAddr<kD> k_t(sK, lane % 16, (warp / 4) * (kDqCols / 8) + lane / 16);  // B^T: K rows = keys
+  // This thread's P^T / dS^T stores: key pair * 32 + lane / 4 (+ 16 mt, + 8), row chunk 4 half + nb.
+  const uint32_t pds_store = sP + (pair * 32 + lane / 4) * kM * 2 + (lane % 4) * 4;
+  const int pds_chunk = (half * 4) ^ (lane / 4);  // ^ nb: the swizzled chunk of 8-row block nb
+  // dQ: warps split the chunk's rows into kDqRowGroups groups and the columns into the rest.
+  constexpr int kDqRowTiles = kD >= 128 ? 2 : 1;
+  constexpr int kDqRowGroups = 4 / kDqRowTiles;
+  constexpr int kDqCols = kD / (Cfg::kWarps / kDqRowGroups);
+  const FragAddr<kD> k_t(sK, lane % 16, (warp / kDqRowGroups) * (kDqCols / 8) + lane / 16);  // B^T: K rows = keys
+  uint32_t ds_t[kDqRowTiles];
+#pragma unroll
+  for (int mt = 0; mt < kDqRowTiles; ++mt) ds_t[mt] = ds_t_address(0, (warp % kDqRowGroups) * kDqRowTiles + mt, lane);
   int prev_q0 = 0, prev_head = 0;  // kDq: the chunk whose dQ is pending
 
+  static_assert(kStages == 2, "the next chunk's loads overlap this one's work");
   for (int it = 0; it < total; ++it) {
-    const int stage = kStages == 2 ? it & 1 : 0;
-    const WorkItem w = current;
-    const int q0 = (w.q0 / kM) * kM;
+    const int stage = it & 1;
     [[maybe_unused]] const int head = load.pos == 0 ? load.head - 1 : load.head;  // `load` is one ahead
     cp_async_wait<0>();
     __syncthreads();
-    if (kStages == 2 && it + 1 < total) {
-      issue_loads(next, load.head, (it + 1) & 1);
-      load.advance(count);
-    }
+    const WorkItem& w = sItem[stage];
+    const int q0 = (w.q0 / kM) * kM;
+    if (it + 1 < total) issue_loads(next_q0, stage ^ 1);
     cp_async_commit();
-    const WorkItem after_next = it + 2 < total ? fetch_item() : next;
+    if (it + 2 < total) next_q0 = fetch_q0();
     const uint32_t stage_offset = stage * kM * kD * 2;
 
-    // S^T = K Q^T and dP^T = V dO^T: this warp's 16 keys x all kM rows.
-    float st[kQBlocks][4], dpt[kQBlocks][4];
+    // Phase 1: S^T = K Q^T, then dP^T = V dO^T: the pair's 32 keys x this warp's 32 rows (one operand pair
+    // at a time keeps the live fragments to 12 registers).
+    float st[2][kRows / 8][4], dpt[2][kRows / 8][4];  // [key tile][8-row block]
 #pragma unroll
-    for (int i = 0; i < kQBlocks; ++i)
+    for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) st[i][e] = dpt[i][e] = 0.0f;
+      for (int i = 0; i < kRows / 8; ++i)
 #pragma unroll
-    for (int ks = 0; ks < kDSteps; ++ks) {
-      uint32_t ak[4], av[4];
-      const uint32_t a_addr = kv_a.at(0, ks);
-      ldmatrix_x4(ak, a_addr);
-      ldmatrix_x4(av, a_addr + kKV);
+        for (int e = 0; e < 4; ++e) st[mt][i][e] = dpt[mt][i][e] = 0.0f;
+    auto gemm_t = [&](float (&acc)[2][kRows / 8][4], uint32_t a_offset, uint32_t b_offset) {
 #pragma unroll
-      for (int nb = 0; nb < kM / 16; ++nb) {
-        const uint32_t b_addr = qo_b.at(nb * 16, ks) + stage_offset;
-        uint32_t bq[4], bo[4];
-        ldmatrix_x4(bq, b_addr);
-        ldmatrix_x4(bo, b_addr + kQO);
-        Mma<T>::run(st[2 * nb], ak, bq[0], bq[1]);
-        Mma<T>::run(st[2 * nb + 1], ak, bq[2], bq[3]);
-        Mma<T>::run(dpt[2 * nb], av, bo[0], bo[1]);
-        Mma<T>::run(dpt[2 * nb + 1], av, bo[2], bo[3]);
+      for (int ks = 0; ks < kDSteps; ++ks) {
+        uint32_t a[2][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) ldmatrix_x4(a[mt], kv_a.at(mt * 16, ks) + a_offset);
+#pragma unroll
+        for (int nb = 0; nb < kRows / 16; ++nb) {
+          uint32_t b[4];
+          ldmatrix_x4(b, qo_b.at(nb * 16, ks) + b_offset);
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) {
+            Mma<T>::run(acc[mt][2 * nb], a[mt], b[0], b[1]);
+            Mma<T>::run(acc[mt][2 * nb + 1], a[mt], b[2], b[3]);
+          }
+        }
       }
-    }
+    };
+    gemm_t(st, 0, stage_offset);
+    gemm_t(dpt, kKV, stage_offset + kQO);
 
-    // P^T and dS^T, packed straight into A fragments (rows = keys, k index = q). Only warps that the plan marks
-    // (their 16 keys keep part of the chunk's rows) take the per-cell test; kept rows are tested relative to q0.
-    const bool masked = (w.flags >> (kWorkTestGroupShift + warp)) & 1;
-    KeyInterval rows[2] = {{0, 1 << 30}, {0, 1 << 30}};
+    // P^T and dS^T, packed straight into A fragments (rows = keys, k index = q) and stored for the partner (and
+    // for dQ). Only warps whose keys the plan marks (they keep part of the chunk's rows) take the per-cell test;
+    // kept rows are tested relative to q0.
+    const bool masked = (w.flags >> (kWorkTestGroupShift + 2 * pair)) & 3;
+    KeyInterval rows[2][2] = {{{0, 1 << 30}, {0, 1 << 30}}, {{0, 1 << 30}, {0, 1 << 30}}};
     if (masked) {
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        rows[r] = item_queries(w, my_key0 + r * 8);
-        rows[r].lo -= q0, rows[r].hi -= q0;
-      }
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          rows[mt][r] = item_queries(w, my_key0 + mt * 16 + r * 8);
+          rows[mt][r].lo -= q0, rows[mt][r].hi -= q0;
+        }
     }
-    uint32_t a_p[kM / 16][4], a_ds[kM / 16][4];
+    uint32_t a_p[kRows / 16][2][4], a_ds[kRows / 16][2][4];  // [16-row step][key tile]
+    const uint32_t ds_store = pds_store + (ds_buffer(it) - sP);
     with_softcap(p, [&](auto softcap) {
       with_bool(masked, [&](auto is_masked) {
 #pragma unroll
-        for (int nb = 0; nb < kQBlocks; ++nb) {
-          const int col0 = nb * 8 + (lane % 4) * 2;
+        for (int nb = 0; nb < kRows / 8; ++nb) {
+          const int col0 = half * kRows + nb * 8 + (lane % 4) * 2;
           const float2 lse2 = *reinterpret_cast<const float2*>(sLse + stage * kM + col0);
           const float2 delta = *reinterpret_cast<const float2*>(sDelta + stage * kM + col0);
-          float pv[4], dsv[4];
+          const uint32_t chunk = static_cast<uint32_t>(pds_chunk ^ nb) * 16;
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const bool kept = decltype(is_masked)::value ? rows[e / 2].contains(col0 + (e % 2)) : true;
-            const BwdCell c = bwd_cell<decltype(softcap)::value>(p, st[nb][e], dpt[nb][e], e % 2 ? lse2.y : lse2.x,
-                                                                 e % 2 ? delta.y : delta.x, kept);
-            pv[e] = c.p;
-            dsv[e] = c.ds;
-          }
-          const int t = nb / 2, half = (nb % 2) * 2;  // n-block 2t -> regs 0,1; 2t + 1 -> regs 2,3
-          a_p[t][half] = Mma<T>::pack(pv[0], pv[1]);
-          a_p[t][half + 1] = Mma<T>::pack(pv[2], pv[3]);
-          a_ds[t][half] = Mma<T>::pack(dsv[0], dsv[1]);
-          a_ds[t][half + 1] = Mma<T>::pack(dsv[2], dsv[3]);
-          if constexpr (kDq) {  // dS^T for dQ += dS K in the next iteration
-            const uint32_t at = ds_store + (it & 1) * kDsBytes + nb * 16;
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(a_ds[t][half]));
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at + 8 * kDsRowBytes), "r"(a_ds[t][half + 1]));
+          for (int mt = 0; mt < 2; ++mt) {
+            float pv[4], dsv[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const bool kept = decltype(is_masked)::value ? rows[mt][e / 2].contains(col0 + (e % 2)) : true;
+              const BwdCell c = bwd_cell<decltype(softcap)::value>(p, st[mt][nb][e], dpt[mt][nb][e],
+                                                                   e % 2 ? lse2.y : lse2.x, e % 2 ? delta.y : delta.x,
+                                                                   kept);
+              pv[e] = c.p;
+              dsv[e] = c.ds;
+            }
+            const int t = nb / 2, hi = (nb % 2) * 2;  // 8-row block 2t -> regs 0,1; 2t + 1 -> regs 2,3
+            a_p[t][mt][hi] = Mma<T>::pack(pv[0], pv[1]);
+            a_p[t][mt][hi + 1] = Mma<T>::pack(pv[2], pv[3]);
+            a_ds[t][mt][hi] = Mma<T>::pack(dsv[0], dsv[1]);
+            a_ds[t][mt][hi + 1] = Mma<T>::pack(dsv[2], dsv[3]);
+            const uint32_t at = mt * 16 * kM * 2 + chunk;
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(pds_store + at), "r"(a_p[t][mt][hi]));
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(pds_store + at + 8 * kM * 2), "r"(a_p[t][mt][hi + 1]));
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_store + at), "r"(a_ds[t][mt][hi]));
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_store + at + 8 * kM * 2), "r"(a_ds[t][mt][hi + 1]));
           }
         }
       });
     });
 
-    // dV += P^T dO, dK += dS^T Q.
+    // Phase 2: dV += P^T dO, dK += dS^T Q for the pair's keys and this warp's d columns; 16 rows per step.
+    auto gemm_2 = [&](const uint32_t (&ap)[2][4], const uint32_t (&ads)[2][4], uint32_t b_rows) {
 #pragma unroll
-    for (int t = 0; t < kM / 16; ++t) {
-#pragma unroll
-      for (int dp = 0; dp < kD / 16; ++dp) {
-        const uint32_t b_addr = qo_t.at(t * 16, dp) + stage_offset;
+      for (int dp = 0; dp < kHalfD / 16; ++dp) {
+        const uint32_t b_addr = qo_t.at(0, dp) + stage_offset + b_rows;
         uint32_t bo[4], bq[4];
         ldmatrix_x4_trans(bo, b_addr + kQO);
         ldmatrix_x4_trans(bq, b_addr);
-        Mma<T>::run(dv[2 * dp], a_p[t], bo[0], bo[1]);
-        Mma<T>::run(dv[2 * dp + 1], a_p[t], bo[2], bo[3]);
-        Mma<T>::run(dk[2 * dp], a_ds[t], bq[0], bq[1]);
-        Mma<T>::run(dk[2 * dp + 1], a_ds[t], bq[2], bq[3]);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          Mma<T>::run(dv[mt][2 * dp], ap[mt], bo[0], bo[1]);
+          Mma<T>::run(dv[mt][2 * dp + 1], ap[mt], bo[2], bo[3]);
+          Mma<T>::run(dk[mt][2 * dp], ads[mt], bq[0], bq[1]);
+          Mma<T>::run(dk[mt][2 * dp + 1], ads[mt], bq[2], bq[3]);
+        }
       }
+    };
+#pragma unroll
+    for (int t = 0; t < kRows / 16; ++t) gemm_2(a_p[t], a_ds[t], t * 16 * kD * 2);
+    // The partner's P^T / dS^T: its stores above are visible after the pair's barrier (ids 1.. ; 0 is
+    // __syncthreads').
+    asm volatile("bar.sync %0, 64;\n" ::"r"(1 + pair) : "memory");
+#pragma unroll
+    for (int t = 0; t < kRows / 16; ++t) {
+      uint32_t ap[2][4], ads[2][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        const uint32_t a_addr = pds_a.at(mt * 16, t);
+        ldmatrix_x4(ap[mt], a_addr);
+        ldmatrix_x4(ads[mt], a_addr + (ds_buffer(it) - sP));
+      }
+      gemm_2(ap, ads, partner_rows + t * 16 * kD * 2);
     }
     if constexpr (kDq) {
-      if (it > 0)
-        accumulate_dq<T, kD, kN, kDqCols, kDsRowBytes>(p, ds_load + ((it - 1) & 1) * kDsBytes, k_t, prev_q0, prev_head,
-                                                       warp, lane);
+      if (it > 0) {
+        uint32_t ds_prev[kDqRowTiles];
+#pragma unroll
+        for (int mt = 0; mt < kDqRowTiles; ++mt) ds_prev[mt] = ds_t[mt] + ds_buffer(it - 1);
+        accumulate_dq<T, kD, kN, kDqCols, kDqRowTiles, kDqRowGroups>(p, ds_prev, k_t, prev_q0, prev_head, warp, lane);
+      }
       prev_q0 = q0;
       prev_head = head;
     }
-    current = next;
-    next = after_next;
   }
   cp_async_wait<0>();
   if constexpr (kDq) {
     if (total > 0) {
       __syncthreads();  // the last chunk's dS^T is staged
-      accumulate_dq<T, kD, kN, kDqCols, kDsRowBytes>(p, ds_load + ((total - 1) & 1) * kDsBytes, k_t, prev_q0,
-                                                     prev_head, warp, lane);
+      uint32_t ds_last[kDqRowTiles];
+#pragma unroll
+      for (int mt = 0; mt < kDqRowTiles; ++mt) ds_last[mt] = ds_t[mt] + ds_buffer(total - 1);
+      accumulate_dq<T, kD, kN, kDqCols, kDqRowTiles, kDqRowGroups>(p, ds_last, k_t, prev_q0, prev_head, warp, lane);
     }
   }
 
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int key = my_key0 + r * 8;
-    if (key >= p.tk) continue;
-    const int64_t base = key * kv_stride + int64_t{kv_head} * p.d;
+  for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
-    for (int i = 0; i < kD / 8; ++i) {
-      const int col = i * 8 + (lane % 4) * 2;
-      if (col < p.d) {
-        store_pair<T>(p.dk, base + col, dk[i][2 * r], dk[i][2 * r + 1], p.grad_fp32);
-        store_pair<T>(p.dv, base + col, dv[i][2 * r], dv[i][2 * r + 1], p.dv_fp32);
+    for (int r = 0; r < 2; ++r) {
+      const int key = my_key0 + mt * 16 + r * 8;
+      if (key >= p.tk) continue;
+      const int64_t base = key * kv_stride + int64_t{kv_head} * p.d;
+#pragma unroll
+      for (int i = 0; i < kHalfD / 8; ++i) {
+        const int col = half * kHalfD + i * 8 + (lane % 4) * 2;
+        if (col < p.d) {
+          store_pair<T>(p.dk, base + col, dk[mt][i][2 * r], dk[mt][i][2 * r + 1], p.grad_fp32);
+          store_pair<T>(p.dv, base + col, dv[mt][i][2 * r], dv[mt][i][2 * r + 1], p.dv_fp32);
+        }
       }
     }
   }
@@ -551,10 +624,8 @@ __device__ __forceinline__ void dkdv_staged_tile(const BwdParams& p, int linear,
     if constexpr (kDq) {
       FragAddr<kD> k_t = qo_t;  // same pattern (and column half) as the Q/dO B^T fragments, over K
       k_t.base = qo_t.base - (sQ0 - sK);
-      // dS^T is Swizzled<kM>: with the row's XOR fixed by lane % 8, each 16 keys are 16 rows further.
-      const uint32_t ds_load = sdS + ((lane % 8) + (lane / 16) * 8) * kM * 2 +
-                               ((((warp % 4) * 2 + (lane / 8) % 2)) ^ (lane % 8)) * 16;
-      accumulate_dq<T, kD, kN, kHalfD, kM * 2>(p, ds_load, k_t, q0, kv_head * group + it / count, warp, lane);
+      const uint32_t ds_t[1] = {ds_t_address(sdS, warp % 4, lane)};
+      accumulate_dq<T, kD, kN, kHalfD, 1, 4>(p, ds_t, k_t, q0, kv_head * group + it / count, warp, lane);
     }
     if (kStages == 1) {
       __syncthreads();

@@ -57,27 +57,22 @@ constexpr bool prefer_small_forward_tile(double large_tile_cells, double small_t
 #define MAGI_CUDA_FWD_TILE_K 64
 #endif
 constexpr int fwd_tile_k(int padded_head_dim) { return padded_head_dim <= 128 ? MAGI_CUDA_FWD_TILE_K : 32; }
-// Backward: dk/dv blocks of 64 keys x 64-row q chunks; dq blocks of 4 warps. The default (dq by atomics)
-// dk/dv kernel takes 128 keys per block up to D 128: each chunk's dQ atomics then cover twice the keys
-// (half the atomic traffic of 64-key tiles).
-constexpr int kDkdvTileK = 64;
+// Backward: dk/dv blocks of 128 keys x 64-row q chunks up to D 128 (4 warp pairs; each chunk's dQ atomics
+// cover 128 keys: half the atomic traffic of 64-key tiles, measured 271 vs 203 bwd TFLOP/s on the H100), 64 keys
+// at D 256 (register budget); dq blocks of 4 warps.
 constexpr int kDkdvTileQ = 64;
-#ifndef MAGI_CUDA_FUSED_DKDV_TILE_K  // build-time override for experiments (64 or 128)
-#define MAGI_CUDA_FUSED_DKDV_TILE_K 128
-#endif
-constexpr int dkdv_tile_k(int padded_head_dim, bool dq_atomics) {
-  return dq_atomics && padded_head_dim <= 128 ? MAGI_CUDA_FUSED_DKDV_TILE_K : kDkdvTileK;
-}
-// Shared memory of the dk/dv kernel: K, V; Q, dO (double-buffered up to D 128); lse2, Delta; P^T, dS^T
-// staged (D 256) or, with dq atomics up to D 128, two padded dS^T buffers. The host checks it against the
-// device's limit (the dq-atomics kernel needs ~165 KB at D 128; smaller parts take the two-kernel path).
+constexpr int dkdv_tile_k(int padded_head_dim) { return padded_head_dim <= 128 ? 128 : 64; }
+// Shared memory of the dk/dv kernel: K, V; Q, dO (double-buffered up to D 128); lse2, Delta; P^T and dS^T
+// (with dq atomics up to D 128, two dS^T buffers); up to D 128 the stages' work items (32 bytes each). The
+// host checks it against the device's limit (the dq-atomics kernel needs ~177 KB at D 128; smaller parts
+// take the two-kernel path).
 constexpr int dkdv_smem_bytes(int padded_head_dim, bool dq_atomics) {
-  const int d = padded_head_dim, n = dkdv_tile_k(d, dq_atomics), m = kDkdvTileQ;
+  const int d = padded_head_dim, n = dkdv_tile_k(d), m = kDkdvTileQ;
   const bool register_resident = d <= 128;
   const int stages = register_resident ? 2 : 1;
-  const int staged_pds = register_resident ? 0 : 2 * n * m;
-  const int ds_buffers = dq_atomics && register_resident ? 2 * n * (m + 8) : 0;
-  return (2 * n * d + stages * 2 * m * d + staged_pds + ds_buffers) * 2 + stages * 2 * m * 4;
+  const int pds_tiles = dq_atomics && register_resident ? 3 : 2;
+  return (2 * n * d + stages * 2 * m * d + pds_tiles * n * m) * 2 + stages * 2 * m * 4 +
+         (register_resident ? stages * 32 : 0);
 }
 // dq: 128 rows (two m-tiles per warp) x 32 keys up to D 128 beat 64 x 64 (165 vs 159 bwd TFLOP/s, H200).
 constexpr int dq_tile_q(int padded_head_dim) { return padded_head_dim <= 128 ? 128 : 64; }
