@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -18,6 +19,7 @@
 #include <fstream>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/arguments.hpp"
@@ -91,6 +93,8 @@ std::vector<uint16_t> random_bf16(size_t n, uint64_t seed) {
   return out;
 }
 
+constexpr int kPauseMs = 300;
+
 double median(std::vector<float> v) {
   std::sort(v.begin(), v.end());
   return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
@@ -98,6 +102,11 @@ double median(std::vector<float> v) {
 
 template <class F>
 double time_ms(F&& fn, int reps, cudaStream_t stream) {
+  // An idle pause before each measurement: on the H100 the causal backward timed right after the full mask's
+  // deterministic backward (~0.4 s of heavy load) ran 15-20% slower than with this pause or in a fresh process
+  // (250-260 vs 306 TFLOP/s; the cause was not isolated), which made one case's load slow the next.
+  CHECK(cudaStreamSynchronize(stream));
+  std::this_thread::sleep_for(std::chrono::milliseconds(kPauseMs));
   for (int i = 0; i < 3; ++i) fn();
   CHECK(cudaStreamSynchronize(stream));
   std::vector<float> times;
