@@ -195,6 +195,7 @@ __device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linea
   // Each stage's work item arrives with its Q/dO (cp.async) and is read from shared memory where used: items
   // held in registers across iterations cost ~20 of them.
   const WorkItem* const sItem = reinterpret_cast<const WorkItem*>(smem + (sdS + (kDq ? 2 : 1) * kPdsBytes - sK));
+  static_assert(sizeof(WorkItem) == 32, "an item is two 16-byte copies (dkdv_smem_bytes counts 32 bytes a stage)");
 
   const int tile = p.list.order[linear / p.hkv];
   const int kv_head = linear % p.hkv;
