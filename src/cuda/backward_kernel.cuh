@@ -156,6 +156,41 @@ __device__ __forceinline__ uint32_t ds_t_address(uint32_t ds_tile, int row_tile,
   return ds_tile + Swizzled<kDkdvTileQ>::offset(key, (row_tile * 2 + (lane / 8) % 2) * 8);
 }
 
+// The lse2 and Delta rows of one kM-row chunk of one head into shared memory: threads [0, kM / 2) issue one
+// 16-byte copy each (first lse2, then Delta); the others return false.
+template <int kM>
+__device__ __forceinline__ bool load_row_stats_async(const BwdParams& p, int head, int q0, float* lse_stage,
+                                                     float* delta_stage, int tid) {
+  if (tid >= 2 * kM / 4) return false;
+  const bool is_lse = tid < kM / 4;
+  const int chunk = is_lse ? tid : tid - kM / 4;
+  const float* src = (is_lse ? p.lse2 : p.delta) + int64_t{head} * p.tq_pad + q0 + chunk * 4;
+  cp_async16(smem_addr((is_lse ? lse_stage : delta_stage) + chunk * 4), src, true);
+  return true;
+}
+
+// dK and dV of one 16-key m-tile (this thread's keys key0 and key0 + 8), columns col0 + [0, kCols) of the tile's
+// accumulator fragments, to global memory (rows beyond tk and columns beyond d are dropped).
+template <class T, int kCols>
+__device__ __forceinline__ void store_dkdv(const BwdParams& p, const float (&dk)[kCols / 8][4],
+                                           const float (&dv)[kCols / 8][4], int key0, int col0, int kv_head) {
+  const int64_t kv_stride = int64_t{p.hkv} * p.d;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = key0 + r * 8;
+    if (key >= p.tk) continue;
+    const int64_t base = key * kv_stride + int64_t{kv_head} * p.d;
+#pragma unroll
+    for (int i = 0; i < kCols / 8; ++i) {
+      const int col = col0 + i * 8;
+      if (col < p.d) {
+        store_pair<T>(p.dk, base + col, dk[i][2 * r], dk[i][2 * r + 1], p.grad_fp32);
+        store_pair<T>(p.dv, base + col, dv[i][2 * r], dv[i][2 * r + 1], p.dv_fp32);
+      }
+    }
+  }
+}
+
 // Rows (q) that a work item keeps for key k: the transpose of item_keys, via kept_queries' bounds.
 __device__ __forceinline__ KeyInterval item_queries(const WorkItem& w, int k) {
   int lo = w.q0, hi = w.q1;
@@ -234,16 +269,11 @@ __device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linea
     const int64_t offset = q0 * q_stride + int64_t{load.head} * p.d;
     qo_loader.issue(sQ0 + stage * kM * kD * 2, q_tensor + offset, q_stride, p.tq - q0, q_tensor);
     qo_loader.issue(sdO0 + stage * kM * kD * 2, dout_tensor + offset, q_stride, p.tq - q0, dout_tensor);
-    if (tid < 2 * kM / 4) {  // 16-byte chunks: first lse2, then Delta
-      const bool is_lse = tid < kM / 4;
-      const int chunk = is_lse ? tid : tid - kM / 4;
-      const float* src = (is_lse ? p.lse2 : p.delta) + int64_t{load.head} * p.tq_pad + q0 + chunk * 4;
-      const float* dst = (is_lse ? sLse : sDelta) + stage * kM + chunk * 4;
-      cp_async16(smem_addr(dst), src, true);
-    } else if (tid < 2 * kM / 4 + 2) {  // the item, in two 16-byte halves
-      const int half_item = tid - 2 * kM / 4;
-      cp_async16(smem_addr(sItem + stage) + half_item * 16,
-                 reinterpret_cast<const char*>(p.list.items + first + load.pos) + half_item * 16, true);
+    if (!load_row_stats_async<kM>(p, load.head, q0, sLse + stage * kM, sDelta + stage * kM, tid)) {
+      const int half_item = tid - 2 * kM / 4;  // the item, in two 16-byte halves
+      if (half_item < 2)
+        cp_async16(smem_addr(sItem + stage) + half_item * 16,
+                   reinterpret_cast<const char*>(p.list.items + first + load.pos) + half_item * 16, true);
     }
     load.advance(count);
   };
@@ -288,6 +318,12 @@ __device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linea
 #pragma unroll
   for (int mt = 0; mt < kDqRowTiles; ++mt) ds_t[mt] = ds_t_address(0, (warp % kDqRowGroups) * kDqRowTiles + mt, lane);
   int prev_q0 = 0, prev_head = 0;  // kDq: the chunk whose dQ is pending
+  auto pending_dq = [&](int chunk_iteration) {  // its dS^T is in ds_buffer(chunk_iteration)
+    uint32_t ds[kDqRowTiles];
+#pragma unroll
+    for (int mt = 0; mt < kDqRowTiles; ++mt) ds[mt] = ds_t[mt] + ds_buffer(chunk_iteration);
+    accumulate_dq<T, kD, kN, kDqCols, kDqRowTiles, kDqRowGroups>(p, ds, k_t, prev_q0, prev_head, warp, lane);
+  };
 
   static_assert(kStages == 2, "the next chunk's loads overlap this one's work");
   for (int it = 0; it < total; ++it) {
@@ -417,12 +453,7 @@ __device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linea
       gemm_2(ap, ads, partner_rows + t * 16 * kD * 2);
     }
     if constexpr (kDq) {
-      if (it > 0) {
-        uint32_t ds_prev[kDqRowTiles];
-#pragma unroll
-        for (int mt = 0; mt < kDqRowTiles; ++mt) ds_prev[mt] = ds_t[mt] + ds_buffer(it - 1);
-        accumulate_dq<T, kD, kN, kDqCols, kDqRowTiles, kDqRowGroups>(p, ds_prev, k_t, prev_q0, prev_head, warp, lane);
-      }
+      if (it > 0) pending_dq(it - 1);
       prev_q0 = q0;
       prev_head = head;
     }
@@ -431,30 +462,13 @@ __device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linea
   if constexpr (kDq) {
     if (total > 0) {
       __syncthreads();  // the last chunk's dS^T is staged
-      uint32_t ds_last[kDqRowTiles];
-#pragma unroll
-      for (int mt = 0; mt < kDqRowTiles; ++mt) ds_last[mt] = ds_t[mt] + ds_buffer(total - 1);
-      accumulate_dq<T, kD, kN, kDqCols, kDqRowTiles, kDqRowGroups>(p, ds_last, k_t, prev_q0, prev_head, warp, lane);
+      pending_dq(total - 1);
     }
   }
 
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int key = my_key0 + mt * 16 + r * 8;
-      if (key >= p.tk) continue;
-      const int64_t base = key * kv_stride + int64_t{kv_head} * p.d;
-#pragma unroll
-      for (int i = 0; i < kHalfD / 8; ++i) {
-        const int col = half * kHalfD + i * 8 + (lane % 4) * 2;
-        if (col < p.d) {
-          store_pair<T>(p.dk, base + col, dk[mt][i][2 * r], dk[mt][i][2 * r + 1], p.grad_fp32);
-          store_pair<T>(p.dv, base + col, dv[mt][i][2 * r], dv[mt][i][2 * r + 1], p.dv_fp32);
-        }
-      }
-    }
-  }
+  for (int mt = 0; mt < 2; ++mt)
+    store_dkdv<T, kHalfD>(p, dk[mt], dv[mt], my_key0 + mt * 16, half * kHalfD + (lane % 4) * 2, kv_head);
 }
 
 template <class T, int kD, bool kDq>
@@ -506,13 +520,7 @@ __device__ __forceinline__ void dkdv_staged_tile(const BwdParams& p, int linear,
     load_tile_async<kM, kD, kThreads>(sQ0 + stage * kM * kD * 2, q_tensor + offset, q_stride, p.tq - q0, p.d, q_tensor);
     load_tile_async<kM, kD, kThreads>(sdO0 + stage * kM * kD * 2, dout_tensor + offset, q_stride, p.tq - q0, p.d,
                                       dout_tensor);
-    if (tid < 2 * kM / 4) {  // 16-byte chunks: first lse2, then Delta
-      const bool is_lse = tid < kM / 4;
-      const int chunk = is_lse ? tid : tid - kM / 4;
-      const float* src = (is_lse ? p.lse2 : p.delta) + int64_t{head} * p.tq_pad + q0 + chunk * 4;
-      const float* dst = (is_lse ? sLse : sDelta) + stage * kM + chunk * 4;
-      cp_async16(smem_addr(dst), src, true);
-    }
+    load_row_stats_async<kM>(p, head, q0, sLse + stage * kM, sDelta + stage * kM, tid);
   };
   // Items are fetched one iteration ahead so that their global loads never stall the pipeline.
   auto item_at = [&](int iteration) { return p.list.items[first + iteration % count]; };
@@ -638,20 +646,7 @@ __device__ __forceinline__ void dkdv_staged_tile(const BwdParams& p, int linear,
   }
   cp_async_wait<0>();
 
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int key = k_base + key_group * 16 + lane / 4 + r * 8;
-    if (key >= p.tk) continue;
-    const int64_t base = key * kv_stride + int64_t{kv_head} * p.d;
-#pragma unroll
-    for (int i = 0; i < kHalfD / 8; ++i) {
-      const int col = half * kHalfD + i * 8 + (lane % 4) * 2;
-      if (col < p.d) {
-        store_pair<T>(p.dk, base + col, dk[i][2 * r], dk[i][2 * r + 1], p.grad_fp32);
-        store_pair<T>(p.dv, base + col, dv[i][2 * r], dv[i][2 * r + 1], p.dv_fp32);
-      }
-    }
-  }
+  store_dkdv<T, kHalfD>(p, dk, dv, k_base + key_group * 16 + lane / 4, half * kHalfD + (lane % 4) * 2, kv_head);
 }
 
 template <class T, int kD, bool kDq>
