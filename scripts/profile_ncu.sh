@@ -4,7 +4,8 @@
 #
 # usage: scripts/profile_ncu.sh [--mask full] [--dim 128] [--kernels REGEX (default dkdv_kernel)]
 #                              [--peer-kernels REGEX (default flash_bwd_dq_dk_dv)] [--skip-peer]
-# Env: BUILD_DIR (default build-ncu), OUT (reports; default $BUILD_DIR/out).
+# Env: BUILD_DIR (default build-ncu), OUT (reports; default $BUILD_DIR/out), BENCH_ARGS (more flash_bench
+#   arguments, e.g. "--seq 256 --batch 64" for short documents).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=${BUILD_DIR:-$ROOT/build-ncu}
@@ -34,7 +35,7 @@ SECTIONS=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section Mem
   --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats --section InstructionStats
   --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active")
 ncu --clock-control none --kernel-name "regex:$KERNELS" --launch-skip 1 --launch-count 1 "${SECTIONS[@]}" \
-  "$BUILD/bench/cuda/flash_bench" --only "$MASK" --dims "$DIM" --reps 3 > "$LOGS/ncu_magi.txt" 2>&1
+  "$BUILD/bench/cuda/flash_bench" --only "$MASK" --dims "$DIM" --reps 3 ${BENCH_ARGS:-} > "$LOGS/ncu_magi.txt" 2>&1
 echo "== magi ($KERNELS): rc $?"
 grep -vE "^==PROF==|^    ---|^\s*$" "$LOGS/ncu_magi.txt" | grep -E "^  [a-z_]|Duration|Throughput|Issue Slots|Stall|Warp Cycles|Eligible|Active Warps|Registers|Shared Memory|Executed Ipc|Bank|L2 Hit|Pipe|One or More|No Eligible|Achieved|Block Limit" | head -80
 

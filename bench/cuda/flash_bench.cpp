@@ -3,8 +3,8 @@
 // (document lengths etc.) as JSON so that scripts/bench_peers.py measures the peers on the same masks.
 //
 // usage: flash_bench [--cases out.json] [--reps N] [--quick] [--only MASK] [--dims 64,128,256] [--seq 8192]
-//                    [--deterministic] [--sm-margin N] [--impl NAME] [--fwd-tile-q 64|128]
-//   2 sequences of --seq tokens (16 heads, bf16); --quick = D 128 only. The backward runs in the default
+//                    [--batch 2] [--deterministic] [--sm-margin N] [--impl NAME] [--fwd-tile-q 64|128]
+//   --batch sequences of --seq tokens (16 heads, bf16); --quick = D 128 only. The backward runs in the default
 //   mode (dq by atomics); --deterministic also times the deterministic backward (rows `magi_det`).
 //   --sm-margin N: persistent grids leaving N SMs free (the API's default is 4 when
 //   CUDA_DEVICE_MAX_CONNECTIONS > 1); --impl names the rows (default `magi`).
@@ -134,7 +134,7 @@ int main(int argc, char** argv) {
   int reps = 30;
   bool quick = false;
   std::string only, dims_arg;
-  int32_t seq = 8192;
+  int32_t seq = 8192, batch = 2;
   bool deterministic_too = false;
   int sm_margin = 0;
   std::string impl = "magi";
@@ -146,12 +146,17 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
     else if (!std::strcmp(argv[i], "--dims") && i + 1 < argc) dims_arg = argv[++i];
     else if (!std::strcmp(argv[i], "--seq") && i + 1 < argc) seq = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--batch") && i + 1 < argc) batch = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--deterministic")) deterministic_too = true;
     else if (!std::strcmp(argv[i], "--sm-margin") && i + 1 < argc) sm_margin = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--impl") && i + 1 < argc) impl = argv[++i];
     else if (!std::strcmp(argv[i], "--fwd-tile-q") && i + 1 < argc) tuning.forward_tile_q = std::atoi(argv[++i]);
   }
-  const int32_t batch = 2, heads = 16;
+  if (seq <= 0 || batch <= 0) {
+    std::fprintf(stderr, "flash_bench: --seq and --batch must be positive\n");
+    return 2;
+  }
+  const int32_t heads = 16;
   const std::vector<Case> cases = make_cases(seq, batch);
   const int32_t total = seq * batch;
   std::vector<int32_t> dims = quick ? std::vector<int32_t>{128} : std::vector<int32_t>{64, 128, 256};

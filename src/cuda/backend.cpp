@@ -67,6 +67,7 @@ int padded_head_dim(int32_t d) {
 struct HostList {
   std::vector<int32_t> order, offsets;
   std::vector<WorkItem> items;
+  std::vector<detail::TileInfo> tiles;  // in order sequence
 };
 
 // The test groups of a masked item of a k-major list (WorkFlags; the dk/dv kernels read them): each 16-key
@@ -131,6 +132,12 @@ HostList convert(const Mask& mask, const tiling::TileLists& lists, bool q_major)
   std::stable_sort(out.order.begin(), out.order.end(), [&](int32_t a, int32_t b) {
     return out.offsets[a + 1] - out.offsets[a] > out.offsets[b + 1] - out.offsets[b];
   });
+  out.tiles.reserve(out.order.size());
+  for (const int32_t t : out.order) {
+    const int32_t first = out.offsets[t], count = out.offsets[t + 1] - first;
+    const WorkItem* item = count > 0 ? &out.items[static_cast<size_t>(first)] : nullptr;
+    out.tiles.push_back({t, first, count, item == nullptr ? 0 : q_major ? item->k0 : item->q0});
+  }
   return out;
 }
 
@@ -286,11 +293,12 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
     return at;
   };
   struct Offsets {
-    size_t order, offsets, items;
+    size_t order, offsets, items, tiles;
   };
   auto append_list = [&](const HostList& l) {
     return Offsets{append(l.order.data(), l.order.size() * 4), append(l.offsets.data(), l.offsets.size() * 4),
-                   append(l.items.data(), l.items.size() * sizeof(WorkItem))};
+                   append(l.items.data(), l.items.size() * sizeof(WorkItem)),
+                   append(l.tiles.data(), l.tiles.size() * sizeof(detail::TileInfo))};
   };
   const Offsets o_fwd = append_list(fwd);
   const Offsets o_dkdv = append_list(dkdv);
@@ -317,6 +325,7 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
     d.order = reinterpret_cast<const int32_t*>(base + o.order);
     d.offsets = reinterpret_cast<const int32_t*>(base + o.offsets);
     d.items = reinterpret_cast<const WorkItem*>(base + o.items);
+    d.tiles = reinterpret_cast<const detail::TileInfo*>(base + o.tiles);
     d.num_tiles = static_cast<int32_t>(l.order.size());
     return d;
   };
@@ -515,6 +524,7 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
   dkdv.work_counter = plan.counters + 1;
   dkdv.grad_fp32 = a.dk.dtype == DType::F32;
   dkdv.dv_fp32 = a.dv.dtype == DType::F32;
+  dkdv.vector_stores = (reinterpret_cast<uintptr_t>(a.dk.data) | reinterpret_cast<uintptr_t>(a.dv.data)) % 16 == 0;
   detail::BwdParams dq = p;
   dq.list = plan.dq;
   dq.work_counter = plan.counters + 2;

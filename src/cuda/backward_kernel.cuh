@@ -169,12 +169,84 @@ __device__ __forceinline__ bool load_row_stats_async(const BwdParams& p, int hea
   return true;
 }
 
+// Lanes q = 0..3 of a quad each hold one W-word element of blocks 0..3 (the element of columns [2 q, 2 q + 2) of
+// an 8-column block); afterwards lane q holds all four elements of block q, in lane order. Two butterfly rounds.
+template <int W>
+__device__ __forceinline__ void quad_transpose(uint32_t (&e)[4][W], int lane) {
+  const bool b1 = lane & 2, b0 = lane & 1;
+  uint32_t a[4][W];  // after round 1: a[2 x + y] = the element of block 2 b1 + y from the lane whose bit 1 is x
+#pragma unroll
+  for (int y = 0; y < 2; ++y)
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const uint32_t own = b1 ? e[2 + y][w] : e[y][w];
+      const uint32_t got = __shfl_xor_sync(0xffffffffu, b1 ? e[y][w] : e[2 + y][w], 2);
+      a[y][w] = b1 ? got : own;
+      a[2 + y][w] = b1 ? own : got;
+    }
+#pragma unroll
+  for (int x = 0; x < 2; ++x)
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const uint32_t own = b0 ? a[2 * x + 1][w] : a[2 * x][w];
+      const uint32_t got = __shfl_xor_sync(0xffffffffu, b0 ? a[2 * x][w] : a[2 * x + 1][w], 1);
+      e[2 * x][w] = b0 ? got : own;
+      e[2 * x + 1][w] = b0 ? own : got;
+    }
+}
+
 // dK and dV of one 16-key m-tile (this thread's keys key0 and key0 + 8), columns col0 + [0, kCols) of the tile's
-// accumulator fragments, to global memory (rows beyond tk and columns beyond d are dropped).
+// accumulator fragments, to global memory (rows beyond tk and columns beyond d are dropped). With 16-byte
+// aligned dk and dv (p.vector_stores), each quad trades its fragments so that a lane writes a whole 8-column
+// block in 16-byte stores: a quarter of the store instructions of pair stores, and no half-written sectors
+// (with short documents the pair stores took 24% of the kernel's time: each waited for the one before it to
+// leave the register it reused).
 template <class T, int kCols>
 __device__ __forceinline__ void store_dkdv(const BwdParams& p, const float (&dk)[kCols / 8][4],
                                            const float (&dv)[kCols / 8][4], int key0, int col0, int kv_head) {
   const int64_t kv_stride = int64_t{p.hkv} * p.d;
+  if (p.vector_stores) {
+    static_assert(kCols % 32 == 0, "whole groups of four 8-column blocks");
+    const int lane = static_cast<int>(threadIdx.x) % 32;
+    const int block_col = col0 - (lane % 4) * 2 + (lane % 4) * 8;  // this lane's block in each group of four
+    auto store_rows = [&](void* out, const float (&acc)[kCols / 8][4], bool fp32) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int key = key0 + r * 8;
+        const int64_t base = key * kv_stride + int64_t{kv_head} * p.d;
+#pragma unroll
+        for (int g = 0; g < kCols / 32; ++g) {
+          const int col = block_col + g * 32;
+          const bool keep = key < p.tk && col < p.d;  // every lane shuffles; whole blocks are kept or not
+          if (fp32) {
+            uint32_t e[4][2];
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+              e[b][0] = __float_as_uint(acc[4 * g + b][2 * r]);
+              e[b][1] = __float_as_uint(acc[4 * g + b][2 * r + 1]);
+            }
+            quad_transpose<2>(e, lane);
+            if (keep) {
+              uint4* const at = reinterpret_cast<uint4*>(static_cast<float*>(out) + base + col);
+              at[0] = make_uint4(e[0][0], e[0][1], e[1][0], e[1][1]);
+              at[1] = make_uint4(e[2][0], e[2][1], e[3][0], e[3][1]);
+            }
+          } else {
+            uint32_t e[4][1];
+#pragma unroll
+            for (int b = 0; b < 4; ++b) e[b][0] = Mma<T>::pack(acc[4 * g + b][2 * r], acc[4 * g + b][2 * r + 1]);
+            quad_transpose<1>(e, lane);
+            if (keep)
+              *reinterpret_cast<uint4*>(static_cast<T*>(out) + base + col) =
+                  make_uint4(e[0][0], e[1][0], e[2][0], e[3][0]);
+          }
+        }
+      }
+    };
+    store_rows(p.dk, dk, p.grad_fp32);
+    store_rows(p.dv, dv, p.dv_fp32);
+    return;
+  }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int key = key0 + r * 8;
@@ -232,7 +304,9 @@ __device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linea
   const WorkItem* const sItem = reinterpret_cast<const WorkItem*>(smem + (sdS + (kDq ? 2 : 1) * kPdsBytes - sK));
   static_assert(sizeof(WorkItem) == 32, "an item is two 16-byte copies (dkdv_smem_bytes counts 32 bytes a stage)");
 
-  const int tile = p.list.order[linear / p.hkv];
+  // The tile's start in one 16-byte load (no order -> offsets -> item chain of dependent loads).
+  const TileInfo info = p.list.tiles[linear / p.hkv];
+  const int tile = info.tile;
   const int kv_head = linear % p.hkv;
   const int group = p.hq / p.hkv;
   const int k_base = tile * kN;
@@ -251,8 +325,7 @@ __device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linea
   load_tile_async<kN, kD, kThreads>(sK, k_head + k_base * kv_stride, kv_stride, p.tk - k_base, p.d, k_head);
   load_tile_async<kN, kD, kThreads>(sV, v_head + k_base * kv_stride, kv_stride, p.tk - k_base, p.d, v_head);
 
-  const int first = p.list.offsets[tile];
-  const int count = p.list.offsets[tile + 1] - first;
+  const int first = info.first, count = info.count;
   const int total = count * group;
   // Iteration i is item i % count of q head kv_head * group + i / count; cursors step through that order
   // (no division in the loop): `load` is the iteration whose loads are issued next, `fetch` the one whose
@@ -284,7 +357,8 @@ __device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linea
   };
   int next_q0 = 0;  // the chunk of iteration it + 1
   if (total > 0) {
-    issue_loads(fetch_q0(), 0);
+    fetch.advance(count);  // the first chunk's q0 is in the tile's info
+    issue_loads(info.first_minor0 / kM * kM, 0);
     if (total > 1) next_q0 = fetch_q0();
   }
   cp_async_commit();

@@ -25,11 +25,21 @@ enum WorkFlags : int32_t {
   kWorkTestGroupShift = 8,
 };
 
+// One tile of a list in `order` position: what a block needs to start it, in one 16-byte copy (the dk/dv
+// kernel fetches the next tile's while it works on the current one).
+struct TileInfo {
+  int32_t tile;   // index along the major axis
+  int32_t first;  // its first item in `items`
+  int32_t count;  // its items
+  int32_t first_minor0;  // the first item's minor start (q0 of a k-major list, k0 of a q-major one); 0 if none
+};
+
 // A CSR work list on the device. Blocks take tiles in `order` (heaviest first).
 struct DeviceList {
   const int32_t* order = nullptr;    // [num_tiles]
   const int32_t* offsets = nullptr;  // [num_tiles + 1]
   const WorkItem* items = nullptr;
+  const TileInfo* tiles = nullptr;  // [num_tiles], in `order` sequence
   int32_t num_tiles = 0;
 };
 
@@ -63,7 +73,8 @@ constexpr int fwd_tile_k(int padded_head_dim) { return padded_head_dim <= 128 ? 
 constexpr int kDkdvTileQ = 64;
 constexpr int dkdv_tile_k(int padded_head_dim) { return padded_head_dim <= 128 ? 128 : 64; }
 // Shared memory of the dk/dv kernel: K, V; Q, dO (double-buffered up to D 128); lse2, Delta; P^T and dS^T
-// (with dq atomics up to D 128, two dS^T buffers); up to D 128 the stages' work items (32 bytes each). The
+// (with dq atomics up to D 128, two dS^T buffers); up to D 128 the stages' work items (32 bytes each) and
+// two TileInfo slots (this tile's, the next one's). The
 // host checks it against the device's limit (the dq-atomics kernel needs ~177 KB at D 128; smaller parts
 // take the two-kernel path).
 constexpr int dkdv_smem_bytes(int padded_head_dim, bool dq_atomics) {
@@ -72,7 +83,7 @@ constexpr int dkdv_smem_bytes(int padded_head_dim, bool dq_atomics) {
   const int stages = register_resident ? 2 : 1;
   const int pds_tiles = dq_atomics && register_resident ? 3 : 2;
   return (2 * n * d + stages * 2 * m * d + pds_tiles * n * m) * 2 + stages * 2 * m * 4 +
-         (register_resident ? stages * 32 : 0);
+         (register_resident ? stages * 32 + 2 * 16 : 0);
 }
 // dq: 128 rows (two m-tiles per warp) x 32 keys up to D 128 beat 64 x 64 (165 vs 159 bwd TFLOP/s, H200).
 constexpr int dq_tile_q(int padded_head_dim) { return padded_head_dim <= 128 ? 128 : 64; }
@@ -119,6 +130,7 @@ struct BwdParams {
   float softcap, softcap_pre, softcap_post;
   int32_t grad_fp32;  // dq (dq kernel) or dk (dk/dv kernel) is fp32
   int32_t dv_fp32;
+  int32_t vector_stores;  // dk/dv kernel: dk and dv are 16-byte aligned (whole 8-column blocks per store)
   int32_t accumulate_dq;  // dq kernel: dq (fp32) += dQ instead of dq = dQ
   int32_t* work_counter;  // persistent grid: next work index (zeroed before each launch)
   DeviceList list;  // by_q_tile for dq, by_k_tile for dk/dv
