@@ -169,82 +169,23 @@ __device__ __forceinline__ bool load_row_stats_async(const BwdParams& p, int hea
   return true;
 }
 
-// Lanes q = 0..3 of a quad each hold one W-word element of blocks 0..3 (the element of columns [2 q, 2 q + 2) of
-// an 8-column block); afterwards lane q holds all four elements of block q, in lane order. Two butterfly rounds.
-template <int W>
-__device__ __forceinline__ void quad_transpose(uint32_t (&e)[4][W], int lane) {
-  const bool b1 = lane & 2, b0 = lane & 1;
-  uint32_t a[4][W];  // after round 1: a[2 x + y] = the element of block 2 b1 + y from the lane whose bit 1 is x
-#pragma unroll
-  for (int y = 0; y < 2; ++y)
-#pragma unroll
-    for (int w = 0; w < W; ++w) {
-      const uint32_t own = b1 ? e[2 + y][w] : e[y][w];
-      const uint32_t got = __shfl_xor_sync(0xffffffffu, b1 ? e[y][w] : e[2 + y][w], 2);
-      a[y][w] = b1 ? got : own;
-      a[2 + y][w] = b1 ? own : got;
-    }
-#pragma unroll
-  for (int x = 0; x < 2; ++x)
-#pragma unroll
-    for (int w = 0; w < W; ++w) {
-      const uint32_t own = b0 ? a[2 * x + 1][w] : a[2 * x][w];
-      const uint32_t got = __shfl_xor_sync(0xffffffffu, b0 ? a[2 * x][w] : a[2 * x + 1][w], 1);
-      e[2 * x][w] = b0 ? got : own;
-      e[2 * x + 1][w] = b0 ? own : got;
-    }
-}
-
 // dK and dV of one 16-key m-tile (this thread's keys key0 and key0 + 8), columns col0 + [0, kCols) of the tile's
-// accumulator fragments, to global memory (rows beyond tk and columns beyond d are dropped). With 16-byte
-// aligned dk and dv (p.vector_stores), each quad trades its fragments so that a lane writes a whole 8-column
-// block in 16-byte stores: a quarter of the store instructions of pair stores, and no half-written sectors
-// (with short documents the pair stores took 24% of the kernel's time: each waited for the one before it to
-// leave the register it reused).
+// accumulator fragments, to global memory (rows beyond tk and columns beyond d are dropped): whole 8-column
+// blocks (store_row_blocks) when dk and dv are 16-byte aligned (p.vector_stores), else element pairs.
 template <class T, int kCols>
 __device__ __forceinline__ void store_dkdv(const BwdParams& p, const float (&dk)[kCols / 8][4],
                                            const float (&dv)[kCols / 8][4], int key0, int col0, int kv_head) {
   const int64_t kv_stride = int64_t{p.hkv} * p.d;
   if (p.vector_stores) {
-    static_assert(kCols % 32 == 0, "whole groups of four 8-column blocks");
     const int lane = static_cast<int>(threadIdx.x) % 32;
-    const int block_col = col0 - (lane % 4) * 2 + (lane % 4) * 8;  // this lane's block in each group of four
-    auto store_rows = [&](void* out, const float (&acc)[kCols / 8][4], bool fp32) {
+    const int col_base = col0 - (lane % 4) * 2;  // the fragments' column 0
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int key = key0 + r * 8;
-        const int64_t base = key * kv_stride + int64_t{kv_head} * p.d;
-#pragma unroll
-        for (int g = 0; g < kCols / 32; ++g) {
-          const int col = block_col + g * 32;
-          const bool keep = key < p.tk && col < p.d;  // every lane shuffles; whole blocks are kept or not
-          if (fp32) {
-            uint32_t e[4][2];
-#pragma unroll
-            for (int b = 0; b < 4; ++b) {
-              e[b][0] = __float_as_uint(acc[4 * g + b][2 * r]);
-              e[b][1] = __float_as_uint(acc[4 * g + b][2 * r + 1]);
-            }
-            quad_transpose<2>(e, lane);
-            if (keep) {
-              uint4* const at = reinterpret_cast<uint4*>(static_cast<float*>(out) + base + col);
-              at[0] = make_uint4(e[0][0], e[0][1], e[1][0], e[1][1]);
-              at[1] = make_uint4(e[2][0], e[2][1], e[3][0], e[3][1]);
-            }
-          } else {
-            uint32_t e[4][1];
-#pragma unroll
-            for (int b = 0; b < 4; ++b) e[b][0] = Mma<T>::pack(acc[4 * g + b][2 * r], acc[4 * g + b][2 * r + 1]);
-            quad_transpose<1>(e, lane);
-            if (keep)
-              *reinterpret_cast<uint4*>(static_cast<T*>(out) + base + col) =
-                  make_uint4(e[0][0], e[1][0], e[2][0], e[3][0]);
-          }
-        }
-      }
-    };
-    store_rows(p.dk, dk, p.grad_fp32);
-    store_rows(p.dv, dv, p.dv_fp32);
+    for (int r = 0; r < 2; ++r) {
+      const int key = key0 + r * 8;
+      const int64_t base = key * kv_stride + int64_t{kv_head} * p.d + col_base;
+      store_row_blocks<T, kCols / 8>(p.dk, base, dk, r, 1.0f, p.d - col_base, p.grad_fp32, key < p.tk, lane);
+      store_row_blocks<T, kCols / 8>(p.dv, base, dv, r, 1.0f, p.d - col_base, p.dv_fp32, key < p.tk, lane);
+    }
     return;
   }
 #pragma unroll

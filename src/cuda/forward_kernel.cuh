@@ -85,7 +85,12 @@ __device__ __forceinline__ void write_itemless_tile(const FwdParams& p, int q_ba
 // (196 bytes of spills).
 template <int kD, int kTileQ, bool kPersistent>
 constexpr bool kUseWarpTests = !kPersistent || kD == 64 || (kD == 128 && kTileQ == 64);
-template <class T, int kD, int kTileQ, bool kWarpTests>
+// kBlockStores: out in whole 8-column blocks (store_row_blocks), else element pairs. The 128-row D 128
+// persistent kernel keeps pair stores: with block stores ptxas spilled 112 bytes in its loop (16 with pairs) and
+// its full-mask forward lost 2% (H100; the plain grid gained 1-2%, and 4-13% with short documents).
+template <int kD, int kTileQ, bool kPersistent>
+constexpr bool kUseBlockStores = !(kPersistent && kD == 128 && kTileQ == 128);
+template <class T, int kD, int kTileQ, bool kWarpTests, bool kBlockStores>
 __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int linear, unsigned char* smem) {
   using Cfg = FwdConfig<kD, kTileQ>;
   constexpr int kM = Cfg::kM, kN = Cfg::kN, kThreads = Cfg::kThreads, kMT = Cfg::kMTiles;
@@ -97,7 +102,8 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
   const uint32_t sK = sQ + kM * kD * 2;
   const uint32_t sV = sK + kN * kD * 2;
 
-  const int tile = p.list.order[linear / p.hq];
+  const TileInfo info = p.list.tiles[linear / p.hq];  // one load, not order -> offsets -> item
+  const int tile = info.tile;
   const int head = linear % p.hq;
   const int kv_head = head / (p.hq / p.hkv);
   const int q_base = tile * kM;
@@ -110,14 +116,14 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
   const T* k_head = static_cast<const T*>(p.k) + int64_t{kv_head} * p.d;
   const T* v_head = static_cast<const T*>(p.v) + int64_t{kv_head} * p.d;
 
-  int item = p.list.offsets[tile];
-  const int item_end = p.list.offsets[tile + 1];
+  int item = info.first;
+  const int item_end = info.first + info.count;
   auto tile_start = [](const WorkItem& w) { return (w.k0 / kN) * kN; };
   if (item < item_end) {  // (item-less tiles come here only when a sink joins their rows: no Q or K needed)
     load_tile_async<kM, kD, kThreads>(sQ, q_tensor + q_base * q_stride + int64_t{head} * p.d, q_stride,
                                       p.tq - q_base, p.d, q_tensor);
     cp_async_commit();
-    const int k0 = tile_start(p.list.items[item]);
+    const int k0 = (info.first_minor0 / kN) * kN;
     load_tile_async<kN, kD, kThreads>(sK, k_head + k0 * kv_stride, kv_stride, p.tk - k0, p.d, k_head);
   }
   cp_async_commit();
@@ -318,7 +324,8 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
         w_prev = w.w2;
       }
       __syncwarp();  // the row's four lanes have read prev_lse before lane 0 overwrites it (it may be lse)
-      if (row < p.tq) {
+      const bool row_valid = row < p.tq;
+      if (row_valid) {
         const int64_t base = int64_t{row} * q_stride + int64_t{head} * p.d;
         if (lane % 4 == 0) p.lse[int64_t{row} * p.hq + head] = lse;
         // The row's whole partial result is loaded before the first store: out may alias prev_out, so the
@@ -338,13 +345,18 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
           }
           factor = 1.0f;
         }
+        if constexpr (!kBlockStores) {
 #pragma unroll
-        for (int i = 0; i < kDBlocks; ++i) {
-          const int col = i * 8 + (lane % 4) * 2;
-          if (col < p.d)
-            store_pair<T>(p.out, base + col, acc[mt][i][2 * r] * factor, acc[mt][i][2 * r + 1] * factor, p.out_fp32);
+          for (int i = 0; i < kDBlocks; ++i) {
+            const int col = i * 8 + (lane % 4) * 2;
+            if (col < p.d)
+              store_pair<T>(p.out, base + col, acc[mt][i][2 * r] * factor, acc[mt][i][2 * r + 1] * factor, p.out_fp32);
+          }
         }
       }
+      if constexpr (kBlockStores)
+        store_row_blocks<T, kDBlocks>(p.out, int64_t{row} * q_stride + int64_t{head} * p.d, acc[mt], r, factor, p.d,
+                                      p.out_fp32, row_valid, lane);
     }
   }
   if (p.max_logits != nullptr) {
@@ -360,7 +372,8 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
 template <class T, int kD, int kTileQ>
 __global__ void __launch_bounds__(FwdConfig<kD, kTileQ>::kThreads) forward_kernel(const FwdParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
-  forward_kernel_tile<T, kD, kTileQ, kUseWarpTests<kD, kTileQ, false>>(p, static_cast<int>(blockIdx.x), smem);
+  forward_kernel_tile<T, kD, kTileQ, kUseWarpTests<kD, kTileQ, false>, kUseBlockStores<kD, kTileQ, false>>(
+      p, static_cast<int>(blockIdx.x), smem);
 }
 
 // Persistent grid: block b starts with work b, then takes the next unclaimed index from a counter, so the
@@ -375,7 +388,7 @@ __global__ void __launch_bounds__(FwdConfig<kD, kTileQ>::kThreads, FwdConfig<kD,
   __shared__ int next_work;
   int linear = static_cast<int>(blockIdx.x);
   while (linear < num_work) {
-    forward_kernel_tile<T, kD, kTileQ, kUseWarpTests<kD, kTileQ, true>>(p, linear, smem);
+    forward_kernel_tile<T, kD, kTileQ, kUseWarpTests<kD, kTileQ, true>, kUseBlockStores<kD, kTileQ, true>>(p, linear, smem);
     if (threadIdx.x == 0) next_work = atomicAdd(p.work_counter, 1) + static_cast<int>(gridDim.x);
     __syncthreads();  // also: the next work item reuses shared memory
     linear = next_work;

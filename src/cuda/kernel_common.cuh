@@ -220,6 +220,71 @@ __device__ __forceinline__ void atomic_max_float(float* address, float value) {
   else atomicMin(reinterpret_cast<unsigned int*>(address), __float_as_uint(value));
 }
 
+// Lanes q = 0..3 of a quad each hold one W-word element of blocks 0..3 (the element of columns [2 q, 2 q + 2) of
+// an 8-column block); afterwards lane q holds all four elements of block q, in lane order. Two butterfly rounds.
+template <int W>
+__device__ __forceinline__ void quad_transpose(uint32_t (&e)[4][W], int lane) {
+  const bool b1 = lane & 2, b0 = lane & 1;
+  uint32_t a[4][W];  // after round 1: a[2 x + y] = the element of block 2 b1 + y from the lane whose bit 1 is x
+#pragma unroll
+  for (int y = 0; y < 2; ++y)
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const uint32_t own = b1 ? e[2 + y][w] : e[y][w];
+      const uint32_t got = __shfl_xor_sync(0xffffffffu, b1 ? e[y][w] : e[2 + y][w], 2);
+      a[y][w] = b1 ? got : own;
+      a[2 + y][w] = b1 ? own : got;
+    }
+#pragma unroll
+  for (int x = 0; x < 2; ++x)
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const uint32_t own = b0 ? a[2 * x + 1][w] : a[2 * x][w];
+      const uint32_t got = __shfl_xor_sync(0xffffffffu, b0 ? a[2 * x][w] : a[2 * x + 1][w], 1);
+      e[2 * x][w] = b0 ? got : own;
+      e[2 * x + 1][w] = b0 ? own : got;
+    }
+}
+
+// Row half r of an m-tile's accumulator fragments (this lane's columns 8 i + 2 (lane % 4) + {0, 1} of block i:
+// acc[i][2 r], acc[i][2 r + 1]), times `scale`, to the row at element `index` of `base` (its column 0; 16-byte
+// aligned). Each quad trades its fragments so that a lane writes whole 8-column blocks, 16 bytes of 16-bit
+// values or 32 of fp32: a quarter of the store instructions of element pairs and no half-written sectors (the
+// pair stores took a quarter of the dk/dv kernel's time with short documents, each waiting for the one before
+// it to release the register it reused). Blocks from column `cols` (a multiple of 8) on and rows whose `keep` is
+// false are not written; every lane of the warp must call it (the shuffles).
+template <class T, int kBlocks>
+__device__ __forceinline__ void store_row_blocks(void* base, int64_t index, const float (&acc)[kBlocks][4], int r,
+                                                 float scale, int cols, bool fp32, bool keep, int lane) {
+  static_assert(kBlocks % 4 == 0, "whole groups of four 8-column blocks");
+#pragma unroll
+  for (int g = 0; g < kBlocks / 4; ++g) {
+    const int col = (4 * g + lane % 4) * 8;  // this lane's block of the group
+    const bool write = keep && col < cols;
+    if (fp32) {
+      uint32_t e[4][2];
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        e[b][0] = __float_as_uint(acc[4 * g + b][2 * r] * scale);
+        e[b][1] = __float_as_uint(acc[4 * g + b][2 * r + 1] * scale);
+      }
+      quad_transpose<2>(e, lane);
+      if (write) {
+        uint4* const at = reinterpret_cast<uint4*>(static_cast<float*>(base) + index + col);
+        at[0] = make_uint4(e[0][0], e[0][1], e[1][0], e[1][1]);
+        at[1] = make_uint4(e[2][0], e[2][1], e[3][0], e[3][1]);
+      }
+    } else {
+      uint32_t e[4][1];
+#pragma unroll
+      for (int b = 0; b < 4; ++b) e[b][0] = Mma<T>::pack(acc[4 * g + b][2 * r] * scale, acc[4 * g + b][2 * r + 1] * scale);
+      quad_transpose<1>(e, lane);
+      if (write)
+        *reinterpret_cast<uint4*>(static_cast<T*>(base) + index + col) = make_uint4(e[0][0], e[1][0], e[2][0], e[3][0]);
+    }
+  }
+}
+
 template <class T>
 __device__ __forceinline__ void store_pair(void* base, int64_t index, float a, float b, bool fp32) {
   if (fp32) {
