@@ -546,42 +546,46 @@ TEST(CudaBackend, MisalignedTensorsAreRejectedByName) {
   for (float x : dev.dk.download().values()) ASSERT_TRUE(std::isnan(x)) << "dk written by a rejected call";
 }
 
-// Gradients need only two elements' alignment. The dk/dv kernel writes whole 8-column blocks in 16-byte stores
-// when dk and dv allow it and element pairs otherwise: both paths must write the same bits everywhere (a tail
-// of keys past the last whole tile, head dims that leave part of the padded tile unused, fp32 gradients).
+// Gradients need only two elements' alignment. The dk/dv kernels (both modes) write whole 8-column blocks in
+// 16-byte stores when dk and dv allow it and element pairs otherwise: both paths must write the same bits
+// everywhere (keys past the last whole tile, head dims that leave part of the padded tile unused, fp32
+// gradients).
 TEST(CudaBackend, DkDvAreTheSameAtPairAlignedAddresses) {
   const uint64_t seed = fresh_seed();
   const Mask mask = masks::varlen_causal({0, 100, 300});
-  AttentionOptions options;
-  options.backend = Backend::Cuda;
-  for (const int32_t d : {64, 96, 256}) {
-    for (const bool fp32 : {false, true}) {
-      CaseConfig c = config(DType::BF16, 4, 2, d);
-      c.fp32_outputs = fp32;
-      const CaseData data = make_case(mask, c, seed + d);
-      DeviceCase dev(data, c);
-      forward(mask, dev.forward_args(), options);
-      backward(mask, dev.backward_args(), options);
-      const HostTensor dk = dev.dk.download(), dv = dev.dv.download();
-      DeviceTensor dk_buffer(HostTensor::poisoned(dk.dtype(), dk.shape()));
-      DeviceTensor dv_buffer(HostTensor::poisoned(dv.dtype(), dv.shape()));
-      const int shift = 2 * static_cast<int>(dtype_size(dk.dtype()));  // one element pair past 16 bytes
-      auto shifted = [&](const DeviceTensor& t) {
-        TensorView v = t.view();
-        v.data = static_cast<unsigned char*>(v.data) + shift;
-        return v;
-      };
-      BackwardArgs a = dev.backward_args();
-      a.dk = shifted(dk_buffer);
-      a.dv = shifted(dv_buffer);
-      backward(mask, a, options);
-      for (const auto& [name, aligned, view] :
-           {std::tuple{"dk", &dk, a.dk}, std::tuple{"dv", &dv, a.dv}}) {
-        HostTensor got(aligned->dtype(), aligned->shape());
-        ASSERT_EQ(cudaMemcpy(got.view().data, view.data, got.bytes().size(), cudaMemcpyDeviceToHost), cudaSuccess);
-        EXPECT_TRUE(std::equal(got.bytes().begin(), got.bytes().end(), aligned->bytes().begin()))
-            << name << " differs between the 16-byte and the pair stores (D " << d << (fp32 ? ", fp32" : ", bf16")
-            << ", seed " << seed << ")";
+  for (const bool deterministic : {false, true}) {
+    AttentionOptions options;
+    options.backend = Backend::Cuda;
+    options.deterministic = deterministic;
+    for (const int32_t d : {64, 96, 256}) {
+      for (const bool fp32 : {false, true}) {
+        CaseConfig c = config(DType::BF16, 4, 2, d);
+        c.fp32_outputs = fp32;
+        const CaseData data = make_case(mask, c, seed + d);
+        DeviceCase dev(data, c);
+        forward(mask, dev.forward_args(), options);
+        backward(mask, dev.backward_args(), options);
+        const HostTensor dk = dev.dk.download(), dv = dev.dv.download();
+        DeviceTensor dk_buffer(HostTensor::poisoned(dk.dtype(), dk.shape()));
+        DeviceTensor dv_buffer(HostTensor::poisoned(dv.dtype(), dv.shape()));
+        const int shift = 2 * static_cast<int>(dtype_size(dk.dtype()));  // one element pair past 16 bytes
+        auto shifted = [&](const DeviceTensor& t) {
+          TensorView v = t.view();
+          v.data = static_cast<unsigned char*>(v.data) + shift;
+          return v;
+        };
+        BackwardArgs a = dev.backward_args();
+        a.dk = shifted(dk_buffer);
+        a.dv = shifted(dv_buffer);
+        backward(mask, a, options);
+        for (const auto& [name, aligned, view] :
+             {std::tuple{"dk", &dk, a.dk}, std::tuple{"dv", &dv, a.dv}}) {
+          HostTensor got(aligned->dtype(), aligned->shape());
+          ASSERT_EQ(cudaMemcpy(got.view().data, view.data, got.bytes().size(), cudaMemcpyDeviceToHost), cudaSuccess);
+          EXPECT_TRUE(std::equal(got.bytes().begin(), got.bytes().end(), aligned->bytes().begin()))
+              << name << " differs between the 16-byte and the pair stores (D " << d << (fp32 ? ", fp32" : ", bf16")
+              << (deterministic ? ", deterministic" : "") << ", seed " << seed << ")";
+        }
       }
     }
   }
