@@ -406,6 +406,11 @@ StageKernelTimes time_stage_kernels(const magi::Mask& mask, const Options& o, in
   const Problem p(lq, tk, o, dev, 7 + rank);
   const Buffer acc(lq * h * d * 4), acc_lse(lq * h * 4), acc_dk(tk * hk * d * 4), acc_dv(tk * hk * d * 4);
   const auto kv = [&](const TensorView& t, int64_t n) { return TensorView(t.data, t.dtype, {n, hk, d}, t.device); };
+  // Forward or backward arguments whose k and v hold `n` rows (the host's own keys or one stage's buffer).
+  const auto with_kv_rows = [&](auto args, int64_t n) {
+    args.k = kv(args.k, n), args.v = kv(args.v, n);
+    return args;
+  };
   AttentionOptions options;
   options.backend = Backend::Cuda;
   cudaEvent_t e0, e1, e2;
@@ -438,28 +443,18 @@ StageKernelTimes time_stage_kernels(const magi::Mask& mask, const Options& o, in
   b.dv = view(acc_dv, DType::F32, {lk, hk, d}, dev);
   for (int32_t i = 0; i < o.warmup + o.iters; ++i)
     timed(times[0], times[1], i,
-          [&] {
-            ForwardArgs s = f;
-            s.k = kv(f.k, lk), s.v = kv(f.v, lk);
-            forward(mine.host_mask, s, options);
-          },
+          [&] { forward(mine.host_mask, with_kv_rows(f, lk), options); },
           [&](const dist::StagePlan& sp) {
-            ForwardArgs s = f;
-            s.k = kv(f.k, sp.buffer_rows), s.v = kv(f.v, sp.buffer_rows);
+            ForwardArgs s = with_kv_rows(f, sp.buffer_rows);
             s.prev_out = f.out, s.prev_lse = f.lse;
             if (&sp == last) s.out = p.forward.out, s.lse = p.forward.lse;  // the last one writes the results
             forward(sp.mask, s, options);
           });
   for (int32_t i = 0; i < o.warmup + o.iters; ++i)
     timed(times[2], times[3], i,
-          [&] {
-            BackwardArgs s = b;
-            s.k = kv(b.k, lk), s.v = kv(b.v, lk);
-            backward(mine.host_mask, s, options);
-          },
+          [&] { backward(mine.host_mask, with_kv_rows(b, lk), options); },
           [&](const dist::StagePlan& sp) {
-            BackwardArgs s = b;
-            s.k = kv(b.k, sp.buffer_rows), s.v = kv(b.v, sp.buffer_rows);
+            BackwardArgs s = with_kv_rows(b, sp.buffer_rows);
             s.accumulate_dq = true;
             s.dk = kv(p.backward.dk, sp.buffer_rows), s.dv = kv(p.backward.dv, sp.buffer_rows);
             backward(sp.mask, s, options);

@@ -7,7 +7,6 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
-#include <numeric>
 #include <string>
 #include <vector>
 
@@ -65,9 +64,8 @@ int padded_head_dim(int32_t d) {
 
 // Host form of one list before upload.
 struct HostList {
-  std::vector<int32_t> order, offsets;
+  std::vector<detail::TileInfo> tiles;  // heaviest first
   std::vector<WorkItem> items;
-  std::vector<detail::TileInfo> tiles;  // in order sequence
 };
 
 // The test groups of a masked item of a k-major list (WorkFlags; the dk/dv kernels read them): each 16-key
@@ -96,8 +94,6 @@ HostList convert(const Mask& mask, const tiling::TileLists& lists, bool q_major)
     throw Error("cuda plan: major tile " + std::to_string(lists.tile_major) + " is not whole 16-row groups");
   HostList out;
   const int64_t tiles = lists.num_tiles();
-  out.offsets.resize(static_cast<size_t>(tiles) + 1);
-  for (int64_t t = 0; t <= tiles; ++t) out.offsets[t] = static_cast<int32_t>(lists.offsets[t]);
   out.items.reserve(lists.items.size());
   for (int64_t t = 0; t < tiles; ++t) {
     for (int64_t i = lists.offsets[t]; i < lists.offsets[t + 1]; ++i) {
@@ -126,18 +122,15 @@ HostList convert(const Mask& mask, const tiling::TileLists& lists, bool q_major)
       out.items.push_back(item);
     }
   }
-  // Heaviest tiles first so that the long ones start early; ties keep index order (deterministic).
-  out.order.resize(static_cast<size_t>(tiles));
-  std::iota(out.order.begin(), out.order.end(), 0);
-  std::stable_sort(out.order.begin(), out.order.end(), [&](int32_t a, int32_t b) {
-    return out.offsets[a + 1] - out.offsets[a] > out.offsets[b + 1] - out.offsets[b];
-  });
-  out.tiles.reserve(out.order.size());
-  for (const int32_t t : out.order) {
-    const int32_t first = out.offsets[t], count = out.offsets[t + 1] - first;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const auto first = static_cast<int32_t>(lists.offsets[t]);
+    const auto count = static_cast<int32_t>(lists.offsets[t + 1] - lists.offsets[t]);
     const WorkItem* item = count > 0 ? &out.items[static_cast<size_t>(first)] : nullptr;
-    out.tiles.push_back({t, first, count, item == nullptr ? 0 : q_major ? item->k0 : item->q0});
+    out.tiles.push_back({static_cast<int32_t>(t), first, count, item == nullptr ? 0 : q_major ? item->k0 : item->q0});
   }
+  // Heaviest tiles first so that the long ones start early; ties keep index order (deterministic).
+  std::stable_sort(out.tiles.begin(), out.tiles.end(),
+                   [](const detail::TileInfo& a, const detail::TileInfo& b) { return a.count > b.count; });
   return out;
 }
 
@@ -274,7 +267,7 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   }
   plan->fwd_tile_q = fwd_q;
   const HostList fwd = convert(mask, fwd_tiles, true);
-  for (size_t t = 0; t + 1 < fwd.offsets.size(); ++t) plan->fwd_itemless_tiles += fwd.offsets[t + 1] == fwd.offsets[t];
+  for (const detail::TileInfo& t : fwd.tiles) plan->fwd_itemless_tiles += t.count == 0;
   const HostList dkdv =
       convert(mask, tiling::by_k_tile(mask, detail::dkdv_tile_k(plan->padded_d), detail::kDkdvTileQ), false);
   const int dq_k = detail::dq_tile_k(plan->padded_d);
@@ -293,12 +286,11 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
     return at;
   };
   struct Offsets {
-    size_t order, offsets, items, tiles;
+    size_t tiles, items;
   };
   auto append_list = [&](const HostList& l) {
-    return Offsets{append(l.order.data(), l.order.size() * 4), append(l.offsets.data(), l.offsets.size() * 4),
-                   append(l.items.data(), l.items.size() * sizeof(WorkItem)),
-                   append(l.tiles.data(), l.tiles.size() * sizeof(detail::TileInfo))};
+    return Offsets{append(l.tiles.data(), l.tiles.size() * sizeof(detail::TileInfo)),
+                   append(l.items.data(), l.items.size() * sizeof(WorkItem))};
   };
   const Offsets o_fwd = append_list(fwd);
   const Offsets o_dkdv = append_list(dkdv);
@@ -322,11 +314,9 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   auto* base = static_cast<unsigned char*>(plan->arena);
   auto make_list = [&](const HostList& l, const Offsets& o) {
     DeviceList d;
-    d.order = reinterpret_cast<const int32_t*>(base + o.order);
-    d.offsets = reinterpret_cast<const int32_t*>(base + o.offsets);
-    d.items = reinterpret_cast<const WorkItem*>(base + o.items);
     d.tiles = reinterpret_cast<const detail::TileInfo*>(base + o.tiles);
-    d.num_tiles = static_cast<int32_t>(l.order.size());
+    d.items = reinterpret_cast<const WorkItem*>(base + o.items);
+    d.num_tiles = static_cast<int32_t>(l.tiles.size());
     return d;
   };
   plan->fwd = make_list(fwd, o_fwd);

@@ -245,12 +245,10 @@ __device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linea
   const WorkItem* const sItem = reinterpret_cast<const WorkItem*>(smem + (sdS + (kDq ? 2 : 1) * kPdsBytes - sK));
   static_assert(sizeof(WorkItem) == 32, "an item is two 16-byte copies (dkdv_smem_bytes counts 32 bytes a stage)");
 
-  // The tile's start in one 16-byte load (no order -> offsets -> item chain of dependent loads).
   const TileInfo info = p.list.tiles[linear / p.hkv];
-  const int tile = info.tile;
   const int kv_head = linear % p.hkv;
   const int group = p.hq / p.hkv;
-  const int k_base = tile * kN;
+  const int k_base = info.tile * kN;
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid / 32, lane = tid % 32;
   const int pair = warp / 2, half = warp % 2;  // keys [32 pair, +32); rows [32 half, +32); d [half kD/2, +kD/2)
@@ -504,10 +502,10 @@ __device__ __forceinline__ void dkdv_staged_tile(const BwdParams& p, int linear,
   float* const sLse = reinterpret_cast<float*>(row_stats);            // [stage][kM]
   float* const sDelta = sLse + kStages * kM;                          // [stage][kM]
 
-  const int tile = p.list.order[linear / p.hkv];
+  const TileInfo info = p.list.tiles[linear / p.hkv];
   const int kv_head = linear % p.hkv;
   const int group = p.hq / p.hkv;
-  const int k_base = tile * kN;
+  const int k_base = info.tile * kN;
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid / 32, lane = tid % 32;
   const int key_group = warp % 4;  // 16 keys
@@ -523,8 +521,7 @@ __device__ __forceinline__ void dkdv_staged_tile(const BwdParams& p, int linear,
   load_tile_async<kN, kD, kThreads>(sK, k_head + k_base * kv_stride, kv_stride, p.tk - k_base, p.d, k_head);
   load_tile_async<kN, kD, kThreads>(sV, v_head + k_base * kv_stride, kv_stride, p.tk - k_base, p.d, v_head);
 
-  const int first = p.list.offsets[tile];
-  const int count = p.list.offsets[tile + 1] - first;
+  const int first = info.first, count = info.count;
   const int total = count * group;
 
   // Everything one iteration reads (Q, dO, lse2, Delta of a 64-row chunk of one head) as cp.async.
@@ -694,10 +691,10 @@ __device__ __forceinline__ void dq_kernel_tile(const BwdParams& p, int linear, u
   const uint32_t sK = sdO + kM * kD * 2;
   const uint32_t sV = sK + kN * kD * 2;
 
-  const int tile = p.list.order[linear / p.hq];
+  const TileInfo info = p.list.tiles[linear / p.hq];
   const int head = linear % p.hq;
   const int kv_head = head / (p.hq / p.hkv);
-  const int q_base = tile * kM;
+  const int q_base = info.tile * kM;
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int warp_row = warp * 16;
   const int my_row0 = q_base + warp_row + lane / 4;  // + mt * kStride + r * 8
@@ -712,8 +709,8 @@ __device__ __forceinline__ void dq_kernel_tile(const BwdParams& p, int linear, u
   const int64_t q_offset = q_base * q_stride + int64_t{head} * p.d;
   load_tile_async<kM, kD, kThreads>(sQ, q_tensor + q_offset, q_stride, p.tq - q_base, p.d, q_tensor);
   load_tile_async<kM, kD, kThreads>(sdO, dout_tensor + q_offset, q_stride, p.tq - q_base, p.d, dout_tensor);
-  int item = p.list.offsets[tile];
-  const int item_end = p.list.offsets[tile + 1];
+  int item = info.first;
+  const int item_end = info.first + info.count;
   auto issue_kv = [&](int k0) {
     load_tile_async<kN, kD, kThreads>(sK, k_head + k0 * kv_stride, kv_stride, p.tk - k0, p.d, k_head);
     load_tile_async<kN, kD, kThreads>(sV, v_head + k0 * kv_stride, kv_stride, p.tk - k0, p.d, v_head);

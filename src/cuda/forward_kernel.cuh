@@ -102,7 +102,7 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
   const uint32_t sK = sQ + kM * kD * 2;
   const uint32_t sV = sK + kN * kD * 2;
 
-  const TileInfo info = p.list.tiles[linear / p.hq];  // one load, not order -> offsets -> item
+  const TileInfo info = p.list.tiles[linear / p.hq];
   const int tile = info.tile;
   const int head = linear % p.hq;
   const int kv_head = head / (p.hq / p.hkv);
@@ -118,12 +118,12 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
 
   int item = info.first;
   const int item_end = info.first + info.count;
-  auto tile_start = [](const WorkItem& w) { return (w.k0 / kN) * kN; };
+  auto key_tile = [](int k) { return (k / kN) * kN; };  // the key tile holding key k
   if (item < item_end) {  // (item-less tiles come here only when a sink joins their rows: no Q or K needed)
     load_tile_async<kM, kD, kThreads>(sQ, q_tensor + q_base * q_stride + int64_t{head} * p.d, q_stride,
                                       p.tq - q_base, p.d, q_tensor);
     cp_async_commit();
-    const int k0 = (info.first_minor0 / kN) * kN;
+    const int k0 = key_tile(info.first_minor0);
     load_tile_async<kN, kD, kThreads>(sK, k_head + k0 * kv_stride, kv_stride, p.tk - k0, p.d, k_head);
   }
   cp_async_commit();
@@ -150,9 +150,9 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
 
   for (; item < item_end; ++item) {
     // Only k0 and the flags stay live; a masked item re-reads its bounds (an L1 hit) to save registers.
-    const int k0 = (p.list.items[item].k0 / kN) * kN;
+    const int k0 = key_tile(p.list.items[item].k0);
     const int flags = p.list.items[item].flags;
-    const int next_k0 = item + 1 < item_end ? tile_start(p.list.items[item + 1]) : 0;  // fetched early
+    const int next_k0 = item + 1 < item_end ? key_tile(p.list.items[item + 1].k0) : 0;  // fetched early
     cp_async_wait<0>();
     __syncthreads();
     load_tile_async<kN, kD, kThreads>(sV, v_head + k0 * kv_stride, kv_stride, p.tk - k0, p.d, v_head);
@@ -400,7 +400,7 @@ __global__ void __launch_bounds__(FwdConfig<kD, kTileQ>::kThreads, FwdConfig<kD,
 template <class T, int kD, int kTileQ>
 __global__ void __launch_bounds__(FwdConfig<kD, kTileQ>::kThreads) forward_itemless_kernel(const FwdParams p, int first) {
   const int linear = static_cast<int>(blockIdx.x);
-  const int tile = p.list.order[first + linear / p.hq];
+  const int tile = p.list.tiles[first + linear / p.hq].tile;
   write_itemless_tile<T, kD, kTileQ, FwdConfig<kD, kTileQ>::kWarps>(p, tile * kTileQ, linear % p.hq);
 }
 

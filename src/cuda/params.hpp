@@ -25,21 +25,19 @@ enum WorkFlags : int32_t {
   kWorkTestGroupShift = 8,
 };
 
-// One tile of a list in `order` position: what a block needs to start it, in one 16-byte copy (the dk/dv
-// kernel fetches the next tile's while it works on the current one).
+// One tile of a list, in the plan's heaviest-first order: what a block needs to start it, in one 16-byte load
+// (not a chain of dependent ones through an order and an offsets array).
 struct TileInfo {
-  int32_t tile;   // index along the major axis
-  int32_t first;  // its first item in `items`
-  int32_t count;  // its items
+  int32_t tile;          // index along the major axis
+  int32_t first;         // its first item in `items`
+  int32_t count;         // its items
   int32_t first_minor0;  // the first item's minor start (q0 of a k-major list, k0 of a q-major one); 0 if none
 };
 
-// A CSR work list on the device. Blocks take tiles in `order` (heaviest first).
+// A work list on the device: blocks take `tiles` in order, each walks items [first, first + count).
 struct DeviceList {
-  const int32_t* order = nullptr;    // [num_tiles]
-  const int32_t* offsets = nullptr;  // [num_tiles + 1]
+  const TileInfo* tiles = nullptr;  // [num_tiles], heaviest first
   const WorkItem* items = nullptr;
-  const TileInfo* tiles = nullptr;  // [num_tiles], in `order` sequence
   int32_t num_tiles = 0;
 };
 
