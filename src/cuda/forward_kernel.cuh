@@ -78,13 +78,12 @@ __device__ __forceinline__ void write_itemless_tile(const FwdParams& p, int q_ba
   }
 }
 
-// kWarpTests: masked items' m-tiles that keep all or none of the item's keys are recognised per warp (sm_90
-// code; sm_80 code has no registers to spare for it: ptxas spilled 80 bytes). Chosen per kernel from H100 A/Bs
-// (flash_bench, masked masks): the plain grids gain 2-4% at every D; of the persistent grids, D 64 and the
-// 64-row D 128 kernel gain 2-6%, D 256 loses 1-3% and the 128-row D 128 kernel has no registers for them
-// (196 bytes of spills).
+// kWarpTests: masked items' m-tiles that keep all or none of the item's keys are recognised per warp (and with
+// two m-tiles per warp, "none" drops their MMAs). Chosen per kernel from H100 A/Bs (flash_bench, masked masks):
+// up to D 128 both grids gain 2-11% (also the sm_80 code, run on the H100: varlen causal +7%); the D 256
+// persistent kernel lost 1-3%.
 template <int kD, int kTileQ, bool kPersistent>
-constexpr bool kUseWarpTests = !kPersistent || kD == 64 || (kD == 128 && kTileQ == 64);
+constexpr bool kUseWarpTests = !kPersistent || kD <= 128;
 // kBlockStores: out in whole 8-column blocks (store_row_blocks), else element pairs. The 128-row D 128
 // persistent kernel keeps pair stores: with block stores ptxas spilled 112 bytes in its loop (16 with pairs) and
 // its full-mask forward lost 2% (H100; the plain grid gained 1-2%, and 4-13% with short documents).
@@ -158,107 +157,123 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
     load_tile_async<kN, kD, kThreads>(sV, v_head + k0 * kv_stride, kv_stride, p.tk - k0, p.d, v_head);
     cp_async_commit();
 
-    // S = Q K^T for this warp's kMT m-tiles.
-    float s[kMT][kNBlocks][4];
-    uint32_t p_frag[kMT][kN / 16][4];
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int i = 0; i < kNBlocks; ++i) s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.0f;
-#pragma unroll
-    for (int ks = 0; ks < kDSteps; ++ks) {
-      uint32_t a[kMT][4];
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) ldmatrix_x4(a[mt], q_addr.at(mt * Cfg::kMTileStride, ks));
-#pragma unroll
-      for (int nb = 0; nb < kN / 16; ++nb) {
-        uint32_t b[4];
-        ldmatrix_x4(b, k_addr.at(nb * 16, ks));
+    // Masked items: most m-tiles (diagonals, document edges) keep all or none of the item's keys, recognised per
+    // warp when kWarpTests: "none" contributes nothing (the row state stays), "all" skips the per-cell test.
+    // With two m-tiles per warp (64 rows apart, so a causal diagonal's decisions fall on every warp alike) a
+    // "none" m-tile also drops its MMAs, decided before them; the m-tiles that run are a compile-time set in
+    // the lambdas below (no predicates in the MMA loops). With one m-tile the MMAs run anyway and the decision
+    // follows them: deciding first made ptxas schedule the loop worse (H100: -2 to -4% on every mask, D 256).
+    unsigned mma_set = (1u << kMT) - 1;
+    if constexpr (kWarpTests && kMT == 2) {
+      if (flags & kWorkMasked) {
+        const WorkItem w = p.list.items[item];
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
-          Mma<T>::run(s[mt][2 * nb], a[mt], b[0], b[1]);
-          Mma<T>::run(s[mt][2 * nb + 1], a[mt], b[2], b[3]);
+          const int row = my_row0 + mt * Cfg::kMTileStride;
+          const bool none = keeps_none(item_keys(w, row), k0, k0 + kN) && keeps_none(item_keys(w, row + 8), k0, k0 + kN);
+          if (__all_sync(0xffffffffu, none)) mma_set &= ~(1u << mt);
         }
       }
     }
+    uint32_t p_frag[kMT][kN / 16][4];
+    // S = Q K^T and the online softmax for the m-tiles in kActive; P as 16-bit A fragments.
+    auto scores = [&](auto active_set) {
+      constexpr unsigned kActive = decltype(active_set)::value;
+      float s[kMT][kNBlocks][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int i = 0; i < kNBlocks; ++i) s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.0f;
+#pragma unroll
+      for (int ks = 0; ks < kDSteps; ++ks) {
+        uint32_t a[kMT][4];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+          if ((kActive >> mt) & 1u) ldmatrix_x4(a[mt], q_addr.at(mt * Cfg::kMTileStride, ks));
+#pragma unroll
+        for (int nb = 0; nb < kN / 16; ++nb) {
+          uint32_t b[4];
+          ldmatrix_x4(b, k_addr.at(nb * 16, ks));
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt) {
+            if (!((kActive >> mt) & 1u)) continue;
+            Mma<T>::run(s[mt][2 * nb], a[mt], b[0], b[1]);
+            Mma<T>::run(s[mt][2 * nb + 1], a[mt], b[2], b[3]);
+          }
+        }
+      }
 
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
-      if (softcapped) softcap_logits(s[mt], p);
-      if (flags & kWorkMasked) {
-        // Most m-tiles of a masked item (diagonals, document edges) keep all or none of its keys: decided per
-        // warp, those skip the per-cell test (all) or contribute nothing (none: P = 0, the row state stays).
-        const WorkItem w = p.list.items[item];
-        const int row = my_row0 + mt * Cfg::kMTileStride;
-        const KeyInterval keys[2] = {item_keys(w, row), item_keys(w, row + 8)};
-        bool test_cells = true;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        constexpr bool kTestWarps = kWarpTests;
-#else
-        constexpr bool kTestWarps = false;
-#endif
-        if constexpr (kTestWarps) {
-          const int k_end = k0 + kN;
-          const bool none_kept = max(keys[0].lo, k0) >= min(keys[0].hi, k_end) &&
-                                 max(keys[1].lo, k0) >= min(keys[1].hi, k_end);
-          if (__all_sync(0xffffffffu, none_kept)) {
+      for (int mt = 0; mt < kMT; ++mt) {
+        if (!((kActive >> mt) & 1u)) continue;
+        if (softcapped) softcap_logits(s[mt], p);
+        if (flags & kWorkMasked) {
+          const WorkItem w = p.list.items[item];  // re-read (an L1 hit) rather than kept in registers
+          const int row = my_row0 + mt * Cfg::kMTileStride;
+          const KeyInterval keys[2] = {item_keys(w, row), item_keys(w, row + 8)};
+          bool test_cells = true;
+          if constexpr (kWarpTests) {
+            const int k_end = k0 + kN;
+            if (kMT == 1 && __all_sync(0xffffffffu, keeps_none(keys[0], k0, k_end) && keeps_none(keys[1], k0, k_end))) {
 #pragma unroll
-            for (int t = 0; t < kN / 16; ++t)
-              p_frag[mt][t][0] = p_frag[mt][t][1] = p_frag[mt][t][2] = p_frag[mt][t][3] = 0u;
-            continue;
+              for (int t = 0; t < kN / 16; ++t)
+                p_frag[mt][t][0] = p_frag[mt][t][1] = p_frag[mt][t][2] = p_frag[mt][t][3] = 0u;
+              continue;
+            }
+            test_cells = !__all_sync(0xffffffffu, keeps_all(keys[0], k0, k_end) && keeps_all(keys[1], k0, k_end));
           }
-          const bool all_kept = keys[0].lo <= k0 && keys[0].hi >= k_end && keys[1].lo <= k0 && keys[1].hi >= k_end;
-          test_cells = !__all_sync(0xffffffffu, all_kept);
-        }
-        if (test_cells) {
+          if (test_cells) {
 #pragma unroll
-          for (int nb = 0; nb < kNBlocks; ++nb) {
+            for (int nb = 0; nb < kNBlocks; ++nb) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int col = k0 + nb * 8 + (lane % 4) * 2 + (e % 2);
-              if (!keys[e / 2].contains(col)) s[mt][nb][e] = -INFINITY;
+              for (int e = 0; e < 4; ++e) {
+                const int col = k0 + nb * 8 + (lane % 4) * 2 + (e % 2);
+                if (!keys[e / 2].contains(col)) s[mt][nb][e] = -INFINITY;
+              }
             }
           }
         }
-      }
-      // Online softmax: new row maxima, rescale what was accumulated so far.
+        // Online softmax: new row maxima, rescale what was accumulated so far.
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float mx = row_max[mt][r];
+        for (int r = 0; r < 2; ++r) {
+          float mx = row_max[mt][r];
 #pragma unroll
-        for (int nb = 0; nb < kNBlocks; ++nb) mx = fmaxf(mx, fmaxf(s[mt][nb][2 * r], s[mt][nb][2 * r + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float mx_finite = mx == -INFINITY ? 0.0f : mx;
-        const float base = mx_finite * logit_scale;  // log2 units
-        // The difference first: exactly 1 while the maximum stands (a contracted x * s - round(x * s) is not
-        // 0), so an m-tile that an item leaves unchanged changes nothing and the warp tests' skips above are
-        // bitwise neutral.
-        const float scale_old = fast_exp2((row_max[mt][r] - mx_finite) * logit_scale);
-        row_max[mt][r] = mx;
-        float sum = 0.0f;
+          for (int nb = 0; nb < kNBlocks; ++nb) mx = fmaxf(mx, fmaxf(s[mt][nb][2 * r], s[mt][nb][2 * r + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float mx_finite = mx == -INFINITY ? 0.0f : mx;
+          const float base = mx_finite * logit_scale;  // log2 units
+          // The difference first: exactly 1 while the maximum stands (a contracted x * s - round(x * s) is not
+          // 0), so an m-tile that an item leaves unchanged changes nothing and the warp tests' skips above are
+          // bitwise neutral.
+          const float scale_old = fast_exp2((row_max[mt][r] - mx_finite) * logit_scale);
+          row_max[mt][r] = mx;
+          float sum = 0.0f;
 #pragma unroll
-        for (int nb = 0; nb < kNBlocks; ++nb) {
-          s[mt][nb][2 * r] = fast_exp2(fmaf(s[mt][nb][2 * r], logit_scale, -base));
-          s[mt][nb][2 * r + 1] = fast_exp2(fmaf(s[mt][nb][2 * r + 1], logit_scale, -base));
-          sum += s[mt][nb][2 * r] + s[mt][nb][2 * r + 1];
+          for (int nb = 0; nb < kNBlocks; ++nb) {
+            s[mt][nb][2 * r] = fast_exp2(fmaf(s[mt][nb][2 * r], logit_scale, -base));
+            s[mt][nb][2 * r + 1] = fast_exp2(fmaf(s[mt][nb][2 * r + 1], logit_scale, -base));
+            sum += s[mt][nb][2 * r] + s[mt][nb][2 * r + 1];
+          }
+          row_sum[mt][r] = row_sum[mt][r] * scale_old + sum;
+#pragma unroll
+          for (int i = 0; i < kDBlocks; ++i) {
+            acc[mt][i][2 * r] *= scale_old;
+            acc[mt][i][2 * r + 1] *= scale_old;
+          }
         }
-        row_sum[mt][r] = row_sum[mt][r] * scale_old + sum;
+        // P as 16-bit A fragments right away: half the registers of the fp32 tile while P V waits for V.
 #pragma unroll
-        for (int i = 0; i < kDBlocks; ++i) {
-          acc[mt][i][2 * r] *= scale_old;
-          acc[mt][i][2 * r + 1] *= scale_old;
+        for (int t = 0; t < kN / 16; ++t) {
+          p_frag[mt][t][0] = Mma<T>::pack(s[mt][2 * t][0], s[mt][2 * t][1]);
+          p_frag[mt][t][1] = Mma<T>::pack(s[mt][2 * t][2], s[mt][2 * t][3]);
+          p_frag[mt][t][2] = Mma<T>::pack(s[mt][2 * t + 1][0], s[mt][2 * t + 1][1]);
+          p_frag[mt][t][3] = Mma<T>::pack(s[mt][2 * t + 1][2], s[mt][2 * t + 1][3]);
         }
       }
-      // P as 16-bit A fragments right away: half the registers of the fp32 tile while P V waits for V.
-#pragma unroll
-      for (int t = 0; t < kN / 16; ++t) {
-        p_frag[mt][t][0] = Mma<T>::pack(s[mt][2 * t][0], s[mt][2 * t][1]);
-        p_frag[mt][t][1] = Mma<T>::pack(s[mt][2 * t][2], s[mt][2 * t][3]);
-        p_frag[mt][t][2] = Mma<T>::pack(s[mt][2 * t + 1][0], s[mt][2 * t + 1][1]);
-        p_frag[mt][t][3] = Mma<T>::pack(s[mt][2 * t + 1][2], s[mt][2 * t + 1][3]);
-      }
-    }
+    };
+
+    for_active_set<kMT>(mma_set, scores);
 
     // V ready; K is free: fetch the next item's K while P V runs.
     cp_async_wait<0>();
@@ -268,20 +283,25 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
     }
     cp_async_commit();
 
-    // O += P V.
+    // O += P V for the m-tiles in kActive.
+    auto accumulate = [&](auto active_set) {
+      constexpr unsigned kActive = decltype(active_set)::value;
 #pragma unroll
-    for (int t = 0; t < kN / 16; ++t) {
+      for (int t = 0; t < kN / 16; ++t) {
 #pragma unroll
-      for (int dp = 0; dp < kD / 16; ++dp) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, v_addr.at(t * 16, dp));
+        for (int dp = 0; dp < kD / 16; ++dp) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, v_addr.at(t * 16, dp));
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
-          Mma<T>::run(acc[mt][2 * dp], p_frag[mt][t], b[0], b[1]);
-          Mma<T>::run(acc[mt][2 * dp + 1], p_frag[mt][t], b[2], b[3]);
+          for (int mt = 0; mt < kMT; ++mt) {
+            if (!((kActive >> mt) & 1u)) continue;
+            Mma<T>::run(acc[mt][2 * dp], p_frag[mt][t], b[0], b[1]);
+            Mma<T>::run(acc[mt][2 * dp + 1], p_frag[mt][t], b[2], b[3]);
+          }
         }
       }
-    }
+    };
+    for_active_set<kMT>(mma_set, accumulate);
   }
   cp_async_wait<0>();
 

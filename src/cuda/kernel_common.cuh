@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/params.hpp"
 
@@ -191,6 +192,20 @@ struct TileLoader {
 
 // Keys [lo, hi) that a work item keeps for row q (kept_keys restricted to the item's rectangle); an empty
 // interval for rows outside it. Computed once per row so that the per-element test is two compares.
+// Calls f(std::integral_constant<unsigned, set>) for the run-time set `active` (bit i: m-tile i) of a warp's
+// kCount m-tiles, so that f's loops know at compile time which m-tiles run; the empty set calls nothing.
+template <int kCount, class F>
+__device__ __forceinline__ void for_active_set(unsigned active, F&& f) {
+  static_assert(kCount == 1 || kCount == 2, "one or two m-tiles per warp");
+  if constexpr (kCount == 1) {
+    if (active == 1u) f(std::integral_constant<unsigned, 1u>{});
+  } else {
+    if (active == 3u) f(std::integral_constant<unsigned, 3u>{});
+    else if (active == 1u) f(std::integral_constant<unsigned, 1u>{});
+    else if (active == 2u) f(std::integral_constant<unsigned, 2u>{});
+  }
+}
+
 struct KeyInterval {
   int lo, hi;
   __device__ __forceinline__ bool contains(int k) const { return k >= lo && k < hi; }
@@ -202,6 +217,9 @@ __device__ __forceinline__ KeyInterval item_keys(const WorkItem& w, int q) {
   if (q < w.q0 || q >= w.q1) hi = lo;
   return {lo, hi};
 }
+// Whether this keeps none / all of keys [k0, k1).
+__device__ __forceinline__ bool keeps_none(KeyInterval keys, int k0, int k1) { return max(keys.lo, k0) >= min(keys.hi, k1); }
+__device__ __forceinline__ bool keeps_all(KeyInterval keys, int k0, int k1) { return keys.lo <= k0 && keys.hi >= k1; }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // Hopper's vector reduction, predicated rather than branched: a branch per atomic let the compiler sink (and

@@ -54,7 +54,9 @@ constexpr int kFwdSmallTileQ = 64;
 // the cells (src/cuda/backend.cpp; the distributed cost model mirrors it). On the H100 (D 128, bf16) a
 // 64-row block ran dense tiles at kSmallForwardTileRate of the 128-row rate, and the switch broke even near
 // a cell ratio of 1.14 (varlen causal: 213 vs 218 TFLOP/s), won at 1.18 (block-causal: 261 vs 244) and lost
-// at 1.08 (varlen full: 262 vs 281).
+// at 1.08 (varlen full: 262 vs 281). Since 128-row tiles drop m-tiles that keep no key (forward_kernel.cuh),
+// block-causal (1.18) runs faster in 128-row tiles in the plain grid (281 vs 271) and slower in the persistent
+// one (258 vs 270): the rule stays.
 constexpr double kSmallForwardTileGain = 1.15;
 constexpr double kSmallForwardTileRate = 0.85;
 // The rule itself, on the cells each tile shape would compute.
