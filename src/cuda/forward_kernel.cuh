@@ -84,12 +84,7 @@ __device__ __forceinline__ void write_itemless_tile(const FwdParams& p, int q_ba
 // persistent kernel lost 1-3%.
 template <int kD, int kTileQ, bool kPersistent>
 constexpr bool kUseWarpTests = !kPersistent || kD <= 128;
-// kBlockStores: out in whole 8-column blocks (store_row_blocks), else element pairs. The 128-row D 128
-// persistent kernel keeps pair stores: with block stores ptxas spilled 112 bytes in its loop (16 with pairs) and
-// its full-mask forward lost 2% (H100; the plain grid gained 1-2%, and 4-13% with short documents).
-template <int kD, int kTileQ, bool kPersistent>
-constexpr bool kUseBlockStores = !(kPersistent && kD == 128 && kTileQ == 128);
-template <class T, int kD, int kTileQ, bool kWarpTests, bool kBlockStores>
+template <class T, int kD, int kTileQ, bool kWarpTests>
 __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int linear, unsigned char* smem) {
   using Cfg = FwdConfig<kD, kTileQ>;
   constexpr int kM = Cfg::kM, kN = Cfg::kN, kThreads = Cfg::kThreads, kMT = Cfg::kMTiles;
@@ -365,18 +360,9 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
           }
           factor = 1.0f;
         }
-        if constexpr (!kBlockStores) {
-#pragma unroll
-          for (int i = 0; i < kDBlocks; ++i) {
-            const int col = i * 8 + (lane % 4) * 2;
-            if (col < p.d)
-              store_pair<T>(p.out, base + col, acc[mt][i][2 * r] * factor, acc[mt][i][2 * r + 1] * factor, p.out_fp32);
-          }
-        }
       }
-      if constexpr (kBlockStores)
-        store_row_blocks<T, kDBlocks>(p.out, int64_t{row} * q_stride + int64_t{head} * p.d, acc[mt], r, factor, p.d,
-                                      p.out_fp32, row_valid, lane);
+      store_row_blocks<T, kDBlocks>(p.out, int64_t{row} * q_stride + int64_t{head} * p.d, acc[mt], r, factor, p.d,
+                                    p.out_fp32, row_valid, lane);
     }
   }
   if (p.max_logits != nullptr) {
@@ -392,15 +378,15 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
 template <class T, int kD, int kTileQ>
 __global__ void __launch_bounds__(FwdConfig<kD, kTileQ>::kThreads) forward_kernel(const FwdParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
-  forward_kernel_tile<T, kD, kTileQ, kUseWarpTests<kD, kTileQ, false>, kUseBlockStores<kD, kTileQ, false>>(
+  forward_kernel_tile<T, kD, kTileQ, kUseWarpTests<kD, kTileQ, false>>(
       p, static_cast<int>(blockIdx.x), smem);
 }
 
 // Persistent grid: block b starts with work b, then takes the next unclaimed index from a counter, so the
 // plan's heaviest-first order is kept and blocks balance dynamically. Each work index is computed the
 // same way whichever block takes it, so results do not depend on the schedule.
-// The minimum blocks per SM steer ptxas (nvcc 13, D 128): with an explicit 1, the 128-row kernel spills 16
-// bytes instead of 132; the 64-row one keeps 3 resident blocks (168 registers) instead of 2 (198).
+// The minimum blocks per SM steer ptxas (nvcc 13, D 128): with an explicit 1, the 128-row kernel spilled 16
+// bytes instead of 132 (none now); the 64-row one keeps 3 resident blocks (168 registers) instead of 2 (198).
 template <class T, int kD, int kTileQ>
 __global__ void __launch_bounds__(FwdConfig<kD, kTileQ>::kThreads, FwdConfig<kD, kTileQ>::kMTiles == 1 && kD <= 128 ? 3 : 1)
     forward_kernel_persistent(const FwdParams p, int num_work) {
@@ -408,7 +394,7 @@ __global__ void __launch_bounds__(FwdConfig<kD, kTileQ>::kThreads, FwdConfig<kD,
   __shared__ int next_work;
   int linear = static_cast<int>(blockIdx.x);
   while (linear < num_work) {
-    forward_kernel_tile<T, kD, kTileQ, kUseWarpTests<kD, kTileQ, true>, kUseBlockStores<kD, kTileQ, true>>(p, linear, smem);
+    forward_kernel_tile<T, kD, kTileQ, kUseWarpTests<kD, kTileQ, true>>(p, linear, smem);
     if (threadIdx.x == 0) next_work = atomicAdd(p.work_counter, 1) + static_cast<int>(gridDim.x);
     __syncthreads();  // also: the next work item reuses shared memory
     linear = next_work;
