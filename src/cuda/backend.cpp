@@ -555,10 +555,8 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
     else detail::launch_convert(tag, dkdv.dq_accum, a.dq.data, static_cast<int64_t>(dq_elements), stream);
     timer.end();
   }
-  timer.report("cuda backward, " +
-               (fused_dq ? std::to_string(plan.dkdv_items) + " dk/dv items (dq by atomics)"
-                         : std::to_string(plan.dkdv_items) + " dk/dv items, " + std::to_string(plan.dq_items) +
-                               " dq items"));
+  timer.report("cuda backward, " + std::to_string(plan.dkdv_items) + " dk/dv items" +
+               (fused_dq ? " (dq by atomics)" : ", " + std::to_string(plan.dq_items) + " dq items"));
 }
 
 }  // namespace magi::cuda

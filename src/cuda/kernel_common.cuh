@@ -190,8 +190,6 @@ struct TileLoader {
   }
 };
 
-// Keys [lo, hi) that a work item keeps for row q (kept_keys restricted to the item's rectangle); an empty
-// interval for rows outside it. Computed once per row so that the per-element test is two compares.
 // Calls f(std::integral_constant<unsigned, set>) for the run-time set `active` (bit i: m-tile i) of a warp's
 // kCount m-tiles, so that f's loops know at compile time which m-tiles run; the empty set calls nothing.
 template <int kCount, class F>
@@ -206,6 +204,8 @@ __device__ __forceinline__ void for_active_set(unsigned active, F&& f) {
   }
 }
 
+// Keys [lo, hi) that a work item keeps for row q (kept_keys restricted to the item's rectangle); an empty
+// interval for rows outside it. Computed once per row so that the per-element test is two compares.
 struct KeyInterval {
   int lo, hi;
   __device__ __forceinline__ bool contains(int k) const { return k >= lo && k < hi; }

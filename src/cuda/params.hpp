@@ -73,8 +73,7 @@ constexpr int fwd_tile_k(int padded_head_dim) { return padded_head_dim <= 128 ? 
 constexpr int kDkdvTileQ = 64;
 constexpr int dkdv_tile_k(int padded_head_dim) { return padded_head_dim <= 128 ? 128 : 64; }
 // Shared memory of the dk/dv kernel: K, V; Q, dO (double-buffered up to D 128); lse2, Delta; P^T and dS^T
-// (with dq atomics up to D 128, two dS^T buffers); up to D 128 the stages' work items (32 bytes each) and
-// two TileInfo slots (this tile's, the next one's). The
+// (with dq atomics up to D 128, two dS^T buffers); up to D 128 the stages' work items (32 bytes each). The
 // host checks it against the device's limit (the dq-atomics kernel needs ~177 KB at D 128; smaller parts
 // take the two-kernel path).
 constexpr int dkdv_smem_bytes(int padded_head_dim, bool dq_atomics) {
@@ -83,7 +82,7 @@ constexpr int dkdv_smem_bytes(int padded_head_dim, bool dq_atomics) {
   const int stages = register_resident ? 2 : 1;
   const int pds_tiles = dq_atomics && register_resident ? 3 : 2;
   return (2 * n * d + stages * 2 * m * d + pds_tiles * n * m) * 2 + stages * 2 * m * 4 +
-         (register_resident ? stages * 32 + 2 * 16 : 0);
+         (register_resident ? stages * 32 : 0);
 }
 // dq: 128 rows (two m-tiles per warp) x 32 keys up to D 128 beat 64 x 64 (165 vs 159 bwd TFLOP/s, H200).
 constexpr int dq_tile_q(int padded_head_dim) { return padded_head_dim <= 128 ? 128 : 64; }

@@ -65,11 +65,11 @@ struct EngineResult {
   HostTensor out, lse, max_logits;
   HostTensor dq, dk, dv, dsink;
 };
-// Poisons every output with NaN, then calls magi::forward.
 // The InvalidArgument message of `call`, or a description of what happened instead (so that a check for the
 // argument's name in it fails when the call was accepted or threw something else).
 std::string invalid_argument_message(const std::function<void()>& call);
 
+// Poisons every output with NaN, then calls magi::forward.
 EngineResult run_forward(CaseData& data, const CaseConfig& config);
 // Poisons the gradients, then calls magi::backward on `result`'s out and lse.
 void run_backward(CaseData& data, const CaseConfig& config, EngineResult& result);
