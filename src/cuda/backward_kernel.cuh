@@ -245,8 +245,9 @@ __device__ __forceinline__ void dkdv_register_tile(const BwdParams& p, int linea
   const WorkItem* const sItem = reinterpret_cast<const WorkItem*>(smem + (sdS + (kDq ? 2 : 1) * kPdsBytes - sK));
   static_assert(sizeof(WorkItem) == 32, "an item is two 16-byte copies (dkdv_smem_bytes counts 32 bytes a stage)");
 
-  const TileInfo info = p.list.tiles[linear / p.hkv];
-  const int kv_head = linear % p.hkv;
+  const WorkCoords at = work_coords(linear, p.hkv, p.list);
+  const TileInfo info = p.list.tiles[at.tile_index];
+  const int kv_head = at.head;
   const int group = p.hq / p.hkv;
   const int k_base = info.tile * kN;
   const int tid = static_cast<int>(threadIdx.x);
@@ -502,8 +503,9 @@ __device__ __forceinline__ void dkdv_staged_tile(const BwdParams& p, int linear,
   float* const sLse = reinterpret_cast<float*>(row_stats);            // [stage][kM]
   float* const sDelta = sLse + kStages * kM;                          // [stage][kM]
 
-  const TileInfo info = p.list.tiles[linear / p.hkv];
-  const int kv_head = linear % p.hkv;
+  const WorkCoords at = work_coords(linear, p.hkv, p.list);
+  const TileInfo info = p.list.tiles[at.tile_index];
+  const int kv_head = at.head;
   const int group = p.hq / p.hkv;
   const int k_base = info.tile * kN;
   const int tid = static_cast<int>(threadIdx.x);
@@ -691,8 +693,9 @@ __device__ __forceinline__ void dq_kernel_tile(const BwdParams& p, int linear, u
   const uint32_t sK = sdO + kM * kD * 2;
   const uint32_t sV = sK + kN * kD * 2;
 
-  const TileInfo info = p.list.tiles[linear / p.hq];
-  const int head = linear % p.hq;
+  const WorkCoords at = work_coords(linear, p.hq, p.list);
+  const TileInfo info = p.list.tiles[at.tile_index];
+  const int head = at.head;
   const int kv_head = head / (p.hq / p.hkv);
   const int q_base = info.tile * kM;
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;

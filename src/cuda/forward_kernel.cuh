@@ -96,9 +96,10 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
   const uint32_t sK = sQ + kM * kD * 2;
   const uint32_t sV = sK + kN * kD * 2;
 
-  const TileInfo info = p.list.tiles[linear / p.hq];
+  const WorkCoords at = work_coords(linear, p.hq, p.list);
+  const TileInfo info = p.list.tiles[at.tile_index];
   const int tile = info.tile;
-  const int head = linear % p.hq;
+  const int head = at.head;
   const int kv_head = head / (p.hq / p.hkv);
   const int q_base = tile * kM;
   const int warp = static_cast<int>(threadIdx.x) / 32;

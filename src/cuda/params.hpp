@@ -34,12 +34,34 @@ struct TileInfo {
   int32_t first_minor0;  // the first item's minor start (q0 of a k-major list, k0 of a q-major one); 0 if none
 };
 
-// A work list on the device: blocks take `tiles` in order, each walks items [first, first + count).
+// A work list on the device: blocks take (tile, head) pairs in the order of work_coords, each walks items
+// [first, first + count) of its tile.
 struct DeviceList {
   const TileInfo* tiles = nullptr;  // [num_tiles], heaviest first
   const WorkItem* items = nullptr;
   int32_t num_tiles = 0;
+  int32_t heavy_tiles = 0;     // the first tiles, taken with all their heads before the passes
+  int32_t heads_per_pass = 1;  // a divisor of the kernel's heads (q heads, or kv heads for dk/dv)
 };
+
+// Work index -> (position in `tiles`, head): first the heavy tiles, every head of one tile before the next (so
+// that the long ones start early); then the other tiles with the heads in passes of `heads_per_pass`, each pass
+// heaviest first, so that the blocks running together share the pass's K/V (forward, dq) or Q/dO (dk/dv) in L2.
+// Taking every head of every tile in turn made short documents re-read K/V from DRAM (H100, 1k-token causal
+// documents: DRAM 72% busy against 14% at 8k tokens).
+struct WorkCoords {
+  int32_t tile_index, head;
+};
+constexpr WorkCoords work_coords(int32_t linear, int32_t heads, const DeviceList& list) {
+  const int32_t heavy = list.heavy_tiles * heads;
+  if (linear < heavy) return {linear / heads, linear % heads};
+  linear -= heavy;
+  const int32_t per_pass = list.heads_per_pass;
+  const int32_t pass_size = per_pass * (list.num_tiles - list.heavy_tiles);
+  const int32_t pass = linear / pass_size, in_pass = linear - pass * pass_size;
+  const int32_t tile_index = in_pass / per_pass;
+  return {list.heavy_tiles + tile_index, pass * per_pass + in_pass - tile_index * per_pass};
+}
 
 // Tile shapes shared by the planner and the kernels.
 // Forward: 4 warps; 128 x 64 tiles up to D 128 (two 16-row m-tiles per warp), 64 x 32 for D 256 (register

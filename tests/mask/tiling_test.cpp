@@ -2,8 +2,11 @@
 // needs_mask, items inside their tiles.
 #include "mask/tiling.hpp"
 
+#include "cuda/params.hpp"
+
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
 #include <vector>
 
@@ -142,6 +145,44 @@ TEST(Tiling, ManySlicesScaleWithItems) {
   for (const TileWork& w : by_q.items) {
     EXPECT_EQ(w.q.size(), len);
     EXPECT_TRUE(w.needs_mask);
+  }
+}
+
+// The CUDA kernels' block order over a list's (tile, head) pairs: heavy tiles first with all their heads, then
+// passes of heads over the other tiles; every pair exactly once, in that order.
+TEST(WorkOrder, EveryTileAndHeadOnceHeavyFirstThenPasses) {
+  std::mt19937_64 rng(std::random_device{}());
+  for (int trial = 0; trial < 50; ++trial) {
+    const int32_t heads = std::vector<int32_t>{1, 2, 4, 6, 8, 16}[rng() % 6];
+    std::vector<int32_t> divisors;
+    for (int32_t h = 1; h <= heads; ++h)
+      if (heads % h == 0) divisors.push_back(h);
+    cuda::detail::DeviceList list;
+    list.num_tiles = 1 + static_cast<int32_t>(rng() % 40);
+    list.heavy_tiles = static_cast<int32_t>(rng() % (list.num_tiles + 1));
+    list.heads_per_pass = divisors[rng() % divisors.size()];
+    std::vector<int> seen(static_cast<size_t>(list.num_tiles) * heads, 0);
+    int32_t prev_pass = 0, prev_tile = -1;
+    for (int32_t linear = 0; linear < list.num_tiles * heads; ++linear) {
+      const cuda::detail::WorkCoords at = cuda::detail::work_coords(linear, heads, list);
+      ASSERT_GE(at.tile_index, 0);
+      ASSERT_LT(at.tile_index, list.num_tiles);
+      ASSERT_GE(at.head, 0);
+      ASSERT_LT(at.head, heads);
+      ++seen[static_cast<size_t>(at.tile_index) * heads + at.head];
+      if (linear < list.heavy_tiles * heads) {
+        EXPECT_EQ(at.tile_index, linear / heads);  // heavy tiles: all heads of one tile, then the next
+        continue;
+      }
+      EXPECT_GE(at.tile_index, list.heavy_tiles);
+      const int32_t pass = at.head / list.heads_per_pass;
+      EXPECT_GE(pass, prev_pass);                             // passes in order
+      if (pass == prev_pass) EXPECT_GE(at.tile_index, prev_tile);  // each pass heaviest (first) tile first
+      if (pass != prev_pass) prev_tile = -1;
+      prev_pass = pass;
+      prev_tile = std::max(prev_tile, at.tile_index);
+    }
+    for (int count : seen) EXPECT_EQ(count, 1);
   }
 }
 

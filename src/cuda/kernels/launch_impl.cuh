@@ -44,8 +44,10 @@ void launch_forward_tiles(const FwdParams& params, int num_blocks, int sm_margin
 // The list's tiles with items on the attention kernel, the item-less ones (the last of its order) on the copy kernel.
 template <class T, int kD, int kTileQ>
 void launch_forward_list(const FwdParams& params, int itemless_tiles, int sm_margin, cudaStream_t stream) {
-  const int num_blocks = (params.list.num_tiles - itemless_tiles) * params.hq;
-  if (num_blocks > 0) launch_forward_tiles<T, kD, kTileQ>(params, num_blocks, sm_margin, stream);
+  FwdParams with_items = params;  // the attention kernel walks the tiles before the item-less ones
+  with_items.list.num_tiles -= itemless_tiles;
+  const int num_blocks = with_items.list.num_tiles * params.hq;
+  if (num_blocks > 0) launch_forward_tiles<T, kD, kTileQ>(with_items, num_blocks, sm_margin, stream);
   if (itemless_tiles == 0) return;
   forward_itemless_kernel<T, kD, kTileQ><<<itemless_tiles * params.hq, FwdConfig<kD, kTileQ>::kThreads, 0, stream>>>(
       params, params.list.num_tiles - itemless_tiles);
