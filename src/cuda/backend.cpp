@@ -181,15 +181,14 @@ class StageTimer {
   std::vector<Stage> stages_;
 };
 
-// The order of a list's blocks (work_coords): heads per pass, the most whole groups of `unit` heads (a divisor of
-// `heads`) whose bytes (`unit_bytes` a group) fit in half the L2; heavy tiles, those that could end after
-// everything else if they started in the last pass (more items than a pass gives each of the `slots` resident
-// blocks).
-void order_list(DeviceList& list, const std::vector<detail::TileInfo>& tiles, int32_t heads, int32_t unit,
-                double unit_bytes, int64_t l2_bytes, int64_t slots) {
-  int32_t per_pass = unit;
-  for (int32_t h = unit; h <= heads; h += unit)
-    if (heads % h == 0 && (h / unit) * unit_bytes <= 0.5 * static_cast<double>(l2_bytes)) per_pass = h;
+// Passes for a list's blocks (work_coords): as many heads per pass as fit their `head_bytes` each in half the
+// L2 (a divisor of `heads`); heavy tiles first, those that could end after everything else if they started in
+// the last pass (more items than a pass gives each of the `slots` resident blocks).
+void order_in_passes(DeviceList& list, const std::vector<detail::TileInfo>& tiles, int32_t heads, double head_bytes,
+                     int64_t l2_bytes, int64_t slots) {
+  int32_t per_pass = 1;
+  for (int32_t h = 1; h <= heads; ++h)
+    if (heads % h == 0 && h * head_bytes <= 0.5 * static_cast<double>(l2_bytes)) per_pass = h;
   int64_t items = 0;
   for (const detail::TileInfo& t : tiles) items += t.count;
   const double pass_share = static_cast<double>(items) * per_pass / static_cast<double>(slots);
@@ -333,22 +332,23 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   // Padding rows of the row statistics are read (whole chunks) but never kept: keep them finite.
   check(cudaMemset(static_cast<unsigned char*>(plan->arena) + delta_at, 0, total - delta_at), "cudaMemset (plan)");
   auto* base = static_cast<unsigned char*>(plan->arena);
-  auto make_list = [&](const HostList& l, const Offsets& o) {
+  // One pass by default: every head of a tile in turn, heaviest tile first.
+  auto make_list = [&](const HostList& l, const Offsets& o, int32_t heads) {
     DeviceList d;
     d.tiles = reinterpret_cast<const detail::TileInfo*>(base + o.tiles);
     d.items = reinterpret_cast<const WorkItem*>(base + o.items);
     d.num_tiles = static_cast<int32_t>(l.tiles.size());
+    d.heads_per_pass = heads;
     return d;
   };
-  plan->fwd = make_list(fwd, o_fwd);
-  plan->dkdv = make_list(dkdv, o_dkdv);
-  plan->dq = make_list(dq, o_dq);
-  // The forward and dq kernels take every head of a tile in turn (one pass): in passes the forward lost 2-5% on
-  // causal, sliding-window and shared-question masks (H100). The dk/dv kernel's passes share a kv group's Q, dO
-  // and fp32 dq accumulator (one block per SM): its varlen causal backward gained 7%.
-  plan->fwd.heads_per_pass = plan->dq.heads_per_pass = plan->hq;
-  const int32_t group = plan->hq / plan->hkv;
-  order_list(plan->dkdv, dkdv.tiles, plan->hkv, 1, 8.0 * group * plan->tq * plan->padded_d, l2_bytes, sms);
+  plan->fwd = make_list(fwd, o_fwd, plan->hq);
+  plan->dkdv = make_list(dkdv, o_dkdv, plan->hkv);
+  plan->dq = make_list(dq, o_dq, plan->hq);
+  // The dk/dv kernel (one block per SM) in passes of kv heads sharing their group's Q, dO and fp32 dq accumulator
+  // in L2: varlen causal backward +7% (H100). The forward lost 2-5% in passes (causal, sliding window, shared
+  // question) and keeps one.
+  const double group_bytes = 8.0 * (plan->hq / plan->hkv) * plan->tq * plan->padded_d;
+  order_in_passes(plan->dkdv, dkdv.tiles, plan->hkv, group_bytes, l2_bytes, sms);
   plan->fwd_items = static_cast<int64_t>(fwd.items.size());
   plan->dkdv_items = static_cast<int64_t>(dkdv.items.size());
   plan->dq_items = static_cast<int64_t>(dq.items.size());

@@ -41,14 +41,14 @@ struct DeviceList {
   const WorkItem* items = nullptr;
   int32_t num_tiles = 0;
   int32_t heavy_tiles = 0;     // the first tiles, taken with all their heads before the passes
-  int32_t heads_per_pass = 1;  // a divisor of the kernel's heads (q heads, or kv heads for dk/dv)
+  int32_t heads_per_pass = 0;  // a divisor of the kernel's heads (q heads, or kv heads for dk/dv); set by the plan
 };
 
 // Work index -> (position in `tiles`, head): first the heavy tiles, every head of one tile before the next (so
 // that the long ones start early); then the other tiles with the heads in passes of `heads_per_pass`, each pass
-// heaviest first, so that the blocks running together share the pass's K/V (forward, dq) or Q/dO (dk/dv) in L2.
-// Taking every head of every tile in turn made short documents re-read K/V from DRAM (H100, 1k-token causal
-// documents: DRAM 72% busy against 14% at 8k tokens).
+// heaviest first, so that the blocks running together share the pass's data in L2 (the dk/dv kernel's Q/dO:
+// taking every head of every tile in turn made short documents re-read them from DRAM). One pass of all heads
+// is the plain heaviest-first order.
 struct WorkCoords {
   int32_t tile_index, head;
 };
