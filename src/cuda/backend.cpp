@@ -3,9 +3,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -64,7 +66,7 @@ int padded_head_dim(int32_t d) {
 
 // Host form of one list before upload.
 struct HostList {
-  std::vector<detail::TileInfo> tiles;  // heaviest first
+  std::vector<detail::TileInfo> tiles;  // heaviest first, then grouped (group_tiles_sharing_data)
   std::vector<WorkItem> items;
 };
 
@@ -85,6 +87,46 @@ int32_t test_groups(const Slice& s, const tiling::TileWork& w, int64_t k_tile0, 
     }
   }
   return bits;
+}
+
+// Tiles whose items all start at one minor index (or all end at one) read that data from the same place on:
+// the q tiles of a causal document all read keys from the document's first one. Blocks running together share
+// it in L2 only if such tiles are taken together, which heaviest-first scatters (their item counts differ):
+// groups in the order of their heaviest tile, heaviest first inside a group. Whichever of the two endpoints
+// makes fewer groups is used; a tile whose ends are shared with no other stays where it was.
+void group_tiles_sharing_data(HostList& list, bool q_major, size_t begin, size_t end) {
+  const size_t n = end - begin;
+  std::vector<std::pair<int32_t, int32_t>> ends(n, {-1, -1});  // (first minor start, last minor end)
+  for (size_t i = 0; i < n; ++i) {
+    const detail::TileInfo& t = list.tiles[begin + i];
+    if (t.count == 0) continue;
+    int32_t lo = INT32_MAX, hi = INT32_MIN;
+    for (int32_t j = t.first; j < t.first + t.count; ++j) {
+      const WorkItem& w = list.items[static_cast<size_t>(j)];
+      lo = std::min(lo, q_major ? w.k0 : w.q0);
+      hi = std::max(hi, q_major ? w.k1 : w.q1);
+    }
+    ends[i] = {lo, hi};
+  }
+  auto group_order = [&](bool by_start) {
+    std::map<int32_t, size_t> first_of;  // endpoint -> position of its heaviest tile (the first in the list)
+    std::vector<size_t> key(n);
+    for (size_t i = 0; i < n; ++i) {
+      if (list.tiles[begin + i].count == 0) { key[i] = i; continue; }
+      key[i] = first_of.try_emplace(by_start ? ends[i].first : ends[i].second, i).first->second;
+    }
+    return std::make_pair(first_of.size(), key);
+  };
+  auto [starts, by_start] = group_order(true);
+  auto [finishes, by_end] = group_order(false);
+  const std::vector<size_t>& key = starts <= finishes ? by_start : by_end;
+  std::vector<size_t> order(n);
+  for (size_t i = 0; i < n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return key[a] < key[b]; });
+  std::vector<detail::TileInfo> grouped;
+  grouped.reserve(n);
+  for (size_t i : order) grouped.push_back(list.tiles[begin + i]);
+  std::copy(grouped.begin(), grouped.end(), list.tiles.begin() + static_cast<std::ptrdiff_t>(begin));
 }
 
 // Converts a tiling list; `q_major` says whether the major axis is q. A rectangle is unmasked only when
@@ -184,8 +226,11 @@ class StageTimer {
 // Passes for a list's blocks (work_coords): as many heads per pass as fit their `head_bytes` each in half the
 // L2 (a divisor of `heads`); heavy tiles first, those that could end after everything else if they started in
 // the last pass (more items than a pass gives each of the `slots` resident blocks).
-void order_in_passes(DeviceList& list, const std::vector<detail::TileInfo>& tiles, int32_t heads, double head_bytes,
-                     int64_t l2_bytes, int64_t slots) {
+struct PassOrder {
+  int32_t heads_per_pass, heavy_tiles;
+};
+PassOrder order_in_passes(HostList& list, int32_t heads, double head_bytes, int64_t l2_bytes, int64_t slots) {
+  const std::vector<detail::TileInfo>& tiles = list.tiles;
   int32_t per_pass = 1;
   for (int32_t h = 1; h <= heads; ++h)
     if (heads % h == 0 && h * head_bytes <= 0.5 * static_cast<double>(l2_bytes)) per_pass = h;
@@ -194,8 +239,9 @@ void order_in_passes(DeviceList& list, const std::vector<detail::TileInfo>& tile
   const double pass_share = static_cast<double>(items) * per_pass / static_cast<double>(slots);
   int32_t heavy = 0;
   while (heavy < static_cast<int32_t>(tiles.size()) && tiles[static_cast<size_t>(heavy)].count > pass_share) ++heavy;
-  list.heads_per_pass = per_pass;
-  list.heavy_tiles = heavy;
+  group_tiles_sharing_data(list, false, 0, static_cast<size_t>(heavy));
+  group_tiles_sharing_data(list, false, static_cast<size_t>(heavy), list.tiles.size());
+  return {per_pass, heavy};
 }
 
 }  // namespace
@@ -265,6 +311,13 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   plan->padded_d = padded_head_dim(head_dim);
   plan->device = device;
 
+  DeviceGuard guard(device);
+  check(cudaDeviceGetAttribute(&plan->smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+        "cudaDeviceGetAttribute");
+  int l2_bytes = 0, sms = 0;
+  check(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device), "cudaDeviceGetAttribute");
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+
   const int fwd_k = detail::fwd_tile_k(plan->padded_d);
   const int large_q = detail::fwd_tile_q(plan->padded_d), small_q = detail::kFwdSmallTileQ;
   if (tuning.forward_tile_q != 0 && tuning.forward_tile_q != large_q && tuning.forward_tile_q != small_q)
@@ -283,15 +336,24 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
     }
   }
   plan->fwd_tile_q = fwd_q;
-  const HostList fwd = convert(mask, fwd_tiles, true);
+  HostList fwd = convert(mask, fwd_tiles, true);
+  group_tiles_sharing_data(fwd, true, 0, fwd.tiles.size());
   for (const detail::TileInfo& t : fwd.tiles) plan->fwd_itemless_tiles += t.count == 0;
-  const HostList dkdv =
+  HostList dkdv =
       convert(mask, tiling::by_k_tile(mask, detail::dkdv_tile_k(plan->padded_d), detail::kDkdvTileQ), false);
+  // The dk/dv kernel (one block per SM) in passes of kv heads sharing their group's Q, dO and fp32 dq accumulator
+  // in L2: varlen causal backward +7% (H100). The forward lost 2-5% in passes (causal, sliding window, shared
+  // question) and keeps one.
+  const double group_bytes = 8.0 * (plan->hq / plan->hkv) * plan->tq * plan->padded_d;
+  const PassOrder dkdv_passes = order_in_passes(dkdv, plan->hkv, group_bytes, l2_bytes, sms);
   const int dq_k = detail::dq_tile_k(plan->padded_d);
   const int dq_q = detail::dq_tile_q(plan->padded_d);
   const bool dq_shared = dq_k == fwd_k && dq_q == fwd_q;
   HostList dq_own;
-  if (!dq_shared) dq_own = convert(mask, tiling::by_q_tile(mask, dq_q, dq_k), true);
+  if (!dq_shared) {
+    dq_own = convert(mask, tiling::by_q_tile(mask, dq_q, dq_k), true);
+    group_tiles_sharing_data(dq_own, true, 0, dq_own.tiles.size());
+  }
   const HostList& dq = dq_shared ? fwd : dq_own;
 
   // One upload: [lists...][delta].
@@ -317,12 +379,6 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   const size_t stats_bytes = static_cast<size_t>(plan->tq_pad) * plan->hq * sizeof(float);
   const size_t total = delta_at + 2 * align_up(stats_bytes) + 256;
 
-  DeviceGuard guard(device);
-  check(cudaDeviceGetAttribute(&plan->smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
-        "cudaDeviceGetAttribute");
-  int l2_bytes = 0, sms = 0;
-  check(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device), "cudaDeviceGetAttribute");
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
   check(cudaMalloc(&plan->arena, total), "cudaMalloc (plan)");
   const size_t rows_x_d = static_cast<size_t>(plan->tq) * plan->hq * plan->d;
   check(cudaMalloc(&plan->dout16, rows_x_d * 2 + 16), "cudaMalloc (dout conversion)");
@@ -332,7 +388,7 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   // Padding rows of the row statistics are read (whole chunks) but never kept: keep them finite.
   check(cudaMemset(static_cast<unsigned char*>(plan->arena) + delta_at, 0, total - delta_at), "cudaMemset (plan)");
   auto* base = static_cast<unsigned char*>(plan->arena);
-  // One pass by default: every head of a tile in turn, heaviest tile first.
+  // One pass by default: every head of a tile in turn, in the list's order.
   auto make_list = [&](const HostList& l, const Offsets& o, int32_t heads) {
     DeviceList d;
     d.tiles = reinterpret_cast<const detail::TileInfo*>(base + o.tiles);
@@ -344,11 +400,8 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   plan->fwd = make_list(fwd, o_fwd, plan->hq);
   plan->dkdv = make_list(dkdv, o_dkdv, plan->hkv);
   plan->dq = make_list(dq, o_dq, plan->hq);
-  // The dk/dv kernel (one block per SM) in passes of kv heads sharing their group's Q, dO and fp32 dq accumulator
-  // in L2: varlen causal backward +7% (H100). The forward lost 2-5% in passes (causal, sliding window, shared
-  // question) and keeps one.
-  const double group_bytes = 8.0 * (plan->hq / plan->hkv) * plan->tq * plan->padded_d;
-  order_in_passes(plan->dkdv, dkdv.tiles, plan->hkv, group_bytes, l2_bytes, sms);
+  plan->dkdv.heads_per_pass = dkdv_passes.heads_per_pass;
+  plan->dkdv.heavy_tiles = dkdv_passes.heavy_tiles;
   plan->fwd_items = static_cast<int64_t>(fwd.items.size());
   plan->dkdv_items = static_cast<int64_t>(dkdv.items.size());
   plan->dq_items = static_cast<int64_t>(dq.items.size());

@@ -869,7 +869,7 @@ __global__ void __launch_bounds__(DkdvConfig<kD, kDq>::kThreads) dkdv_kernel(con
 }
 
 // Persistent grid: block b starts with work b, then takes the next unclaimed index from a counter, so the
-// plan's heaviest-first order is kept and blocks balance dynamically. Each work index is computed the
+// plan's order (heavy first) is kept and blocks balance dynamically. Each work index is computed the
 // same way whichever block takes it, so results do not depend on the schedule.
 template <class T, int kD, bool kDq>
 __global__ void __launch_bounds__(DkdvConfig<kD, kDq>::kThreads) dkdv_kernel_persistent(const BwdParams p, int num_work) {
@@ -893,7 +893,7 @@ __global__ void __launch_bounds__(DqConfig<kD>::kThreads) dq_kernel(const BwdPar
 }
 
 // Persistent grid: block b starts with work b, then takes the next unclaimed index from a counter, so the
-// plan's heaviest-first order is kept and blocks balance dynamically. Each work index is computed the
+// plan's order (heavy first) is kept and blocks balance dynamically. Each work index is computed the
 // same way whichever block takes it, so results do not depend on the schedule.
 template <class T, int kD>
 __global__ void __launch_bounds__(DqConfig<kD>::kThreads) dq_kernel_persistent(const BwdParams p, int num_work) {

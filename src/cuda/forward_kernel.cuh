@@ -400,7 +400,7 @@ __global__ void __launch_bounds__(FwdConfig<kD, kTileQ>::kThreads) forward_kerne
 }
 
 // Persistent grid: block b starts with work b, then takes the next unclaimed index from a counter, so the
-// plan's heaviest-first order is kept and blocks balance dynamically. Each work index is computed the
+// plan's order (heavy first) is kept and blocks balance dynamically. Each work index is computed the
 // same way whichever block takes it, so results do not depend on the schedule.
 // The minimum blocks per SM steer ptxas (nvcc 13, D 128): with an explicit 1, the 128-row kernel spilled 16
 // bytes instead of 132 (none now); the 64-row one keeps 3 resident blocks (168 registers) instead of 2 (198).
@@ -419,7 +419,7 @@ __global__ void __launch_bounds__(FwdConfig<kD, kTileQ>::kThreads, FwdConfig<kD,
   }
 }
 
-// The plan's item-less q tiles (its heaviest-first order from `first` on), one block per (tile, head).
+// The plan's item-less q tiles (the last of its order, from `first` on), one block per (tile, head).
 template <class T, int kD, int kTileQ>
 __global__ void __launch_bounds__(FwdConfig<kD, kTileQ>::kThreads) forward_itemless_kernel(const FwdParams p, int first) {
   const int linear = static_cast<int>(blockIdx.x);

@@ -25,8 +25,8 @@ enum WorkFlags : int32_t {
   kWorkTestGroupShift = 8,
 };
 
-// One tile of a list, in the plan's heaviest-first order: what a block needs to start it, in one 16-byte load
-// (not a chain of dependent ones through an order and an offsets array).
+// One tile of a list, in the plan's order (heavy first, tiles sharing data together): what a block needs to
+// start it, in one 16-byte load (not a chain of dependent ones through an order and an offsets array).
 struct TileInfo {
   int32_t tile;          // index along the major axis
   int32_t first;         // its first item in `items`
@@ -37,7 +37,7 @@ struct TileInfo {
 // A work list on the device: blocks take (tile, head) pairs in the order of work_coords, each walks items
 // [first, first + count) of its tile.
 struct DeviceList {
-  const TileInfo* tiles = nullptr;  // [num_tiles], heaviest first
+  const TileInfo* tiles = nullptr;  // [num_tiles], heavy first (backend.cpp: group_tiles_sharing_data)
   const WorkItem* items = nullptr;
   int32_t num_tiles = 0;
   int32_t heavy_tiles = 0;     // the first tiles, taken with all their heads before the passes
@@ -46,9 +46,9 @@ struct DeviceList {
 
 // Work index -> (position in `tiles`, head): first the heavy tiles, every head of one tile before the next (so
 // that the long ones start early); then the other tiles with the heads in passes of `heads_per_pass`, each pass
-// heaviest first, so that the blocks running together share the pass's data in L2 (the dk/dv kernel's Q/dO:
+// in the list's order, so that the blocks running together share the pass's data in L2 (the dk/dv kernel's Q/dO:
 // taking every head of every tile in turn made short documents re-read them from DRAM). One pass of all heads
-// is the plain heaviest-first order.
+// is the list's order.
 struct WorkCoords {
   int32_t tile_index, head;
 };
