@@ -130,6 +130,11 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
   float row_max[kMT][2], row_sum[kMT][2];  // row_max in logit units (raw, or log2 when softcapped)
   const bool softcapped = p.softcap > 0.0f;
   const float logit_scale = softcapped ? 1.0f : p.scale_log2;
+  // At D 128 a row keeps its (stale) maximum until a logit exceeds it by more than 2^8 in the exponent (FA4's
+  // lazy rescale): the terms stay below 2^8, and most items then leave every scale at exactly 1, so a warp skips
+  // its rescale (H100: full +3%, shared question +2%). max_logits needs the true maxima: no slack then. D 64 lost
+  // 3% with it, D 256 (which skips unmoved maxima already) 1-2%.
+  const float max_slack = p.max_logits == nullptr ? 8.0f / logit_scale : 0.0f;
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
@@ -248,6 +253,10 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
           for (int nb = 0; nb < kNBlocks; ++nb) mx = fmaxf(mx, fmaxf(s[mt][nb][2 * r], s[mt][nb][2 * r + 1]));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          // The new maximum only when it grows past the slack (-inf + slack stays -inf: a first key always counts).
+          if constexpr (kD == 128) {
+            if (mx <= row_max[mt][r] + max_slack) mx = row_max[mt][r];
+          }
           const float mx_finite = mx == -INFINITY ? 0.0f : mx;
           const float base = mx_finite * logit_scale;  // log2 units
           // The difference first: exactly 1 while the maximum stands (a contracted x * s - round(x * s) is not
@@ -263,12 +272,12 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
             sum += s[mt][nb][2 * r] + s[mt][nb][2 * r + 1];
           }
           row_sum[mt][r] = row_sum[mt][r] * scale_old[r] + sum;
-          if constexpr (kD <= 128) rescale(r);
+          if constexpr (kD < 128) rescale(r);
         }
-        // Once the maxima settle, most items leave every row's scale at exactly 1. Above D 128 (64 x 32 tiles:
-        // as many multiplies here as MMAs per item) the warp then skips them, bitwise neutral: H100 D 256 full
-        // +6%, varlen causal +1%; at D 64 and 128 the test cost 1-3% (those kernels multiply unconditionally).
-        if constexpr (kD > 128) {
+        // Once the maxima settle (or stay within the slack), most items leave every row's scale at exactly 1; from
+        // D 128 on the warp then skips the multiplies, bitwise neutral (H100, D 256: full +6%, varlen causal +1%);
+        // at D 64 the test cost 1-3% (that kernel multiplies unconditionally).
+        if constexpr (kD >= 128) {
           if (__any_sync(0xffffffffu, scale_old[0] != 1.0f || scale_old[1] != 1.0f)) {
             rescale(0);
             rescale(1);

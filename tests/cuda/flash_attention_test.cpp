@@ -110,6 +110,9 @@ INSTANTIATE_TEST_SUITE_P(
                     FeatureCase{"d256_fp16", DType::F16, 2, 1, 256, SinkLayout::None, 0.0, false},
                     FeatureCase{"d256_bf16_mqa", DType::BF16, 4, 1, 256, SinkLayout::None, 0.0, false},
                     FeatureCase{"d40_bf16", DType::BF16, 2, 2, 40, SinkLayout::None, 0.0, false},
+                    FeatureCase{"d8_bf16_gqa", DType::BF16, 4, 2, 8, SinkLayout::None, 0.0, false},
+                    FeatureCase{"d136_fp16", DType::F16, 2, 1, 136, SinkLayout::None, 0.0, false},
+                    FeatureCase{"d248_bf16", DType::BF16, 2, 2, 248, SinkLayout::None, 0.0, false},
                     FeatureCase{"sink_sh", DType::BF16, 4, 2, 64, SinkLayout::SH, 0.0, false},
                     FeatureCase{"sink_ssh_fp16", DType::F16, 4, 4, 128, SinkLayout::SSH, 0.0, false},
                     FeatureCase{"softcap", DType::BF16, 2, 1, 128, SinkLayout::None, 30.0, false},
@@ -358,6 +361,29 @@ Mask documents_then_empty_rows(std::mt19937_64& rng) {
   Mask mask = masks::varlen_causal(cu);
   mask.total_q += 150;
   return mask;
+}
+
+// Without max_logits the D >= 128 forward keeps a row's stale maximum until a logit exceeds it by 2^8 in the
+// exponent (lazy rescale); lse, out and the backward built on that lse must not notice. Sharper logits than the
+// default scale make the maxima jump past the slack as well as stay within it; also with softcap and GQA.
+TEST(CudaBackend, LazyRescaleWithoutMaxLogitsMatchesReference) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  int index = 0;
+  for (int32_t d : {128, 256}) {
+    for (double scale : {0.0, 0.35}) {
+      for (bool causal : {true, false}) {
+        CaseConfig c = config(index % 2 ? DType::F16 : DType::BF16, 4, index % 3 == 0 ? 1 : 4, d);
+        c.max_logits = false;
+        if (scale > 0.0) c.softmax_scale = scale;
+        if (index % 4 == 3) c.softcap = 20.0;
+        const Mask mask = causal ? masks::causal(1000, 1000) : random_rectangles(rng, 900, 1300, 40);
+        EXPECT_TRUE(check_cuda_case(mask, c, seed + index, std::string(causal ? "causal" : "rectangles") +
+                                                               " without max_logits, scale " + std::to_string(scale)));
+        ++index;
+      }
+    }
+  }
 }
 
 // ForwardArgs::prev_out / prev_lse on the GPU: keys in two parts, the second call merging the first's
