@@ -94,11 +94,11 @@ int32_t test_groups(const Slice& s, const tiling::TileWork& w, int64_t k_tile0, 
 // it in L2 only if such tiles are taken together, which heaviest-first scatters (their item counts differ):
 // groups in the order of their heaviest tile, heaviest first inside a group. Whichever of the two endpoints
 // makes fewer groups is used; a tile whose ends are shared with no other stays where it was.
-void group_tiles_sharing_data(HostList& list, bool q_major, size_t begin, size_t end) {
-  const size_t n = end - begin;
-  std::vector<std::pair<int32_t, int32_t>> ends(n, {-1, -1});  // (first minor start, last minor end)
+void group_tiles_sharing_data(HostList& list, bool q_major) {
+  const size_t n = list.tiles.size();
+  std::vector<std::pair<int32_t, int32_t>> ends(n, {-1, -1});  // (smallest minor start, largest minor end)
   for (size_t i = 0; i < n; ++i) {
-    const detail::TileInfo& t = list.tiles[begin + i];
+    const detail::TileInfo& t = list.tiles[i];
     if (t.count == 0) continue;
     int32_t lo = INT32_MAX, hi = INT32_MIN;
     for (int32_t j = t.first; j < t.first + t.count; ++j) {
@@ -112,7 +112,7 @@ void group_tiles_sharing_data(HostList& list, bool q_major, size_t begin, size_t
     std::map<int32_t, size_t> first_of;  // endpoint -> position of its heaviest tile (the first in the list)
     std::vector<size_t> key(n);
     for (size_t i = 0; i < n; ++i) {
-      if (list.tiles[begin + i].count == 0) { key[i] = i; continue; }
+      if (list.tiles[i].count == 0) { key[i] = i; continue; }
       key[i] = first_of.try_emplace(by_start ? ends[i].first : ends[i].second, i).first->second;
     }
     return std::make_pair(first_of.size(), key);
@@ -125,8 +125,8 @@ void group_tiles_sharing_data(HostList& list, bool q_major, size_t begin, size_t
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return key[a] < key[b]; });
   std::vector<detail::TileInfo> grouped;
   grouped.reserve(n);
-  for (size_t i : order) grouped.push_back(list.tiles[begin + i]);
-  std::copy(grouped.begin(), grouped.end(), list.tiles.begin() + static_cast<std::ptrdiff_t>(begin));
+  for (size_t i : order) grouped.push_back(list.tiles[i]);
+  list.tiles = std::move(grouped);
 }
 
 // Converts a tiling list; `q_major` says whether the major axis is q. A rectangle is unmasked only when
@@ -173,6 +173,7 @@ HostList convert(const Mask& mask, const tiling::TileLists& lists, bool q_major)
   // Heaviest tiles first so that the long ones start early; ties keep index order (deterministic).
   std::stable_sort(out.tiles.begin(), out.tiles.end(),
                    [](const detail::TileInfo& a, const detail::TileInfo& b) { return a.count > b.count; });
+  group_tiles_sharing_data(out, q_major);
   return out;
 }
 
@@ -225,23 +226,21 @@ class StageTimer {
 
 // Passes for a list's blocks (work_coords): as many heads per pass as fit their `head_bytes` each in half the
 // L2 (a divisor of `heads`); heavy tiles first, those that could end after everything else if they started in
-// the last pass (more items than a pass gives each of the `slots` resident blocks).
+// the last pass (more items than a pass gives each of the `slots` resident blocks), moved to the front in the
+// list's order.
 struct PassOrder {
   int32_t heads_per_pass, heavy_tiles;
 };
 PassOrder order_in_passes(HostList& list, int32_t heads, double head_bytes, int64_t l2_bytes, int64_t slots) {
-  const std::vector<detail::TileInfo>& tiles = list.tiles;
   int32_t per_pass = 1;
   for (int32_t h = 1; h <= heads; ++h)
     if (heads % h == 0 && h * head_bytes <= 0.5 * static_cast<double>(l2_bytes)) per_pass = h;
   int64_t items = 0;
-  for (const detail::TileInfo& t : tiles) items += t.count;
+  for (const detail::TileInfo& t : list.tiles) items += t.count;
   const double pass_share = static_cast<double>(items) * per_pass / static_cast<double>(slots);
-  int32_t heavy = 0;
-  while (heavy < static_cast<int32_t>(tiles.size()) && tiles[static_cast<size_t>(heavy)].count > pass_share) ++heavy;
-  group_tiles_sharing_data(list, false, 0, static_cast<size_t>(heavy));
-  group_tiles_sharing_data(list, false, static_cast<size_t>(heavy), list.tiles.size());
-  return {per_pass, heavy};
+  const auto rest = std::stable_partition(list.tiles.begin(), list.tiles.end(),
+                                          [&](const detail::TileInfo& t) { return t.count > pass_share; });
+  return {per_pass, static_cast<int32_t>(rest - list.tiles.begin())};
 }
 
 }  // namespace
@@ -336,8 +335,7 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
     }
   }
   plan->fwd_tile_q = fwd_q;
-  HostList fwd = convert(mask, fwd_tiles, true);
-  group_tiles_sharing_data(fwd, true, 0, fwd.tiles.size());
+  const HostList fwd = convert(mask, fwd_tiles, true);
   for (const detail::TileInfo& t : fwd.tiles) plan->fwd_itemless_tiles += t.count == 0;
   HostList dkdv =
       convert(mask, tiling::by_k_tile(mask, detail::dkdv_tile_k(plan->padded_d), detail::kDkdvTileQ), false);
@@ -350,10 +348,7 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   const int dq_q = detail::dq_tile_q(plan->padded_d);
   const bool dq_shared = dq_k == fwd_k && dq_q == fwd_q;
   HostList dq_own;
-  if (!dq_shared) {
-    dq_own = convert(mask, tiling::by_q_tile(mask, dq_q, dq_k), true);
-    group_tiles_sharing_data(dq_own, true, 0, dq_own.tiles.size());
-  }
+  if (!dq_shared) dq_own = convert(mask, tiling::by_q_tile(mask, dq_q, dq_k), true);
   const HostList& dq = dq_shared ? fwd : dq_own;
 
   // One upload: [lists...][delta].
