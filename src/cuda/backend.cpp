@@ -383,20 +383,19 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   // Padding rows of the row statistics are read (whole chunks) but never kept: keep them finite.
   check(cudaMemset(static_cast<unsigned char*>(plan->arena) + delta_at, 0, total - delta_at), "cudaMemset (plan)");
   auto* base = static_cast<unsigned char*>(plan->arena);
-  // One pass by default: every head of a tile in turn, in the list's order.
-  auto make_list = [&](const HostList& l, const Offsets& o, int32_t heads) {
+  auto make_list = [&](const HostList& l, const Offsets& o, PassOrder passes) {
     DeviceList d;
     d.tiles = reinterpret_cast<const detail::TileInfo*>(base + o.tiles);
     d.items = reinterpret_cast<const WorkItem*>(base + o.items);
     d.num_tiles = static_cast<int32_t>(l.tiles.size());
-    d.heads_per_pass = heads;
+    d.heads_per_pass = passes.heads_per_pass;
+    d.heavy_tiles = passes.heavy_tiles;
     return d;
   };
-  plan->fwd = make_list(fwd, o_fwd, plan->hq);
-  plan->dkdv = make_list(dkdv, o_dkdv, plan->hkv);
-  plan->dq = make_list(dq, o_dq, plan->hq);
-  plan->dkdv.heads_per_pass = dkdv_passes.heads_per_pass;
-  plan->dkdv.heavy_tiles = dkdv_passes.heavy_tiles;
+  // The forward and dq lists run as one pass: every head of a tile in turn, in the list's order.
+  plan->fwd = make_list(fwd, o_fwd, {plan->hq, 0});
+  plan->dkdv = make_list(dkdv, o_dkdv, dkdv_passes);
+  plan->dq = make_list(dq, o_dq, {plan->hq, 0});
   plan->fwd_items = static_cast<int64_t>(fwd.items.size());
   plan->dkdv_items = static_cast<int64_t>(dkdv.items.size());
   plan->dq_items = static_cast<int64_t>(dq.items.size());
