@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Peers for bench/cuda/flash_bench, on the same GPU in the same run: torch SDPA (cuDNN and flash backends)
-where the mask is batch full/causal, and compiled FlexAttention for the document masks.
+for batch full/causal, torch's FA2 kernel through its varlen op for the document masks it expresses (varlen full
+and causal, sliding window), and compiled FlexAttention for the document masks.
 
 Reads the cases JSON written by flash_bench (--cases) and prints CSV rows in flash_bench's format.
 FLOPs use the same accounting (SPEC section 6): fwd = 4 * area * H * D, bwd = 2.5 * fwd, where area is
@@ -48,6 +49,25 @@ def row(impl, name, tokens, d, area, heads, fwd_ms, bwd_ms):
           f"{fwd_ms:.3f},{bwd_ms:.3f}", flush=True)
 
 
+def varlen_peers(name, case, cu, total, d, heads, reps):
+    """Torch's FA2 kernel on the document masks it expresses, through its varlen op (cumulative sequence lengths,
+    [total, H, D] tensors): varlen full, varlen causal, the sliding window (a left window). Not measured (H100,
+    torch 2.11): SDPA on nested (jagged) tensors spent 3-5 ms per call on the host, and cuDNN's varlen op 50-85 ms
+    per call; both timed torch, not the kernels."""
+    q, k, v = (torch.randn(total, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    causal = name != "varlen_full"
+    longest = max(b - a for a, b in zip(case["cu_seqlens"], case["cu_seqlens"][1:]))
+    window = {"window_size_left": case["window"], "window_size_right": 0} if name.startswith("sliding_window") else {}
+
+    def fwd():
+        out = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, longest, longest, 0.0, causal, False, **window)
+        return out[0], (q, k, v)
+    try:
+        row("sdpa_flash", name, total, d, case["area"], heads, *measure(fwd, reps))
+    except Exception as e:  # noqa: BLE001
+        print(f"# sdpa_flash {name} D{d}: {e}", file=sys.stderr)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("cases")
@@ -92,9 +112,11 @@ def main():
                         row(label, name, total, d, area, heads, *measure(fwd, args.reps))
                     except Exception as e:  # noqa: BLE001
                         print(f"# {label} {name} D{d}: {e}", file=sys.stderr)
+            cu = torch.tensor(case["cu_seqlens"], device=dev, dtype=torch.int32)
+            if name in ("varlen_full", "varlen_causal") or name.startswith("sliding_window"):
+                varlen_peers(name, case, cu, total, d, heads, args.reps)
             if flex is None or d not in flex_dims or name == "full":
                 continue
-            cu = torch.tensor(case["cu_seqlens"], device=dev, dtype=torch.int32)
             lengths = cu[1:] - cu[:-1]
             doc = torch.repeat_interleave(torch.arange(len(lengths), device=dev, dtype=torch.int32), lengths)
             pos = torch.arange(total, device=dev, dtype=torch.int32) - cu[:-1][doc.long()]

@@ -62,9 +62,10 @@ if [ $RUN_SANITIZER = 1 ]; then
   t0=$(date +%s)
   # Default backward (dq by atomics) in the Features cases; CudaBackend.DeterministicModeSmallCase: the
   # deterministic two-kernel backward.
+  # D 256 and both forward tiles: All/Features.MatchReference/d256_fp16, CudaBackend.ForwardTileChoicesMatchReference.
   small='CudaBackend.EmptyMaskGivesZerosAndMinusInf:CudaBackend.DeterministicModeSmallCase:All/Features.MatchReference/d40_bf16:All/Features.MatchReference/sink_sh'
-  compute-sanitizer --tool memcheck --error-exitcode 9 "$TEST_BIN" --gtest_filter="$small:All/Features.MatchReference/d256_fp16" \
-    > "$LOGS/memcheck.log" 2>&1
+  small+=':All/Features.MatchReference/d256_fp16:CudaBackend.ForwardTileChoicesMatchReference'
+  compute-sanitizer --tool memcheck --error-exitcode 9 "$TEST_BIN" --gtest_filter="$small" > "$LOGS/memcheck.log" 2>&1
   note "memcheck: rc $? ($(grep -E 'ERROR SUMMARY' "$LOGS/memcheck.log" | tail -1))"
   compute-sanitizer --tool racecheck --error-exitcode 9 "$TEST_BIN" --gtest_filter="$small" > "$LOGS/racecheck.log" 2>&1
   note "racecheck: rc $? ($(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$LOGS/racecheck.log" | tail -1)) $(( $(date +%s) - t0 )) s"

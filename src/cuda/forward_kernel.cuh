@@ -14,14 +14,14 @@ namespace magi::cuda::detail {
 
 template <int kD, int kTileQ = fwd_tile_q(kD)>
 struct FwdConfig {
-  static constexpr int kWarps = fwd_warps(kD);
+  static constexpr int kWarps = fwd_warps(kD, kTileQ);
   static constexpr int kMTiles = kTileQ / (16 * kWarps);
   static_assert(kMTiles >= 1 && kMTiles * 16 * kWarps == kTileQ, "q tile must be whole m-tiles per warp");
   static constexpr int kMTileStride = 16 * kWarps;  // rows between a warp's m-tiles
   static constexpr int kM = kTileQ;
-  static constexpr int kN = fwd_tile_k(kD);
+  static constexpr int kN = fwd_tile_k(kD, kTileQ);
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kSmemBytes = (kM + 2 * kN) * kD * 2;
+  static constexpr int kSmemBytes = fwd_smem_bytes(kD, kTileQ);
 };
 
 // Softcapped logits of one m-tile, in log2 units. Without softcap the logits stay raw: the scale is folded
@@ -130,10 +130,11 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
   float row_max[kMT][2], row_sum[kMT][2];  // row_max in logit units (raw, or log2 when softcapped)
   const bool softcapped = p.softcap > 0.0f;
   const float logit_scale = softcapped ? 1.0f : p.scale_log2;
-  // At D 128 a row keeps its (stale) maximum until a logit exceeds it by more than 2^8 in the exponent (FA4's
-  // lazy rescale): the terms stay below 2^8, and most items then leave every scale at exactly 1, so a warp skips
-  // its rescale (H100: full +3%, shared question +2%). max_logits needs the true maxima: no slack then. D 64 lost
-  // 3% with it, D 256 (which skips unmoved maxima already) 1-2%.
+  // With 64-key items from D 128 on, a row keeps its (stale) maximum until a logit exceeds it by more than 2^8 in
+  // the exponent (FA4's lazy rescale): the terms stay below 2^8, and most items then leave every scale at exactly
+  // 1, so a warp skips its rescale (H100: D 128 full +3%, shared question +2%; D 256 in 128 x 64 tiles +1-2%).
+  // max_logits needs the true maxima: no slack then. D 64 lost 3% with it, D 256 in 64 x 32 tiles 1-2%.
+  constexpr bool kLazyRescale = kD >= 128 && kN == 64;
   const float max_slack = p.max_logits == nullptr ? 8.0f / logit_scale : 0.0f;
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) {
@@ -254,7 +255,7 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
           // The new maximum only when it grows past the slack (-inf + slack stays -inf: a first key always counts).
-          if constexpr (kD == 128) {
+          if constexpr (kLazyRescale) {
             if (mx <= row_max[mt][r] + max_slack) mx = row_max[mt][r];
           }
           const float mx_finite = mx == -INFINITY ? 0.0f : mx;

@@ -64,11 +64,12 @@ constexpr WorkCoords work_coords(int32_t linear, int32_t heads, const DeviceList
 }
 
 // Tile shapes shared by the planner and the kernels.
-// Forward: 4 warps; 128 x 64 tiles up to D 128 (two 16-row m-tiles per warp), 64 x 32 for D 256 (register
-// budget). Measured on the H200 at D 128: 128 x 64 beat 128 x 32 (277 vs 255 TFLOP/s) and 8 warps x one
-// m-tile (225); at D 256, 64 x 32 beat 64 x 64 (239 vs 227).
-constexpr int fwd_warps(int /*padded_head_dim*/) { return 4; }
-constexpr int fwd_tile_q(int padded_head_dim) { return padded_head_dim <= 128 ? 128 : 64; }
+// Forward: up to D 128, 4 warps and 128 x 64 tiles (two 16-row m-tiles per warp); above, 8 warps and 128 x 64
+// tiles (one m-tile per warp, one block per SM: FA2's shape), and 4 warps x 64 x 32 as the small tile. Measured
+// on the H200 at D 128: 128 x 64 beat 128 x 32 (277 vs 255 TFLOP/s) and 8 warps x one m-tile (225); on the H100
+// at D 256, the 8-warp 128 x 64 tile beat 4 warps x 64 x 32 (full 294 vs 261, varlen causal 218 vs 212).
+constexpr int fwd_tile_q(int /*padded_head_dim*/) { return 128; }
+constexpr int fwd_warps(int padded_head_dim, int tile_q) { return padded_head_dim > 128 && tile_q == 128 ? 8 : 4; }
 // Fragmented masks (short documents, many slice edges) waste part of every 128-row tile they cut: the plan
 // may pick 64-row q tiles (4 warps x one m-tile) instead when they compute clearly fewer cells.
 constexpr int kFwdSmallTileQ = 64;
@@ -88,7 +89,14 @@ constexpr bool prefer_small_forward_tile(double large_tile_cells, double small_t
 #ifndef MAGI_CUDA_FWD_TILE_K  // build-time override of the D <= 128 forward key tile, for experiments
 #define MAGI_CUDA_FWD_TILE_K 64
 #endif
-constexpr int fwd_tile_k(int padded_head_dim) { return padded_head_dim <= 128 ? MAGI_CUDA_FWD_TILE_K : 32; }
+constexpr int fwd_tile_k(int padded_head_dim, int tile_q) {
+  return padded_head_dim <= 128 ? MAGI_CUDA_FWD_TILE_K : tile_q == 128 ? 64 : 32;
+}
+// Shared memory of a forward block: Q, K, V tiles. The 128-row D 256 tile needs 128 KB: parts with less per
+// block (sm_86 / sm_89: 99 KB) plan 64-row tiles.
+constexpr int fwd_smem_bytes(int padded_head_dim, int tile_q) {
+  return (tile_q + 2 * fwd_tile_k(padded_head_dim, tile_q)) * padded_head_dim * 2;
+}
 // Backward: dk/dv blocks of 128 keys x 64-row q chunks up to D 128 (4 warp pairs; each chunk's dQ atomics
 // cover 128 keys: half the atomic traffic of 64-key tiles, measured 271 vs 203 bwd TFLOP/s on the H100), 64 keys
 // at D 256 (register budget); dq blocks of 4 warps.

@@ -333,7 +333,7 @@ TEST(CudaBackend, ForwardTileChoicesMatchReference) {
   int index = 0;
   for (const Mask* mask : {&rectangles, &documents}) {
     for (int32_t tile : {64, 128}) {
-      for (int32_t d : {64, 128}) {
+      for (int32_t d : {64, 128, 256}) {  // D 256: 8 warps x 128 x 64, or 4 warps x 64 x 32
         CaseConfig c = config(index % 2 ? DType::F16 : DType::BF16, 4, 2, d);
         if (index % 3 == 0) c.sink_layout = SinkLayout::SSH;
         if (index % 4 == 1) c.softcap = 15.0;
@@ -348,6 +348,11 @@ TEST(CudaBackend, ForwardTileChoicesMatchReference) {
   EXPECT_EQ(cuda::stats(*cuda::make_plan(documents, 1, 1, 128, 0)).forward_tile_q, 64) << "seed " << seed;
   EXPECT_EQ(cuda::stats(*cuda::make_plan(masks::full(1024, 1024), 1, 1, 128, 0)).forward_tile_q, 128);
   EXPECT_EQ(cuda::stats(*cuda::make_plan(masks::causal(1024, 1024), 1, 1, 128, 0)).forward_tile_q, 128);
+  int smem_optin = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0), cudaSuccess);
+  const bool large_d256_fits = smem_optin >= 128 * 1024;  // Q, K, V tiles of the 8-warp D 256 block
+  EXPECT_EQ(cuda::stats(*cuda::make_plan(masks::full(1024, 1024), 1, 1, 256, 0)).forward_tile_q,
+            large_d256_fits ? 128 : 64);
   cuda::PlanTuning bad;
   bad.forward_tile_q = 96;
   EXPECT_THROW(cuda::make_plan(documents, 1, 1, 128, 0, bad), InvalidArgument);
