@@ -644,16 +644,18 @@ __device__ __forceinline__ void dkdv_staged_tile(const BwdParams& p, int linear,
         Mma<T>::run(dk[2 * dp + 1], ads, bq[2], bq[3]);
       }
     }
+    // One stage: Q and dO are free once every warp is past phase 2, so the next chunk's loads overlap dQ += dS K
+    // (which reads only dS^T and K).
+    if (kStages == 1) {
+      __syncthreads();
+      if (it + 1 < total) issue_loads(next, it + 1, 0);
+      cp_async_commit();
+    }
     if constexpr (kDq) {
       FragAddr<kD> k_t = qo_t;  // same pattern (and column half) as the Q/dO B^T fragments, over K
       k_t.base = qo_t.base - (sQ0 - sK);
       const uint32_t ds_t[1] = {ds_t_address(sdS, warp % 4, lane)};
       accumulate_dq<T, kD, kN, kHalfD, 1, 4>(p, ds_t, k_t, q0, kv_head * group + it / count, warp, lane);
-    }
-    if (kStages == 1) {
-      __syncthreads();
-      if (it + 1 < total) issue_loads(next, it + 1, 0);
-      cp_async_commit();
     }
     current = next;
     next = after_next;
