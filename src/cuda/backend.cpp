@@ -318,28 +318,26 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
 
   const int small_q = detail::kFwdSmallTileQ;
-  const int large_q = detail::fwd_smem_bytes(plan->padded_d, detail::fwd_tile_q(plan->padded_d)) <= plan->smem_optin
-                          ? detail::fwd_tile_q(plan->padded_d)
-                          : small_q;
+  const int large_q =
+      detail::fwd_smem_bytes(plan->padded_d, detail::kFwdTileQ) <= plan->smem_optin ? detail::kFwdTileQ : small_q;
   if (tuning.forward_tile_q != 0 && tuning.forward_tile_q != large_q && tuning.forward_tile_q != small_q)
     throw InvalidArgument("cuda plan: forward_tile_q " + std::to_string(tuning.forward_tile_q) +
                           " is not available at head dim " + std::to_string(head_dim) +
                           " on this device (allowed: 0, " +
                           std::to_string(small_q) + (large_q != small_q ? ", " + std::to_string(large_q) : "") +
                           ")");
+  auto forward_tiles = [&](int q) { return tiling::by_q_tile(mask, q, detail::fwd_tile_k(plan->padded_d, q)); };
   int fwd_q = tuning.forward_tile_q != 0 ? tuning.forward_tile_q : large_q;
-  tiling::TileLists fwd_tiles = tiling::by_q_tile(mask, fwd_q, detail::fwd_tile_k(plan->padded_d, fwd_q));
+  tiling::TileLists fwd_tiles = forward_tiles(fwd_q);
   if (tuning.forward_tile_q == 0 && large_q != small_q) {
-    const int large_k = detail::fwd_tile_k(plan->padded_d, large_q);
-    const int small_k = detail::fwd_tile_k(plan->padded_d, small_q);
-    tiling::TileLists small = tiling::by_q_tile(mask, small_q, small_k);
-    if (detail::prefer_small_forward_tile(static_cast<double>(fwd_tiles.items.size()) * large_q * large_k,
-                                          static_cast<double>(small.items.size()) * small_q * small_k)) {
+    tiling::TileLists small = forward_tiles(small_q);
+    if (detail::prefer_small_forward_tile(static_cast<double>(fwd_tiles.computed_cells()),
+                                          static_cast<double>(small.computed_cells()))) {
       fwd_q = small_q;
       fwd_tiles = std::move(small);
     }
   }
-  const int fwd_k = detail::fwd_tile_k(plan->padded_d, fwd_q);
+  const int fwd_k = fwd_tiles.tile_minor;
   plan->fwd_tile_q = fwd_q;
   const HostList fwd = convert(mask, fwd_tiles, true);
   for (const detail::TileInfo& t : fwd.tiles) plan->fwd_itemless_tiles += t.count == 0;

@@ -12,7 +12,7 @@
 
 namespace magi::cuda::detail {
 
-template <int kD, int kTileQ = fwd_tile_q(kD)>
+template <int kD, int kTileQ = kFwdTileQ>
 struct FwdConfig {
   static constexpr int kWarps = fwd_warps(kD, kTileQ);
   static constexpr int kMTiles = kTileQ / (16 * kWarps);

@@ -10,7 +10,7 @@ namespace magi::cuda::detail {
 
 enum DtypeTag : int { kBf16 = 0, kFp16 = 1 };
 
-// Persistent grids sized (SMs - sm_margin) x resident blocks per SM. tile_q: fwd_tile_q(kD) or
+// Persistent grids sized (SMs - sm_margin) x resident blocks per SM. tile_q: kFwdTileQ or
 // kFwdSmallTileQ (the rows per block of the plan's forward list). The last `itemless_tiles` tiles of the
 // list's order (tiles without work items; only without a sink) go to a copy kernel of their own.
 template <int kDtype, int kD>

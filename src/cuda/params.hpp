@@ -68,9 +68,9 @@ constexpr WorkCoords work_coords(int32_t linear, int32_t heads, const DeviceList
 // tiles (one m-tile per warp, one block per SM: FA2's shape), and 4 warps x 64 x 32 as the small tile. Measured
 // on the H200 at D 128: 128 x 64 beat 128 x 32 (277 vs 255 TFLOP/s) and 8 warps x one m-tile (225); on the H100
 // at D 256, the 8-warp 128 x 64 tile beat 4 warps x 64 x 32 (full 294 vs 261, varlen causal 218 vs 212).
-constexpr int fwd_tile_q(int /*padded_head_dim*/) { return 128; }
+constexpr int kFwdTileQ = 128;
 constexpr int fwd_warps(int padded_head_dim, int tile_q) { return padded_head_dim > 128 && tile_q == 128 ? 8 : 4; }
-// Fragmented masks (short documents, many slice edges) waste part of every 128-row tile they cut: the plan
+// Fragmented masks (short documents, many slice edges) waste part of every kFwdTileQ-row tile they cut: the plan
 // may pick 64-row q tiles (4 warps x one m-tile) instead when they compute clearly fewer cells.
 constexpr int kFwdSmallTileQ = 64;
 // The planner takes kFwdSmallTileQ rows when 128-row tiles compute more than kSmallForwardTileGain times

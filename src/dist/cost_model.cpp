@@ -67,10 +67,6 @@ class Schedule {
   double collective_seconds_ = 0;
 };
 
-int64_t tile_cells(const tiling::TileLists& lists) {
-  return static_cast<int64_t>(lists.items.size()) * lists.tile_major * lists.tile_minor;
-}
-
 // Cells of the major tile with the most items: one block's serial work (per head).
 int64_t heaviest_tile_cells(const tiling::TileLists& lists) {
   int64_t most = 0;
@@ -170,10 +166,10 @@ struct ForwardTiles {
 };
 ForwardTiles forward_tiles(const Mask& mask, const HardwareModel& hw) {
   ForwardTiles t{tiling::by_q_tile(mask, hw.forward_tile_q, hw.forward_tile_k)};
-  if (hw.forward_tile_q != 128) return t;
+  if (hw.forward_tile_q != cuda::detail::kFwdTileQ) return t;
   tiling::TileLists small = tiling::by_q_tile(mask, cuda::detail::kFwdSmallTileQ, hw.forward_tile_k);
-  if (cuda::detail::prefer_small_forward_tile(static_cast<double>(tile_cells(t.lists)),
-                                              static_cast<double>(tile_cells(small))))
+  if (cuda::detail::prefer_small_forward_tile(static_cast<double>(t.lists.computed_cells()),
+                                              static_cast<double>(small.computed_cells())))
     t = {std::move(small), cuda::detail::kSmallForwardTileRate};
   return t;
 }
@@ -181,23 +177,23 @@ ForwardTiles forward_tiles(const Mask& mask, const HardwareModel& hw) {
 }  // namespace
 
 int64_t forward_computed_cells(const Mask& mask, const HardwareModel& hw) {
-  return tile_cells(tiling::by_q_tile(mask, hw.forward_tile_q, hw.forward_tile_k));
+  return tiling::by_q_tile(mask, hw.forward_tile_q, hw.forward_tile_k).computed_cells();
 }
 
 int64_t backward_computed_cells(const Mask& mask, const HardwareModel& hw) {
-  return tile_cells(tiling::by_k_tile(mask, hw.backward_tile_k, hw.backward_tile_q));
+  return tiling::by_k_tile(mask, hw.backward_tile_k, hw.backward_tile_q).computed_cells();
 }
 
 double forward_effective_cells(const Mask& mask, const HardwareModel& hw) {
   const ForwardTiles t = forward_tiles(mask, hw);
-  return static_cast<double>(tile_cells(t.lists)) / t.rate;
+  return static_cast<double>(t.lists.computed_cells()) / t.rate;
 }
 
 double forward_call_seconds(const Mask& mask, const HeadShape& heads, const HardwareModel& hw) {
   const ForwardTiles t = forward_tiles(mask, hw);
   const double per_cell = 4.0 * heads.head_dim / t.rate;  // one head, at the chosen tile's rate
   return hw.forward_launches * hw.launch_overhead_s +
-         kernel_seconds(static_cast<double>(tile_cells(t.lists)) * per_cell * heads.heads_q,
+         kernel_seconds(static_cast<double>(t.lists.computed_cells()) * per_cell * heads.heads_q,
                         static_cast<double>(heaviest_tile_cells(t.lists)) * per_cell, hw.forward_flops_per_s,
                         hw.forward_blocks_in_flight);
 }
@@ -208,7 +204,7 @@ double backward_call_seconds(const Mask& mask, const HeadShape& heads, const Har
   // A dk/dv block is one k tile of one kv head and walks every q head of its group.
   const double heaviest = static_cast<double>(heaviest_tile_cells(lists)) * (heads.heads_q / heads.heads_kv);
   return hw.backward_launches * hw.launch_overhead_s +
-         kernel_seconds(static_cast<double>(tile_cells(lists)) * per_cell * heads.heads_q, heaviest * per_cell,
+         kernel_seconds(static_cast<double>(lists.computed_cells()) * per_cell * heads.heads_q, heaviest * per_cell,
                         hw.backward_flops_per_s, hw.backward_blocks_in_flight) +
          backward_call_bytes(mask.total_q, heads, hw) / hw.hbm_bytes_per_s;
 }

@@ -27,6 +27,8 @@ struct TileLists {
   std::vector<TileWork> items;
 
   int64_t num_tiles() const { return offsets.empty() ? 0 : static_cast<int64_t>(offsets.size()) - 1; }
+  // Cells a kernel computes for these lists: every item as a whole tile_major x tile_minor block.
+  int64_t computed_cells() const { return static_cast<int64_t>(items.size()) * tile_major * tile_minor; }
 };
 
 // Major axis q: tile t covers rows [t * tile_q, min((t+1) * tile_q, total_q)). For each slice touching the

@@ -368,9 +368,9 @@ Mask documents_then_empty_rows(std::mt19937_64& rng) {
   return mask;
 }
 
-// Without max_logits the D 128 forward keeps a row's stale maximum until a logit exceeds it by 2^8 in the
-// exponent (lazy rescale; D 256 skips only unmoved maxima); lse, out and the backward built on that lse must not
-// notice. Sharper logits than the default scale make the maxima jump past the slack as well as stay within it;
+// Without max_logits the forward's 64-key items (D 128, and D 256 in 128-row tiles) keep a row's stale maximum
+// until a logit exceeds it by 2^8 in the exponent (lazy rescale; D 256 in 64-row tiles skips only unmoved maxima);
+// lse, out and the backward built on that lse must not notice. Sharper logits than the default scale make the maxima jump past the slack as well as stay within it;
 // also with softcap and GQA.
 TEST(CudaBackend, LazyRescaleWithoutMaxLogitsMatchesReference) {
   const uint64_t seed = fresh_seed();

@@ -57,11 +57,8 @@ void launch_forward_list(const FwdParams& params, int itemless_tiles, int sm_mar
 template <int kDtype, int kD>
 void launch_forward(const FwdParams& params, int tile_q, int itemless_tiles, int sm_margin, cudaStream_t stream) {
   using T = DtypeOf<kDtype>;
-  if constexpr (fwd_tile_q(kD) != kFwdSmallTileQ) {
-    if (tile_q == kFwdSmallTileQ)
-      return launch_forward_list<T, kD, kFwdSmallTileQ>(params, itemless_tiles, sm_margin, stream);
-  }
-  launch_forward_list<T, kD, fwd_tile_q(kD)>(params, itemless_tiles, sm_margin, stream);
+  if (tile_q == kFwdSmallTileQ) return launch_forward_list<T, kD, kFwdSmallTileQ>(params, itemless_tiles, sm_margin, stream);
+  launch_forward_list<T, kD, kFwdTileQ>(params, itemless_tiles, sm_margin, stream);
 }
 
 template <class T, int kD, bool kDq>
