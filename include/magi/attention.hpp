@@ -44,6 +44,16 @@ struct AttentionOptions {
 // Opaque stream handle (cudaStream_t for the CUDA backend; ignored on the CPU).
 using StreamHandle = void*;
 
+// Scratch memory for one call on a GPU, from the caller's allocator (e.g. a framework's caching allocator):
+// at least workspace_bytes(args, options) bytes on the tensors' device, 16-byte aligned, used by nothing else
+// until the call's work on its stream is done. Optional: without it the cuda backend keeps its own buffer per
+// (device, stream), allocated on that stream's first call, so a CUDA graph captured on a stream that never
+// ran the call needs one. Host backends ignore it.
+struct Workspace {
+  void* data = nullptr;
+  int64_t bytes = 0;
+};
+
 struct ForwardArgs {
   TensorView q, k, v;    // bf16 | fp16 | fp32 | fp64, all the same dtype
   TensorView sink;       // optional, fp32: [S, Hq] (sh) or [Tq, S, Hq] (ssh)
@@ -55,6 +65,7 @@ struct ForwardArgs {
   // arrive in parts (context parallelism). They may be out / lse themselves (out fp32). max_logits covers
   // this call's keys only. Backends cpu and cuda.
   TensorView prev_out, prev_lse;
+  Workspace workspace;
 };
 
 struct BackwardArgs {
@@ -67,6 +78,7 @@ struct BackwardArgs {
   // true: dq += this call's gradient (dq must be fp32 and hold the sum so far, as when the keys arrive in
   // parts); dk, dv, dsink are still overwritten. Backends cpu and cuda.
   bool accumulate_dq = false;
+  Workspace workspace;
 };
 
 // Validates arguments (throws InvalidArgument naming the argument), then computes.
@@ -77,5 +89,10 @@ void backward(const Mask& mask, const BackwardArgs& args, const AttentionOptions
 
 // The backend `forward` would use for these tensors and options (after env overrides).
 Backend resolve_backend(const AttentionOptions& options, Device device);
+
+// Bytes of args.workspace the call needs (0 where the backend needs none, e.g. on the CPU). Reads shapes,
+// dtypes, the device and the dq address (an fp32, 16-byte aligned dq needs no accumulator), not the data.
+int64_t workspace_bytes(const ForwardArgs& args, const AttentionOptions& options = {});
+int64_t workspace_bytes(const BackwardArgs& args, const AttentionOptions& options = {});
 
 }  // namespace magi

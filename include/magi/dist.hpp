@@ -72,7 +72,7 @@ struct PlanSummary {
   std::string to_text() const;
 };
 
-class DistAttnRuntime;  // the plan and its caches (src/dist)
+class DistAttnRuntime;  // the plan and its caches (src/distributed)
 
 class RuntimeKey {
  public:
@@ -93,22 +93,29 @@ RuntimeKey make_runtime_key(const Mask& mask, const HeadShape& heads, std::share
 
 enum class Axis : int32_t { Q, K };  // q/out/lse/dout/ssh-sink rows, or k/v rows
 
+// `stream` (every call below): for device tensors the caller's cudaStream_t; the call's work runs after what the
+// stream holds and the stream's later work after the call (nullptr = the legacy default stream). Host tensors
+// ignore it. The calls return once their results are complete.
+
 // Copies this rank's rows of `global` [T, ...] (T = mask.total_q or total_k) into `local`
 // [local tokens, ...]; padding rows become zero. Same dtype and trailing shape. Local, no communication.
-void dispatch(const RuntimeKey& key, Axis axis, const TensorView& global, const TensorView& local);
+void dispatch(const RuntimeKey& key, Axis axis, const TensorView& global, const TensorView& local,
+              StreamHandle stream = nullptr);
 // Collective inverse: every rank receives the whole global tensor (padding dropped).
-void undispatch(const RuntimeKey& key, Axis axis, const TensorView& local, const TensorView& global);
+void undispatch(const RuntimeKey& key, Axis axis, const TensorView& local, const TensorView& global,
+                StreamHandle stream = nullptr);
 // Global token index of each local row (>= the real length for padding), e.g. for RoPE.
 std::vector<int32_t> position_ids(const RuntimeKey& key, Axis axis = Axis::Q);
 
 // Collective. Local tensors: q [Lq, Hq, D], k/v [Lk, Hkv, D], out [Lq, Hq, D], lse [Lq, Hq],
 // sink sh [S, Hq] (the same on every rank) or ssh [Lq, S, Hq] (dispatched), max_logits [Hq] (global max).
-void calc_attn(const RuntimeKey& key, const ForwardArgs& local);
+void calc_attn(const RuntimeKey& key, const ForwardArgs& local, StreamHandle stream = nullptr);
 // Collective. out/lse as returned by calc_attn; dq/dk/dv local; dsink partial per rank unless reduced.
-void calc_attn_backward(const RuntimeKey& key, const BackwardArgs& local);
+void calc_attn_backward(const RuntimeKey& key, const BackwardArgs& local, StreamHandle stream = nullptr);
 
-// The LRU of runtimes (tests, memory control).
+// The LRU of runtimes (tests, memory control): all of them, or those over one communicator.
 size_t runtime_cache_size();
 void clear_runtime_cache();
+void clear_runtime_cache(const comm::Communicator& comm);
 
 }  // namespace magi::dist

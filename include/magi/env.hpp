@@ -22,7 +22,8 @@ struct Variable {
   VarType type;
   std::string_view default_value;          // as text; "" = unset or computed (see default_rule)
   std::vector<std::string_view> allowed;   // Enum: the values; Bool: {"0","1"};
-                                           // Int: {"min","max"} ("" = unbounded side) or {}
+                                           // Int: {"min","max"} ("" = unbounded side) or {};
+                                           // String: {} or {the accepted form in words} (not enforced here)
   std::string_view category;               // "correctness" | "performance" | "debug" | "build"
   std::string_view meaning;                // one line
   Status status;

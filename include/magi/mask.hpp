@@ -97,6 +97,10 @@ void validate(const Mask& mask);
 // Same without the overlap check (O(N)); used when sanity checks are off.
 void validate_bounds(const Mask& mask);
 
+// Validates, then describes the mask in text: slices (long lists shortened), area, density and a picture of
+// about 64 characters ('#' all kept, '+' some, '.' none).
+std::string describe(const Mask& mask);
+
 // ---- builders (each returns a valid mask; exact kept sets below, q and k global indices) ----
 // Arguments are checked: sizes >= 0, results must fit int32, cu_seqlens start at 0 and never decrease.
 // Builders over documents emit a fixed structure (listed per builder) even where a slice is empty.

@@ -8,6 +8,7 @@
 #include <sstream>
 #include <string>
 
+#include "common/lru_cache.hpp"
 #include "common/lse_merge.hpp"
 #include "cpu/engine.hpp"
 #include "cpu/pack.hpp"
@@ -129,6 +130,22 @@ void require_aligned(const TensorView& t, const char* name, size_t bytes) {
     throw InvalidArgument(std::string(name) + ": the cuda backend needs an address aligned to " +
                           std::to_string(bytes) + " bytes, got one " + std::to_string(address % bytes) +
                           " bytes past a multiple of " + std::to_string(bytes));
+}
+
+bool deterministic_mode(const AttentionOptions& options) {
+  return options.deterministic.value_or(env::get_bool("MAGI_ATTENTION_DETERMINISTIC_MODE"));
+}
+
+// A caller's workspace: enough bytes, aligned (the kernels store 16-byte vectors into it).
+void check_workspace(const Workspace& w, int64_t needed) {
+  if (w.data == nullptr) {
+    if (w.bytes != 0) throw InvalidArgument("workspace: bytes given without data (allowed: both, or neither)");
+    return;
+  }
+  if (w.bytes < needed)
+    throw InvalidArgument("workspace: " + std::to_string(w.bytes) + " bytes given, the call needs " +
+                          std::to_string(needed) + " (magi::workspace_bytes)");
+  require_aligned(TensorView(w.data, DType::F32, {1}), "workspace", 16);
 }
 #endif
 
@@ -270,66 +287,50 @@ cpu::EngineOptions engine_options(const AttentionOptions& o, const Shapes& s, DT
 struct PlanKey {
   std::vector<Slice> slices;
   int32_t total_q, total_k, hq, hkv, d;
-  int32_t device;       // -1 for host plans
-  StreamHandle stream;  // a GPU plan's workspace serves one stream at a time
+  int32_t device;  // -1 for host plans
   bool operator==(const PlanKey&) const = default;
 };
+constexpr size_t kPlanCacheCapacity = 16;
 
-template <class PlanT>
-class PlanCache {
- public:
-  template <class Make>
-  std::shared_ptr<PlanT> get(PlanKey key, const Mask& mask, Make make) {
-    {
-      std::lock_guard lock(mutex_);
-      for (auto it = entries_.begin(); it != entries_.end(); ++it) {
-        if (it->first == key) {
-          entries_.splice(entries_.begin(), entries_, it);  // most recently used first
-          return it->second;
-        }
-      }
-    }
-    validate(mask);  // full check (incl. overlap) once per distinct mask
-    std::shared_ptr<PlanT> plan = make();
-    std::lock_guard lock(mutex_);
-    entries_.emplace_front(std::move(key), plan);
-    if (entries_.size() > kCapacity) entries_.pop_back();
-    return plan;
-  }
-
- private:
-  static constexpr size_t kCapacity = 16;
-  std::mutex mutex_;
-  std::list<std::pair<PlanKey, std::shared_ptr<PlanT>>> entries_;
-};
-
-PlanKey plan_key(const Mask& mask, const Shapes& s, int32_t device, StreamHandle stream) {
+PlanKey plan_key(const Mask& mask, const Shapes& s, int32_t device) {
   validate_bounds(mask);  // cheap; protects memory even when the overlap check is cached
   if (env::get_bool("MAGI_ATTENTION_SANITY_CHECK")) validate(mask);
   return {mask.slices, mask.total_q, mask.total_k, static_cast<int32_t>(s.hq), static_cast<int32_t>(s.hkv),
-          static_cast<int32_t>(s.d), device, stream};
+          static_cast<int32_t>(s.d), device};
+}
+
+// The plan for (mask, shapes, device) from `cache`, made by make() after the full check (incl. overlap) once
+// per distinct mask.
+template <class PlanT, class Make>
+std::shared_ptr<PlanT> cached_plan(LruCache<PlanKey, PlanT>& cache, const Mask& mask, const Shapes& s, int32_t device,
+                                   Make make) {
+  return cache.get(plan_key(mask, s, device), [&] {
+    validate(mask);
+    return make();
+  });
 }
 
 std::shared_ptr<const cpu::Plan> cpu_plan_for(const Mask& mask, const Shapes& s) {
-  static PlanCache<const cpu::Plan> cache;
-  PlanKey key = plan_key(mask, s, -1, nullptr);
-  return cache.get(std::move(key), mask, [&] { return cpu::make_plan(mask, s.hq, s.hkv, s.d); });
+  static LruCache<PlanKey, const cpu::Plan> cache(kPlanCacheCapacity);
+  return cached_plan(cache, mask, s, -1, [&] { return cpu::make_plan(mask, s.hq, s.hkv, s.d); });
 }
 
 #if MAGI_ATTN_CUDA_BACKEND
-std::shared_ptr<cuda::Plan> cuda_plan_for(const Mask& mask, const Shapes& s, int32_t device, StreamHandle stream) {
-  static PlanCache<cuda::Plan> cache;
-  PlanKey key = plan_key(mask, s, device, stream);
-  return cache.get(std::move(key), mask, [&] { return cuda::make_plan(mask, s.hq, s.hkv, s.d, device); });
+std::shared_ptr<cuda::Plan> cuda_plan_for(const Mask& mask, const Shapes& s, int32_t device) {
+  static LruCache<PlanKey, cuda::Plan> cache(kPlanCacheCapacity);
+  return cached_plan(cache, mask, s, device, [&] { return cuda::make_plan(mask, s.hq, s.hkv, s.d, device); });
 }
 
 // The exact GPU engine (backend reference on device tensors): its own plans (device mask lists, fp64 rows).
+// Its plans hold per-call scratch, so they are kept per stream.
 std::shared_ptr<cuda::reference::Plan> reference_plan_for(const Mask& mask, const Shapes& s, int32_t device,
                                                           StreamHandle stream) {
-  static PlanCache<cuda::reference::Plan> cache;
-  PlanKey key = plan_key(mask, s, device, stream);
-  return cache.get(std::move(key), mask,
-                   [&] { return cuda::reference::make_plan(mask, s.hq, s.hkv, s.d, device); });
+  using Keyed = std::pair<PlanKey, StreamHandle>;
+  static LruCache<Keyed, cuda::reference::Plan> cache(kPlanCacheCapacity);
+  return cache.get(Keyed{plan_key(mask, s, device), stream}, [&] {
+    validate(mask);
+    return cuda::reference::make_plan(mask, s.hq, s.hkv, s.d, device);
+  });
 }
 
 cuda::reference::Options reference_options(const cpu::EngineOptions& e) {
@@ -338,7 +339,7 @@ cuda::reference::Options reference_options(const cpu::EngineOptions& e) {
 
 cuda::Options cuda_options(const cpu::EngineOptions& e, const AttentionOptions& options, bool forward_pass) {
   cuda::Options o;
-  o.deterministic = options.deterministic.value_or(env::get_bool("MAGI_ATTENTION_DETERMINISTIC_MODE"));
+  o.deterministic = deterministic_mode(options);
   o.softmax_scale = e.softmax_scale;
   o.softcap = e.softcap;
   o.sink_layout = e.sink_layout;
@@ -378,8 +379,9 @@ void forward(const Mask& mask, const ForwardArgs& a, const AttentionOptions& opt
     for (auto [t, name] : {std::pair{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.out, "out"}})
       require_aligned(*t, name, 16);
     if (merge) require_aligned(a.prev_out, "prev_out", 16);
-    cuda::forward(*cuda_plan_for(mask, s, a.q.device.index, stream), a, cuda_options(eo, options, true),
-                  static_cast<cudaStream_t>(stream));
+    const cuda::Options co = cuda_options(eo, options, true);
+    check_workspace(a.workspace, cuda::workspace_bytes(a, co));
+    cuda::forward(*cuda_plan_for(mask, s, a.q.device.index), a, co, static_cast<cudaStream_t>(stream));
     return;
   }
   if (backend == Backend::Reference && a.q.device.type == DeviceType::CUDA) {
@@ -442,8 +444,9 @@ void backward(const Mask& mask, const BackwardArgs& a, const AttentionOptions& o
       require_aligned(*t, name, 16);
     for (auto [t, name] : {std::pair{&a.dq, "dq"}, {&a.dk, "dk"}, {&a.dv, "dv"}})
       require_aligned(*t, name, static_cast<size_t>(2 * dtype_size(t->dtype)));
-    cuda::backward(*cuda_plan_for(mask, s, a.q.device.index, stream), a, cuda_options(eo, options, false),
-                   static_cast<cudaStream_t>(stream));
+    const cuda::Options co = cuda_options(eo, options, false);
+    check_workspace(a.workspace, cuda::workspace_bytes(a, co));
+    cuda::backward(*cuda_plan_for(mask, s, a.q.device.index), a, co, static_cast<cudaStream_t>(stream));
     return;
   }
   if (backend == Backend::Reference && a.q.device.type == DeviceType::CUDA) {
@@ -456,6 +459,33 @@ void backward(const Mask& mask, const BackwardArgs& a, const AttentionOptions& o
 #endif
   if (a.accumulate_dq) cpu_backward_accumulating(*cpu_plan_for(mask, s), a, eo, s);
   else cpu::backward(*cpu_plan_for(mask, s), a, eo);
+}
+
+int64_t workspace_bytes(const ForwardArgs& a, const AttentionOptions& options) {
+  env::ensure_validated();
+  require_defined(a.q, "q");
+  if (resolve_backend(options, a.q.device) != Backend::Cuda) return 0;
+#if MAGI_ATTN_CUDA_BACKEND
+  return cuda::workspace_bytes(a, cuda::Options{});
+#else
+  return 0;
+#endif
+}
+
+int64_t workspace_bytes(const BackwardArgs& a, const AttentionOptions& options) {
+  env::ensure_validated();
+  require_defined(a.q, "q");
+  if (a.q.ndim != 3) throw InvalidArgument("q: expected shape [Tq, Hq, D], got " + shape_string(a.q));
+  if (resolve_backend(options, a.q.device) != Backend::Cuda) return 0;
+  require_defined(a.dout, "dout");
+  require_defined(a.dq, "dq");
+#if MAGI_ATTN_CUDA_BACKEND
+  cuda::Options o;
+  o.deterministic = deterministic_mode(options);
+  return cuda::workspace_bytes(a, o);
+#else
+  return 0;
+#endif
 }
 
 }  // namespace magi

@@ -9,9 +9,8 @@
 #include "cli/commands.hpp"
 #include "cli/documents.hpp"
 #include "cli/mask_file.hpp"
-#include "cli/mask_picture.hpp"
 #include "cli/options.hpp"
-#include "cli/png.hpp"
+#include "mask/png.hpp"
 #include "magi/error.hpp"
 #include "magi/mask.hpp"
 
@@ -121,47 +120,6 @@ Mask build_preset(const Options& o, const std::string& name) {
   throw InvalidArgument("--preset: unknown preset '" + name + "' (allowed: " + kPresets + ")");
 }
 
-std::string with_commas(int64_t n) {
-  std::string digits = std::to_string(n < 0 ? -n : n), out;
-  for (size_t i = 0; i < digits.size(); ++i) {
-    if (i && (digits.size() - i) % 3 == 0) out += ',';
-    out += digits[i];
-  }
-  return (n < 0 ? "-" : "") + out;
-}
-
-std::string range_text(const Range& r) {
-  std::ostringstream os;
-  os << '[' << r.start << ", " << r.end << ')';
-  return os.str();
-}
-
-void describe(const Mask& mask, std::ostream& os) {
-  constexpr size_t kHead = 12, kTail = 4;  // long slice lists show their first and last entries
-  const int64_t area = mask.area();
-  os << "mask: " << mask.slices.size() << " slice" << (mask.slices.size() == 1 ? "" : "s") << ", total_q "
-     << mask.total_q << ", total_k " << mask.total_k << " (valid)\n";
-  char density[32];
-  std::snprintf(density, sizeof density, "%.4g%%", 100.0 * mask.density());
-  os << "area: " << with_commas(area) << " of " << with_commas(int64_t{mask.total_q} * mask.total_k)
-     << " cells, density " << density << "\n";
-  if (!mask.slices.empty()) {
-    os << "slices:\n";
-    os << "  " << std::setw(6) << "#" << "  " << std::left << std::setw(24) << "q_range" << std::setw(24) << "k_range"
-       << std::setw(11) << "type" << std::right << "area\n";
-    for (size_t i = 0; i < mask.slices.size(); ++i) {
-      if (mask.slices.size() > kHead + kTail && i == kHead) {
-        os << "  " << std::setw(6) << "..." << "  (" << mask.slices.size() - kHead - kTail << " more)\n";
-        i = mask.slices.size() - kTail;
-      }
-      const Slice& s = mask.slices[i];
-      os << "  " << std::setw(6) << i << "  " << std::left << std::setw(24) << range_text(s.q) << std::setw(24)
-         << range_text(s.k) << std::setw(11) << to_string(s.type) << std::right << with_commas(magi::area(s)) << "\n";
-    }
-  }
-  os << "picture " << text_picture(mask);
-}
-
 }  // namespace
 
 int mask_command(std::span<const std::string> args) {
@@ -220,9 +178,9 @@ int mask_command(std::span<const std::string> args) {
   // Build every output before writing anything.
   std::ostringstream text;
   if (options.has("json")) text << mask_to_json(mask) << "\n";
-  else describe(mask, text);
+  else text << describe(mask);
   if (auto png = options.get("png")) {
-    write_mask_png(mask, *png);
+    picture::write_mask_png(mask, *png);
     if (!options.has("json")) text << "wrote " << *png << "\n";
   }
   std::cout << text.str();

@@ -25,6 +25,20 @@ void require_same_on_all_ranks(Communicator& comm, uint64_t fingerprint, std::st
                           " disagree with rank 0 (every rank must pass the same value)");
 }
 
+#if !MAGI_ATTN_WITH_MPI
+// The MPI engine is not part of this build (src/comm/mpi_communicator.cpp defines these when it is).
+namespace {
+[[noreturn]] void mpi_not_built(const char* function) {
+  throw NotAvailable(std::string(function) + ": magi-attn was built without MPI (install libopenmpi-dev and rebuild)");
+}
+}  // namespace
+
+MpiEnvironment::MpiEnvironment(int*, char***) { mpi_not_built("MpiEnvironment"); }
+MpiEnvironment::~MpiEnvironment() = default;
+std::shared_ptr<Communicator> mpi_world() { mpi_not_built("mpi_world"); }
+std::shared_ptr<Communicator> mpi_communicator(const void*) { mpi_not_built("mpi_communicator"); }
+#endif
+
 #if !MAGI_ATTN_WITH_NCCL
 // The NCCL engine is not part of this build (src/comm/nccl_communicator.cpp defines these when it is).
 namespace {

@@ -252,34 +252,109 @@ struct Plan {
   int32_t smem_optin = 0;  // the device's per-block shared-memory limit (opt-in)
   DeviceList fwd, dkdv, dq;
   int64_t fwd_items = 0, dkdv_items = 0, dq_items = 0;
-  void* arena = nullptr;
+  void* arena = nullptr;  // the lists, read-only after upload
   size_t arena_bytes = 0;
-  int32_t tq_pad = 0;
-  float* delta = nullptr;  // [Hq][tq_pad]
-  float* lse2 = nullptr;   // [Hq][tq_pad]
-  int32_t* counters = nullptr;  // persistent-grid work counters: forward, dk/dv, dq
-
-  // Backward scratch, allocated with the plan so that execution never allocates: the 16-bit copy of an
-  // fp32 dout, and the fp32 dq accumulator of the default (non-deterministic) backward.
-  void* dout16 = nullptr;
-  float* dq_accum = nullptr;
 
   Plan() = default;
   Plan(const Plan&) = delete;
   Plan& operator=(const Plan&) = delete;
   ~Plan() {
-    if (arena != nullptr || dout16 != nullptr || dq_accum != nullptr) {
+    if (arena != nullptr) {
       int previous = 0;
       cudaGetDevice(&previous);
       cudaSetDevice(device);
       cudaFree(arena);
-      cudaFree(dout16);
-      cudaFree(dq_accum);
       cudaSetDevice(previous);
     }
   }
-
 };
+
+namespace {
+
+// ---- per-call scratch: one layout function for both the size query and the carving ----
+
+constexpr size_t kCounterBytes = 256;  // persistent-grid work counters: forward, dk/dv, dq
+
+// The backward's row statistics hold whole 64-row chunks past the last row.
+int32_t stats_rows(int32_t tq) { return (tq + 63) / 64 * 64 + 64; }
+
+struct BackwardLayout {
+  int32_t tq_pad = 0;
+  bool fused_dq = false;  // dq by fp32 atomics inside the dk/dv kernel (default mode)
+  bool dq_in_place = false;  // ... straight into the caller's fp32, 16-byte aligned dq
+  size_t delta = 0, lse2 = 0, counters = 0, dout16 = 0, dq_accum = 0, total = 0;  // byte offsets; 0 = unused
+};
+
+BackwardLayout backward_layout(const BackwardArgs& a, int32_t padded_d, int32_t smem_optin, bool deterministic) {
+  const auto tq = static_cast<int32_t>(a.q.shape[0]), hq = static_cast<int32_t>(a.q.shape[1]);
+  const auto rows_x_d = static_cast<size_t>(a.q.numel());
+  BackwardLayout l;
+  l.tq_pad = stats_rows(tq);
+  l.fused_dq = !deterministic && detail::dkdv_smem_bytes(padded_d, true) <= smem_optin;
+  l.dq_in_place = a.dq.dtype == DType::F32 && reinterpret_cast<uintptr_t>(a.dq.data) % 16 == 0;
+  const size_t stats_bytes = align_up(static_cast<size_t>(l.tq_pad) * hq * sizeof(float));
+  l.delta = 0;
+  l.lse2 = stats_bytes;
+  l.counters = 2 * stats_bytes;
+  size_t at = l.counters + kCounterBytes;
+  if (a.dout.dtype == DType::F32) {
+    l.dout16 = at;
+    at += align_up(rows_x_d * 2);
+  }
+  if (l.fused_dq && !l.dq_in_place) {
+    l.dq_accum = at;
+    at += align_up(rows_x_d * 4);
+  }
+  l.total = at;
+  return l;
+}
+
+int32_t device_smem_optin(int32_t device) {
+  int value = 0;
+  check(cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), "cudaDeviceGetAttribute");
+  return value;
+}
+
+// The backend's own scratch for callers without a workspace: one buffer per (device, stream), grown as needed.
+// Growing frees the old buffer; cudaFree waits for the device, so no call still in flight can read it.
+class ScratchBuffers {
+ public:
+  unsigned char* get(int32_t device, cudaStream_t stream, size_t bytes) {
+    std::lock_guard lock(mutex_);
+    Entry& e = entries_[{device, stream}];
+    if (e.bytes < bytes) {
+      if (e.data != nullptr) check(cudaFree(e.data), "cudaFree (scratch)");
+      e.data = nullptr;
+      e.bytes = 0;
+      check(cudaMalloc(&e.data, bytes), "cudaMalloc (scratch)");
+      e.bytes = bytes;
+    }
+    return static_cast<unsigned char*>(e.data);
+  }
+
+ private:
+  struct Entry {
+    void* data = nullptr;
+    size_t bytes = 0;
+  };
+  std::mutex mutex_;
+  std::map<std::pair<int32_t, cudaStream_t>, Entry> entries_;
+};
+
+unsigned char* scratch_for(const Workspace& given, int32_t device, cudaStream_t stream, size_t bytes) {
+  if (given.data != nullptr) return static_cast<unsigned char*>(given.data);
+  static ScratchBuffers buffers;  // process-wide, like the device's primary context it belongs to
+  return buffers.get(device, stream, bytes);
+}
+
+}  // namespace
+
+int64_t workspace_bytes(const ForwardArgs&, const Options&) { return static_cast<int64_t>(kCounterBytes); }
+
+int64_t workspace_bytes(const BackwardArgs& a, const Options& o) {
+  const int32_t padded = padded_head_dim(static_cast<int32_t>(a.q.shape[2]));
+  return static_cast<int64_t>(backward_layout(a, padded, device_smem_optin(a.q.device.index), o.deterministic).total);
+}
 
 bool head_dim_supported(int32_t head_dim) {
   return head_dim > 0 && head_dim % 8 == 0 && padded_head_dim(head_dim) != 0;
@@ -355,7 +430,7 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   if (!dq_shared) dq_own = convert(mask, tiling::by_q_tile(mask, dq_q, dq_k), true);
   const HostList& dq = dq_shared ? fwd : dq_own;
 
-  // One upload: [lists...][delta].
+  // One upload: [lists...].
   std::vector<unsigned char> staging;
   auto append = [&](const void* data, size_t bytes) {
     const size_t at = align_up(staging.size());
@@ -373,19 +448,12 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   const Offsets o_fwd = append_list(fwd);
   const Offsets o_dkdv = append_list(dkdv);
   const Offsets o_dq = dq_shared ? o_fwd : append_list(dq_own);
-  const size_t delta_at = align_up(staging.size());
-  plan->tq_pad = (plan->tq + 63) / 64 * 64 + 64;
-  const size_t stats_bytes = static_cast<size_t>(plan->tq_pad) * plan->hq * sizeof(float);
-  const size_t total = delta_at + 2 * align_up(stats_bytes) + 256;
+  const size_t total = std::max<size_t>(staging.size(), 1);
 
   check(cudaMalloc(&plan->arena, total), "cudaMalloc (plan)");
-  const size_t rows_x_d = static_cast<size_t>(plan->tq) * plan->hq * plan->d;
-  check(cudaMalloc(&plan->dout16, rows_x_d * 2 + 16), "cudaMalloc (dout conversion)");
-  check(cudaMalloc(&plan->dq_accum, rows_x_d * 4 + 16), "cudaMalloc (dq accumulator)");
   plan->arena_bytes = total;
-  check(cudaMemcpy(plan->arena, staging.data(), staging.size(), cudaMemcpyHostToDevice), "cudaMemcpy (plan)");
-  // Padding rows of the row statistics are read (whole chunks) but never kept: keep them finite.
-  check(cudaMemset(static_cast<unsigned char*>(plan->arena) + delta_at, 0, total - delta_at), "cudaMemset (plan)");
+  if (!staging.empty())
+    check(cudaMemcpy(plan->arena, staging.data(), staging.size(), cudaMemcpyHostToDevice), "cudaMemcpy (plan)");
   auto* base = static_cast<unsigned char*>(plan->arena);
   auto make_list = [&](const HostList& l, const Offsets& o, PassOrder passes) {
     DeviceList d;
@@ -403,9 +471,6 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   plan->fwd_items = static_cast<int64_t>(fwd.items.size());
   plan->dkdv_items = static_cast<int64_t>(dkdv.items.size());
   plan->dq_items = static_cast<int64_t>(dq.items.size());
-  plan->delta = reinterpret_cast<float*>(base + delta_at);
-  plan->lse2 = reinterpret_cast<float*>(base + delta_at + align_up(stats_bytes));
-  plan->counters = reinterpret_cast<int32_t*>(base + delta_at + 2 * align_up(stats_bytes));
   return plan;
 }
 
@@ -524,7 +589,8 @@ void forward(const Plan& plan, const ForwardArgs& a, const Options& o, cudaStrea
   p.prev_out = a.prev_out.ndim != 0 ? static_cast<const float*>(a.prev_out.data) : nullptr;
   p.prev_lse = a.prev_out.ndim != 0 ? static_cast<const float*>(a.prev_lse.data) : nullptr;
   p.list = plan.fwd;
-  p.work_counter = plan.counters;
+  p.work_counter = reinterpret_cast<int32_t*>(
+      scratch_for(a.workspace, plan.device, stream, static_cast<size_t>(workspace_bytes(a, o))));
   StageTimer timer(o.profile, stream);
   timer.begin("forward_kernel");
   if (p.max_logits != nullptr) detail::launch_fill(p.max_logits, plan.hq, -INFINITY, stream);
@@ -548,17 +614,22 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
   const int tag = dtype_tag(a.q.dtype);
   const ScaleTerms t = scale_terms(o);
   const bool dout_fp32 = a.dout.dtype == DType::F32;
+  const BackwardLayout layout = backward_layout(a, plan.padded_d, plan.smem_optin, o.deterministic);
+  unsigned char* scratch = scratch_for(a.workspace, plan.device, stream, layout.total);
+  auto* const delta = reinterpret_cast<float*>(scratch + layout.delta);
+  auto* const lse2 = reinterpret_cast<float*>(scratch + layout.lse2);
+  auto* const counters = reinterpret_cast<int32_t*>(scratch + layout.counters);
 
   detail::PreprocessArgs pre{};
   pre.out = a.out.data;
   pre.out_fp32 = a.out.dtype == DType::F32;
   pre.dout = a.dout.data;
   pre.dout_fp32 = dout_fp32;
-  pre.dout16 = dout_fp32 ? plan.dout16 : nullptr;
+  pre.dout16 = dout_fp32 ? scratch + layout.dout16 : nullptr;
   pre.lse = static_cast<const float*>(a.lse.data);
-  pre.delta = plan.delta;
-  pre.lse2 = plan.lse2;
-  pre.tq_pad = plan.tq_pad;
+  pre.delta = delta;
+  pre.lse2 = lse2;
+  pre.tq_pad = layout.tq_pad;
   pre.sink = o.sink_layout != SinkLayout::None ? static_cast<const float*>(a.sink.data) : nullptr;
   pre.dsink = o.sink_layout != SinkLayout::None ? static_cast<float*>(a.dsink.data) : nullptr;
   pre.sink_kind = sink_kind(o.sink_layout);
@@ -571,9 +642,9 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
   p.k = a.k.data;
   p.v = a.v.data;
   p.dout = dout_fp32 ? pre.dout16 : a.dout.data;
-  p.lse2 = plan.lse2;
-  p.delta = plan.delta;
-  p.tq_pad = plan.tq_pad;
+  p.lse2 = lse2;
+  p.delta = delta;
+  p.tq_pad = layout.tq_pad;
   p.dq = a.dq.data;
   p.dk = a.dk.data;
   p.dv = a.dv.data;
@@ -589,25 +660,25 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
   p.softcap_post = t.softcap_post;
   p.grad_fp32 = a.dq.dtype == DType::F32;
   detail::BwdParams dkdv = p;
-  dkdv.work_counter = plan.counters + 1;
+  dkdv.work_counter = counters + 1;
   dkdv.grad_fp32 = a.dk.dtype == DType::F32;
   dkdv.dv_fp32 = a.dv.dtype == DType::F32;
   dkdv.vector_stores = (reinterpret_cast<uintptr_t>(a.dk.data) | reinterpret_cast<uintptr_t>(a.dv.data)) % 16 == 0;
   detail::BwdParams dq = p;
   dq.list = plan.dq;
-  dq.work_counter = plan.counters + 2;
+  dq.work_counter = counters + 2;
   const int dq_blocks = plan.dq.num_tiles * plan.hq;
   // Default: dq by fp32 atomics inside the dk/dv kernel, straight into an fp32 dq (the atomics add 4
-  // floats: 16-byte alignment), else into the plan's accumulator and converted after. Deterministic: the
+  // floats: 16-byte alignment), else into the scratch accumulator and converted after. Deterministic: the
   // separate dq kernel.
-  const bool fused_dq = !o.deterministic && detail::dkdv_smem_bytes(plan.padded_d, true) <= plan.smem_optin;
+  const bool fused_dq = layout.fused_dq;
   const size_t dq_elements = static_cast<size_t>(plan.tq) * plan.hq * plan.d;
-  const bool dq_in_place = dq.grad_fp32 && reinterpret_cast<uintptr_t>(a.dq.data) % 16 == 0;
+  const bool dq_in_place = layout.dq_in_place;
   dkdv.list = plan.dkdv;
   const int dkdv_blocks = dkdv.list.num_tiles * plan.hkv;
   dq.accumulate_dq = a.accumulate_dq;
   if (fused_dq) {
-    dkdv.dq_accum = dq_in_place ? static_cast<float*>(a.dq.data) : plan.dq_accum;
+    dkdv.dq_accum = dq_in_place ? static_cast<float*>(a.dq.data) : reinterpret_cast<float*>(scratch + layout.dq_accum);
     // The preprocess zeroes the atomics' target, unless they add to the caller's sum in place.
     if (!(a.accumulate_dq && dq_in_place)) pre.dq_zero = dkdv.dq_accum;
   }
@@ -615,7 +686,7 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
   timer.begin("preprocess");
   detail::launch_preprocess(tag, pre, stream);
   if (o.sink_layout == SinkLayout::SH)
-    detail::launch_dsink_sh(pre.sink, pre.lse, plan.delta, plan.tq_pad, pre.dsink, pre.sink_len, plan.tq, plan.hq,
+    detail::launch_dsink_sh(pre.sink, pre.lse, delta, layout.tq_pad, pre.dsink, pre.sink_len, plan.tq, plan.hq,
                             stream);
   timer.end();
   timer.begin(fused_dq ? "dkdv_kernel (dq by atomics)" : "dkdv_kernel + dq_kernel");

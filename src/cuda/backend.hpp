@@ -1,8 +1,11 @@
 // The portable CUDA backend (sm_80 instructions; runs on Ampere and Hopper): plans and execution.
 //
-// A plan turns a mask into the kernels' device work lists once and owns its device workspace. Execution
-// enqueues kernels on the caller's stream only: no host synchronisation, no allocation (the plan holds the
-// backward scratch too), so forward + backward can be captured in a CUDA graph. With Options::deterministic
+// A plan turns a mask into the kernels' device work lists once; it is read-only afterwards and serves any
+// stream. Each call also needs scratch (persistent-grid counters; the backward's row statistics, dout
+// conversion and dq accumulator): the caller's (args.workspace, workspace_bytes) or, without one, the backend's
+// own buffer for that (device, stream), allocated on the stream's first call. Execution enqueues kernels on the
+// caller's stream only: no host synchronisation, no allocation after that first call, so forward + backward
+// can be captured in a CUDA graph (on any stream when the caller brings the workspace). With Options::deterministic
 // every result is bitwise reproducible (no atomics on values; max_logits uses an order-independent atomic
 // max); by default dq is accumulated with fp32 atomics (faster, not bitwise reproducible), everything else
 // stays reproducible.
@@ -46,9 +49,13 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
                                 int32_t device, const PlanTuning& tuning = {});
 
 // Device pointers in args; dtypes bf16 / fp16 (out and grads may be fp32). Arguments were validated by
-// the API layer (shapes match the plan).
+// the API layer (shapes match the plan; a given workspace holds workspace_bytes and is 16-byte aligned).
 void forward(const Plan& plan, const ForwardArgs& args, const Options& options, cudaStream_t stream);
 void backward(const Plan& plan, const BackwardArgs& args, const Options& options, cudaStream_t stream);
+
+// Scratch bytes one call with these arguments needs (args.workspace may stay empty: the backend then uses its own).
+int64_t workspace_bytes(const ForwardArgs& args, const Options& options);
+int64_t workspace_bytes(const BackwardArgs& args, const Options& options);
 
 // What a plan holds, for tests and benchmarks.
 struct PlanStats {

@@ -32,12 +32,21 @@ __device__ __forceinline__ float4 load4_as_float(const void* base, int64_t i, bo
 
 // One warp per (row, head), four columns per lane and step (D is a multiple of 8; the API asks 16-byte aligned
 // tensors): Delta = dout . out (fp32), optional dout conversion, optional zeroing of the row's dq accumulator
-// (the atomics' target; one pass over the rows instead of a memset of its own), ssh dsink.
+// (the atomics' target; one pass over the rows instead of a memset of its own), ssh dsink. The warps past
+// tq * hq zero the padding rows [tq, tq_pad) of Delta and lse2: the kernels read whole 64-row chunks, and the
+// scratch may come fresh from the caller's allocator.
 template <class T>
 __global__ void preprocess_kernel(const PreprocessArgs a) {
   const int warp = static_cast<int>((int64_t{blockIdx.x} * blockDim.x + threadIdx.x) / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
-  if (warp >= a.tq * a.hq) return;
+  if (warp >= a.tq * a.hq) {
+    const int pad = warp - a.tq * a.hq;
+    if (pad >= (a.tq_pad - a.tq) * a.hq || lane != 0) return;
+    const int64_t hm = int64_t{pad % a.hq} * a.tq_pad + a.tq + pad / a.hq;
+    a.delta[hm] = 0.0f;
+    a.lse2[hm] = 0.0f;
+    return;
+  }
   const int row = warp / a.hq, head = warp % a.hq;
   const int64_t base = int64_t{warp} * a.d;  // [Tq, Hq, D] contiguous: (row * hq + head) * d
   float dot = 0.0f;
@@ -147,7 +156,7 @@ void launch_fill(float* data, int64_t n, float value, cudaStream_t stream) {
 }
 
 void launch_preprocess(int dtype, const PreprocessArgs& args, cudaStream_t stream) {
-  const int64_t warps = int64_t{args.tq} * args.hq;
+  const int64_t warps = int64_t{args.tq_pad} * args.hq;  // the rows and the padding rows
   if (warps == 0) return;
   const unsigned blocks = static_cast<unsigned>((warps + 7) / 8);
   if (dtype == kBf16) preprocess_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(args);

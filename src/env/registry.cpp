@@ -30,9 +30,6 @@ constexpr Support not_applicable(std::string_view why) { return {Status::NotAppl
 
 // Reasons shared by several variables.
 constexpr std::string_view kNoJit = "no JIT compilation here (kernels are compiled ahead of time by CMake)";
-constexpr std::string_view kNoPythonExtensions =
-    "no Python extension modules here (the build is one CMake library; -DMAGI_ATTN_CUDA=OFF leaves out "
-    "the CUDA parts)";
 constexpr std::string_view kFa4 =
     "FFA_FA4 is upstream's Python/CuteDSL workaround for Blackwell GPUs, with no counterpart here";
 
@@ -65,6 +62,14 @@ Variable choice(std::string_view name, std::string_view default_value,
   return Variable{.name = name, .type = VarType::Enum, .default_value = default_value,
                   .allowed = std::move(allowed), .category = category, .meaning = meaning,
                   .status = support.status, .status_reason = support.reason, .aliases = {}};
+}
+
+// Free text; `allowed_text` says what the consumer (e.g. the CMake build) accepts, for the docs.
+Variable text(std::string_view name, std::string_view default_rule, std::string_view allowed_text,
+              std::string_view category, Support support, std::string_view meaning) {
+  return Variable{.name = name, .type = VarType::String, .default_value = {}, .allowed = {allowed_text},
+                  .category = category, .meaning = meaning, .status = support.status,
+                  .status_reason = support.reason, .aliases = {}, .default_rule = default_rule};
 }
 
 Variable path(std::string_view name, std::string_view default_rule, std::string_view category,
@@ -214,23 +219,28 @@ std::vector<Variable> make_registry() {
               "Parallel compile jobs for prebuilding the FFA kernels."),
       integer("MAX_JOBS", {.rule = "all CPU cores (nproc)", .compute = all_cores}, "1", "", kBuild,
               kImplemented,
-              "Parallel jobs of scripts/build.sh (cmake --build -j) and scripts/test.sh (ctest -j); the "
-              "library itself never reads it."),
-      boolean("MAGI_ATTENTION_PREBUILD_FFA", "1", kBuild, not_applicable(kNoJit),
-              "Prebuild the FFA kernels for common options at install time, leaving the rest to JIT."),
-      boolean("MAGI_ATTENTION_SKIP_FFA_UTILS_BUILD", "0", kBuild, not_applicable(kNoPythonExtensions),
+              "Parallel build jobs: of scripts/build.sh and scripts/test.sh (cmake --build -j, ctest -j) and of "
+              "pip install . (Ninja job pools); the library itself never reads it."),
+      boolean("MAGI_ATTENTION_PREBUILD_FFA", "1", kBuild, kImplemented,
+              "Build the CUDA kernels ahead of time (when nvcc is found); 0 builds without them, a CPU-only "
+              "library or Python package (there is no JIT to build them later)."),
+      boolean("MAGI_ATTENTION_SKIP_FFA_UTILS_BUILD", "0", kBuild,
+              not_applicable("the FFA utilities (range merging and sorting, sparse-load metadata) are part of the "
+                             "C++ library inside the one extension module"),
               "Skip building the flexible_flash_attention_utils_cuda extension module."),
       boolean("MAGI_ATTENTION_SKIP_MAGI_ATTN_EXT_BUILD", "0", kBuild,
-              not_applicable(kNoPythonExtensions), "Skip building the magi_attn_ext extension module."),
-      boolean("MAGI_ATTENTION_SKIP_MAGI_ATTN_COMM_BUILD", "0", kBuild,
-              not_applicable(kNoPythonExtensions), "Skip building the magi_attn_comm extension module."),
+              not_applicable("the Python package is one extension module (magi_attn._C); without it there is no "
+                             "package"),
+              "Skip building the magi_attn_ext extension module."),
+      boolean("MAGI_ATTENTION_SKIP_MAGI_ATTN_COMM_BUILD", "0", kBuild, kImplemented,
+              "Build without the NCCL communication engine (GPU context parallelism left out; host "
+              "communicators stay)."),
       path("MAGI_ATTENTION_FFA_FA4_CACHE_DIR", "magi_attention/lib/ffa_fa4_cache/ in the Python package",
            kBuild, not_applicable(kFa4), "Directory of precompiled FFA_FA4 kernels."),
-      integer("MAGI_ATTENTION_BUILD_COMPUTE_CAPABILITY", {.rule = "detected from the installed GPU"},
-              "1", "", kBuild,
-              not_yet("planned: CUDA build (choosing the GPU architectures; use "
-                      "CMAKE_CUDA_ARCHITECTURES until then)"),
-              "GPU compute capability to build for, e.g. 90 or 100."),
+      text("MAGI_ATTENTION_BUILD_COMPUTE_CAPABILITY", "the visible GPUs (nvidia-smi), else 80;90a",
+           "numbers (80, 8.6, 90a, sm_90) or aliases (ampere, ada, hopper, blackwell), separated by ; , or spaces",
+           kBuild, kImplemented,
+           "GPU architectures the CUDA kernels are built for (every build: scripts, CMake, pip install .)."),
       path("NVSHMEM_DIR", "the nvidia-nvshmem-cu12 Python package, if installed", kBuild,
            not_yet("planned: native group-collective communication kernels (NVSHMEM)"),
            "Installation directory of NVSHMEM; without one the native group-collective kernels "

@@ -131,7 +131,7 @@ std::string allowed_values(const Variable& variable) {
     }
     case VarType::Enum: return join(variable.allowed);
     case VarType::Path: return "non-empty paths";
-    case VarType::String: return "any text";
+    case VarType::String: return variable.allowed.empty() ? "any text" : std::string(variable.allowed[0]);
   }
   return {};
 }

@@ -1,12 +1,10 @@
-// Unit tests of the CLI's building blocks: the .npy codec, the option parser, mask rasterisation and
-// the document-length sampler.
+// Unit tests of the CLI's building blocks: the .npy codec, the option parser and the document-length sampler.
 #include <gtest/gtest.h>
 
 #include <random>
 
 // The CLI support sources (the tests link only the library).
 #include "cli/documents.hpp"
-#include "cli/mask_picture.hpp"
 #include "cli/npy.hpp"
 #include "cli/options.hpp"
 #include "magi/error.hpp"
@@ -194,34 +192,6 @@ TEST(Options, HelpAnywhereWins) {
   const std::string help = o.help_text();
   for (const char* fragment : {"usage: demo [options]", "--size N", "a ratio", "--fast", "--help"})
     EXPECT_NE(help.find(fragment), std::string::npos) << fragment << "\n" << help;
-}
-
-// Kept fraction of each grid cell, by brute force over the dense keep matrix.
-TEST(MaskPicture, RasterizeMatchesBruteForce) {
-  const uint64_t seed = magi::test::fresh_seed();
-  std::mt19937_64 rng(seed);
-  for (int trial = 0; trial < 20; ++trial) {
-    const int32_t tq = std::uniform_int_distribution<int32_t>(1, 150)(rng);
-    const int32_t tk = std::uniform_int_distribution<int32_t>(1, 150)(rng);
-    const Mask mask = magi::test::random_rectangles(rng, tq, tk, 12);
-    const int32_t rows = std::uniform_int_distribution<int32_t>(1, tq)(rng);
-    const int32_t cols = std::uniform_int_distribution<int32_t>(1, tk)(rng);
-    const MaskGrid grid = rasterize(mask, rows, cols);
-    const auto keep = magi::test::dense_keep(mask);
-    for (int32_t r = 0; r < rows; ++r)
-      for (int32_t c = 0; c < cols; ++c) {
-        const int64_t q0 = int64_t{r} * tq / rows, q1 = int64_t{r + 1} * tq / rows;
-        const int64_t k0 = int64_t{c} * tk / cols, k1 = int64_t{c + 1} * tk / cols;
-        int64_t kept = 0;
-        for (int64_t q = q0; q < q1; ++q)
-          for (int64_t k = k0; k < k1; ++k) kept += keep[static_cast<size_t>(q * tk + k)];
-        const int64_t total = (q1 - q0) * (k1 - k0);
-        const size_t i = static_cast<size_t>(r) * cols + c;
-        ASSERT_DOUBLE_EQ(grid.kept_fraction[i], total ? static_cast<double>(kept) / total : 0.0)
-            << "seed " << seed << " trial " << trial << " cell " << r << "," << c;
-        ASSERT_EQ(grid.state[i], kept == 0 ? 0 : kept == total ? 2 : 1) << "seed " << seed << " trial " << trial;
-      }
-  }
 }
 
 TEST(Documents, LengthsCoverTheTokensAndHaveALongTail) {

@@ -1,6 +1,10 @@
 # magi_add_mpi_test(NAME SOURCE): a GoogleTest program run under mpirun, one CTest per cp in 1..4 and 8.
 # The program initialises MPI itself (tests/comm/mpi_test_main.hpp) and fails on every rank if any fails.
+# Without MPI (or with -DMAGI_ATTN_MPI=OFF) there is no MPI engine: the programs are not built.
 function(magi_add_mpi_test name)
+  if(NOT MPI_CXX_FOUND)
+    return()
+  endif()
   add_executable(${name} ${ARGN})
   target_link_libraries(${name} PRIVATE magi::attn magi_test_support GTest::gtest)
   target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/tests)

@@ -467,9 +467,9 @@ TEST_F(EnvParse, GettersRejectUnknownNamesAndWrongTypes) {
   EXPECT_THROW(is_set("MAGI_ATTENTION_SANITY_CHEK"), std::logic_error);
   EXPECT_THROW(get_bool("MAGI_ATTENTION_DIST_ATTN_RUNTIME_DICT_SIZE"), std::logic_error);
   EXPECT_THROW(get_int("MAGI_ATTENTION_SANITY_CHECK"), std::logic_error);
-  EXPECT_THROW(get_int("MAGI_ATTENTION_BUILD_COMPUTE_CAPABILITY"), std::logic_error) << "unset, no default";
-  set("MAGI_ATTENTION_BUILD_COMPUTE_CAPABILITY", "90");
-  EXPECT_EQ(get_int("MAGI_ATTENTION_BUILD_COMPUTE_CAPABILITY"), 90);
+  EXPECT_THROW(get_int("MAGI_ATTENTION_BUILD_COMPUTE_CAPABILITY"), std::logic_error) << "a list, not an int";
+  set("MAGI_ATTENTION_BUILD_COMPUTE_CAPABILITY", "80;hopper");
+  EXPECT_EQ(get_string("MAGI_ATTENTION_BUILD_COMPUTE_CAPABILITY"), "80;hopper");
   // A logic_error is not an InvalidArgument: callers cannot confuse the two.
   try {
     get_bool("MAGI_ATTENTION_NO_SUCH_THING");

@@ -130,8 +130,10 @@ TEST(EnvRegistry, AllowedValuesFitTheType) {
         break;
       }
       case VarType::Path:
-      case VarType::String:
         EXPECT_TRUE(variable.allowed.empty());
+        break;
+      case VarType::String:  // at most one entry: the accepted form in words, for the docs
+        EXPECT_LE(variable.allowed.size(), 1u);
         break;
     }
   }
@@ -170,7 +172,11 @@ TEST(EnvRegistry, ImplementedAreExactlyWhatThisBuildHonours) {
                                                      // GPU kernels
                                                      "MAGI_ATTENTION_FFA_FORWARD_SM_MARGIN",
                                                      "MAGI_ATTENTION_FFA_BACKWARD_SM_MARGIN",
-                                                     "MAGI_ATTENTION_PROFILE_MODE", "CUDA_DEVICE_MAX_CONNECTIONS"}));
+                                                     "MAGI_ATTENTION_PROFILE_MODE", "CUDA_DEVICE_MAX_CONNECTIONS",
+                                                     // the build (cmake/build_env.cmake; tests/env/build_env_test.cmake)
+                                                     "MAGI_ATTENTION_BUILD_COMPUTE_CAPABILITY",
+                                                     "MAGI_ATTENTION_PREBUILD_FFA",
+                                                     "MAGI_ATTENTION_SKIP_MAGI_ATTN_COMM_BUILD"}));
 }
 
 TEST(EnvRegistry, TheNewerSeedWinsWhereTheSeedsDiffer) {
@@ -204,8 +210,8 @@ TEST(EnvRegistry, SpecificEntries) {
     EXPECT_EQ(variable.status, Status::Implemented);
   }
   for (const char* python_only : {"MAGI_ATTENTION_FA4_BACKEND", "MAGI_ATTENTION_FFA_FA4_CACHE_DIR",
-                                  "MAGI_ATTENTION_CPP_BACKEND", "MAGI_ATTENTION_PREBUILD_FFA",
-                                  "MAGI_ATTENTION_FORCE_JIT_BUILD"}) {
+                                  "MAGI_ATTENTION_CPP_BACKEND", "MAGI_ATTENTION_SKIP_MAGI_ATTN_EXT_BUILD",
+                                  "MAGI_ATTENTION_SKIP_FFA_UTILS_BUILD", "MAGI_ATTENTION_FORCE_JIT_BUILD"}) {
     EXPECT_EQ(find(python_only)->status, Status::NotApplicable) << python_only;
   }
   for (const char* distributed : {"MAGI_ATTENTION_QO_COMM", "MAGI_ATTENTION_NATIVE_GRPCOLL",

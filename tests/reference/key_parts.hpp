@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "dist/band.hpp"
+#include "distributed/band.hpp"
 #include "magi/mask.hpp"
 
 namespace magi::test {

@@ -1,4 +1,4 @@
-#include "dist/band.hpp"
+#include "distributed/band.hpp"
 
 #include <algorithm>
 

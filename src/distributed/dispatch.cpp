@@ -1,10 +1,10 @@
-#include "dist/dispatch.hpp"
+#include "distributed/dispatch.hpp"
 
 #include <algorithm>
 #include <bit>
 #include <numeric>
 
-#include "dist/band.hpp"
+#include "distributed/band.hpp"
 
 namespace magi::dist {
 namespace {

@@ -8,7 +8,7 @@
 #include <random>
 
 #include "cuda/params.hpp"
-#include "dist/cost_model.hpp"
+#include "distributed/cost_model.hpp"
 #include "magi/error.hpp"
 #include "magi/flops.hpp"
 #include "reference/random_inputs.hpp"

@@ -1,4 +1,4 @@
-#include "dist/cost_model.hpp"
+#include "distributed/cost_model.hpp"
 
 #include <algorithm>
 #include <array>
@@ -7,9 +7,9 @@
 
 #include "comm/group_collective.hpp"
 #include "cuda/params.hpp"
-#include "dist/band.hpp"
-#include "dist/comm_plan.hpp"
-#include "dist/dispatch.hpp"
+#include "distributed/band.hpp"
+#include "distributed/comm_plan.hpp"
+#include "distributed/dispatch.hpp"
 #include "magi/error.hpp"
 #include "magi/flops.hpp"
 #include "mask/tiling.hpp"

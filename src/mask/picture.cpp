@@ -1,4 +1,4 @@
-#include "cli/mask_picture.hpp"
+#include "mask/picture.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -6,7 +6,7 @@
 
 #include "magi/error.hpp"
 
-namespace magi::cli {
+namespace magi::picture {
 namespace {
 
 // Boundaries of `parts` nearly equal pieces of [0, total).
@@ -88,4 +88,28 @@ std::string text_picture(const Mask& mask, int32_t max_cols) {
   return os.str();
 }
 
-}  // namespace magi::cli
+GrayImage gray_image(const Mask& mask) {
+  constexpr int64_t kMaxSide = 1024, kMinSide = 256;
+  const int64_t tq = std::max<int64_t>(mask.total_q, 1), tk = std::max<int64_t>(mask.total_k, 1);
+  // Downsample so the longer side is at most kMaxSide, keeping the aspect ratio.
+  const double shrink = std::max(1.0, static_cast<double>(std::max(tq, tk)) / kMaxSide);
+  const int32_t rows = static_cast<int32_t>(std::max<int64_t>(1, std::llround(tq / shrink)));
+  const int32_t cols = static_cast<int32_t>(std::max<int64_t>(1, std::llround(tk / shrink)));
+  const MaskGrid grid = rasterize(mask, rows, cols);
+  // Small masks: replicate each cell into a square of pixels so the picture is visible.
+  const int32_t scale = static_cast<int32_t>(std::max<int64_t>(1, kMinSide / std::max(rows, cols)));
+  GrayImage image;
+  image.width = cols * scale;
+  image.height = rows * scale;
+  image.pixels.assign(static_cast<size_t>(image.width) * image.height, 0);
+  if (!grid.kept_fraction.empty()) {
+    for (int32_t y = 0; y < image.height; ++y)
+      for (int32_t x = 0; x < image.width; ++x) {
+        const double f = grid.kept_fraction[static_cast<size_t>(y / scale) * cols + x / scale];
+        image.pixels[static_cast<size_t>(y) * image.width + x] = static_cast<uint8_t>(std::lround(255.0 * f));
+      }
+  }
+  return image;
+}
+
+}  // namespace magi::picture

@@ -1,4 +1,4 @@
-// Predicted TFLOP/s per GPU of distributed attention (src/dist/cost_model.hpp) for the masks and sizes
+// Predicted TFLOP/s per GPU of distributed attention (src/distributed/cost_model.hpp) for the masks and sizes
 // that dist_attn_gpu_bench (gpu_dist_attn_throughput.cpp) measures, including cp values no lent machine
 // has: magi-attn, the single-GPU kernel on one GPU's share, and the zigzag ring baseline. Prints a
 // markdown table. Every calibration input is a flag (defaults: H200, bf16, D 128, docs/performance.md).
@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "dist/cost_model.hpp"
+#include "distributed/cost_model.hpp"
 #include "common/arguments.hpp"
 #include "common/long_tailed_documents.hpp"
 #include "magi/error.hpp"

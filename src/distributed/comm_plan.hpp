@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "comm/group_collective.hpp"
-#include "dist/dispatch.hpp"
+#include "distributed/dispatch.hpp"
 #include "magi/mask.hpp"
 
 namespace magi::dist {

@@ -3,9 +3,11 @@
 // (MAGI_ATTN_WITH_NCCL); runtime.cpp routes CUDA tensors here.
 #pragma once
 
+#include <cuda_runtime_api.h>
+
 #include <memory>
 
-#include "dist/runtime.hpp"
+#include "distributed/runtime.hpp"
 
 namespace magi::dist::gpu {
 
@@ -14,13 +16,14 @@ namespace magi::dist::gpu {
 struct State;
 std::shared_ptr<State> make_state(const DistAttnRuntime& runtime);
 
-void forward(const DistAttnRuntime& runtime, State& state, const ForwardArgs& local);
-void backward(const DistAttnRuntime& runtime, State& state, const BackwardArgs& local);
+// `stream`: the caller's; the work runs after what it holds and its later work after the call.
+void forward(const DistAttnRuntime& runtime, State& state, const ForwardArgs& local, cudaStream_t stream);
+void backward(const DistAttnRuntime& runtime, State& state, const BackwardArgs& local, cudaStream_t stream);
 
 // Device-tensor dispatch (local copies) and undispatch (allgather through NCCL).
 void dispatch(const DistAttnRuntime& runtime, const Partition& partition, const TensorView& global,
-              const TensorView& local);
+              const TensorView& local, cudaStream_t stream);
 void undispatch(const DistAttnRuntime& runtime, const Partition& partition, const TensorView& local,
-                const TensorView& global);
+                const TensorView& global, cudaStream_t stream);
 
 }  // namespace magi::dist::gpu

@@ -1,6 +1,6 @@
 // A cost model of distributed attention on GPUs: predicted time and TFLOP/s per GPU for a mask, cp and
-// hardware, for the magi-attn runtime (src/dist/gpu_runtime.cpp) and the zigzag ring baseline
-// (bench/dist/gpu_dist_attn_throughput.cpp). Pure host code; it builds the same dispatch and comm plan the
+// hardware, for the magi-attn runtime (src/distributed/gpu_runtime.cpp) and the zigzag ring baseline
+// (bench/distributed/gpu_dist_attn_throughput.cpp). Pure host code; it builds the same dispatch and comm plan the
 // runtime would, for every rank at once.
 //
 // Model (all inputs in HardwareModel, calibrated on the single-GPU kernel):

@@ -5,7 +5,7 @@
 // stage i's dk/dv reduction runs while stage i + 1 computes. Every partial is combined in a fixed order
 // (host stage, then stages in order, sources ascending), so results are bitwise reproducible whenever
 // the per-stage kernels are. Staging buffers are allocated on a runtime's first device call and reused.
-#include "dist/gpu_runtime.hpp"
+#include "distributed/gpu_runtime.hpp"
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
@@ -19,7 +19,7 @@
 
 #include "comm/nccl_communicator.hpp"
 #include "cuda/launch.hpp"
-#include "dist/gpu_kernels.hpp"
+#include "distributed/gpu_kernels.hpp"
 
 namespace magi::dist::gpu {
 namespace {
@@ -280,9 +280,9 @@ void enqueue_fetches(const DistAttnRuntime& rt, State& st, const TensorView& k, 
   }
 }
 
-// The caller's pending work on the legacy default stream (and blocking streams) precedes ours.
-void begin(State& st) {
-  check(cudaEventRecord(st.start, nullptr), "cudaEventRecord");
+// The caller's pending work on its stream precedes ours.
+void begin(State& st, cudaStream_t caller) {
+  check(cudaEventRecord(st.start, caller), "cudaEventRecord");
   check(cudaStreamWaitEvent(st.compute, st.start, 0), "cudaStreamWaitEvent");
   check(cudaStreamWaitEvent(st.nccl->comm_stream(), st.start, 0), "cudaStreamWaitEvent");
 }
@@ -299,7 +299,7 @@ void reduce_max_logits(State& st, const TensorView& max_logits, int32_t heads) {
 
 }  // namespace
 
-void forward(const DistAttnRuntime& rt, State& st, const ForwardArgs& a) {
+void forward(const DistAttnRuntime& rt, State& st, const ForwardArgs& a, cudaStream_t caller) {
   check_inputs(rt, st, a.q, a.k, a.v);
   const HeadShape& h = rt.heads();
   const int64_t lq = rt.dispatch().q.local_tokens();
@@ -315,7 +315,7 @@ void forward(const DistAttnRuntime& rt, State& st, const ForwardArgs& a) {
   std::lock_guard lock(st.mutex);
   DeviceScope scope(dev);
   ensure_buffers(rt, st, a.q.dtype, rt.backward_high_precision() ? DType::F32 : a.q.dtype);
-  begin(st);
+  begin(st, caller);
   enqueue_fetches(rt, st, a.k, a.v);
   if (rt.config().overlap_degree == 0) check(cudaStreamWaitEvent(st.compute, *st.fetched[0], 0), "cudaStreamWaitEvent");
 
@@ -368,11 +368,12 @@ void forward(const DistAttnRuntime& rt, State& st, const ForwardArgs& a) {
     convert(st.acc_lse.as<float>(), a.lse.data, element(DType::F32), lq * hq, st.compute);
   }
   check(cudaEventRecord(st.done, st.compute), "cudaEventRecord");
+  check(cudaStreamWaitEvent(caller, st.done, 0), "cudaStreamWaitEvent");
   st.nccl->wait_event(st.done, "distributed attention forward");
   if (want_max) reduce_max_logits(st, a.max_logits, hq);
 }
 
-void backward(const DistAttnRuntime& rt, State& st, const BackwardArgs& a) {
+void backward(const DistAttnRuntime& rt, State& st, const BackwardArgs& a, cudaStream_t caller) {
   check_inputs(rt, st, a.q, a.k, a.v);
   const HeadShape& h = rt.heads();
   const int64_t lq = rt.dispatch().q.local_tokens(), lk = rt.dispatch().k.local_tokens();
@@ -390,7 +391,7 @@ void backward(const DistAttnRuntime& rt, State& st, const BackwardArgs& a) {
   std::lock_guard lock(st.mutex);
   DeviceScope scope(dev);
   ensure_buffers(rt, st, a.q.dtype, wire);
-  begin(st);
+  begin(st, caller);
   enqueue_fetches(rt, st, a.k, a.v);
   if (rt.config().overlap_degree == 0) check(cudaStreamWaitEvent(st.compute, *st.fetched[0], 0), "cudaStreamWaitEvent");
 
@@ -457,6 +458,7 @@ void backward(const DistAttnRuntime& rt, State& st, const BackwardArgs& a) {
   convert(st.acc_dk.as<float>(), a.dk.data, element(a.dk.dtype), lk * kv_row, st.compute);
   convert(st.acc_dv.as<float>(), a.dv.data, element(a.dv.dtype), lk * kv_row, st.compute);
   check(cudaEventRecord(st.done, st.compute), "cudaEventRecord");
+  check(cudaStreamWaitEvent(caller, st.done, 0), "cudaStreamWaitEvent");
   st.nccl->wait_event(st.done, "distributed attention backward");
 
   // A shared (sh) sink is replicated on every rank, so its gradient is partial per rank.
@@ -475,7 +477,8 @@ void backward(const DistAttnRuntime& rt, State& st, const BackwardArgs& a) {
   }
 }
 
-void dispatch(const DistAttnRuntime& rt, const Partition& p, const TensorView& global, const TensorView& local) {
+void dispatch(const DistAttnRuntime& rt, const Partition& p, const TensorView& global, const TensorView& local,
+              cudaStream_t caller) {
   comm::NcclCommunicator& nccl = nccl_of(rt);
   if (local.device.type != DeviceType::CUDA || local.device.index != nccl.cuda_device())
     throw InvalidArgument("local: must be on CUDA device " + std::to_string(nccl.cuda_device()) +
@@ -486,8 +489,8 @@ void dispatch(const DistAttnRuntime& rt, const Partition& p, const TensorView& g
   const auto* src = static_cast<const char*>(global.data);
   const auto& chunks = p.chunks[static_cast<size_t>(rt.rank())];
   const cudaStream_t stream = nccl.comm_stream();
-  Event start;  // after the caller's pending work on the legacy default stream
-  check(cudaEventRecord(start, nullptr), "cudaEventRecord");
+  Event start;  // after the caller's pending work on its stream
+  check(cudaEventRecord(start, caller), "cudaEventRecord");
   check(cudaStreamWaitEvent(stream, start, 0), "cudaStreamWaitEvent");
   for (size_t i = 0; i < chunks.size(); ++i) {
     const int64_t first = int64_t{chunks[i]} * p.chunk_size;
@@ -503,7 +506,8 @@ void dispatch(const DistAttnRuntime& rt, const Partition& p, const TensorView& g
   check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
 }
 
-void undispatch(const DistAttnRuntime& rt, const Partition& p, const TensorView& local, const TensorView& global) {
+void undispatch(const DistAttnRuntime& rt, const Partition& p, const TensorView& local, const TensorView& global,
+                cudaStream_t caller) {
   comm::NcclCommunicator& nccl = nccl_of(rt);
   if (local.device.type != DeviceType::CUDA || local.device.index != nccl.cuda_device())
     throw InvalidArgument("local: must be on CUDA device " + std::to_string(nccl.cuda_device()) +
@@ -514,7 +518,7 @@ void undispatch(const DistAttnRuntime& rt, const Partition& p, const TensorView&
   DeviceMemory all(static_cast<size_t>(local_bytes) * nccl.size());
   const cudaStream_t stream = nccl.comm_stream();
   Event start, gathered;
-  check(cudaEventRecord(start, nullptr), "cudaEventRecord");
+  check(cudaEventRecord(start, caller), "cudaEventRecord");
   check(cudaStreamWaitEvent(stream, start, 0), "cudaStreamWaitEvent");
   nccl.enqueue_allgather(local.data, local_bytes, all.get(), stream);
   auto* dst = static_cast<char*>(global.data);

@@ -8,7 +8,7 @@
 
 #include "magi/mask.hpp"
 
-namespace magi::cli {
+namespace magi::picture {
 
 struct MaskGrid {
   int32_t rows = 0;
@@ -23,4 +23,12 @@ MaskGrid rasterize(const Mask& mask, int32_t rows, int32_t cols);
 // A text picture about 64 characters wide: '#' = every cell kept, '+' = some, '.' = none.
 std::string text_picture(const Mask& mask, int32_t max_cols = 64);
 
-}  // namespace magi::cli
+// A greyscale picture (white = all kept, black = none, grey = kept fraction), row-major bytes: at most 1024
+// pixels on a side, small masks scaled up by whole pixels so that they stay visible.
+struct GrayImage {
+  int32_t width = 0, height = 0;
+  std::vector<uint8_t> pixels;
+};
+GrayImage gray_image(const Mask& mask);
+
+}  // namespace magi::picture

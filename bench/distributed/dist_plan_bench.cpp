@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "dist/comm_plan.hpp"
-#include "dist/dispatch.hpp"
+#include "distributed/comm_plan.hpp"
+#include "distributed/dispatch.hpp"
 #include "magi/mask.hpp"
 
 namespace {

@@ -1,4 +1,4 @@
-#include "cli/png.hpp"
+#include "mask/png.hpp"
 
 #include <png.h>
 
@@ -9,10 +9,10 @@
 #include <cstdio>
 #include <cstring>
 
-#include "cli/mask_picture.hpp"
+#include "mask/picture.hpp"
 #include "magi/error.hpp"
 
-namespace magi::cli {
+namespace magi::picture {
 namespace {
 
 // libpng reports errors through a callback that must not return; it longjmps back to write_png_gray,
@@ -63,25 +63,8 @@ void write_png_gray(const std::string& path, int32_t width, int32_t height, cons
 }
 
 void write_mask_png(const Mask& mask, const std::string& path) {
-  constexpr int64_t kMaxSide = 1024, kMinSide = 256;
-  const int64_t tq = std::max<int64_t>(mask.total_q, 1), tk = std::max<int64_t>(mask.total_k, 1);
-  // Downsample so the longer side is at most kMaxSide, keeping the aspect ratio.
-  const double shrink = std::max(1.0, static_cast<double>(std::max(tq, tk)) / kMaxSide);
-  const int32_t rows = static_cast<int32_t>(std::max<int64_t>(1, std::llround(tq / shrink)));
-  const int32_t cols = static_cast<int32_t>(std::max<int64_t>(1, std::llround(tk / shrink)));
-  const MaskGrid grid = rasterize(mask, rows, cols);
-  // Small masks: replicate each cell into a square of pixels so the picture is visible.
-  const int32_t scale = static_cast<int32_t>(std::max<int64_t>(1, kMinSide / std::max(rows, cols)));
-  const int32_t width = cols * scale, height = rows * scale;
-  std::vector<uint8_t> pixels(static_cast<size_t>(width) * height, 0);
-  if (!grid.kept_fraction.empty()) {
-    for (int32_t y = 0; y < height; ++y)
-      for (int32_t x = 0; x < width; ++x) {
-        const double f = grid.kept_fraction[static_cast<size_t>(y / scale) * cols + x / scale];
-        pixels[static_cast<size_t>(y) * width + x] = static_cast<uint8_t>(std::lround(255.0 * f));
-      }
-  }
-  write_png_gray(path, width, height, pixels);
+  const GrayImage image = gray_image(mask);
+  write_png_gray(path, image.width, image.height, image.pixels);
 }
 
-}  // namespace magi::cli
+}  // namespace magi::picture

@@ -2,7 +2,7 @@
 // call of the local q rows against a kv buffer (own rows, or rows fetched by group-cast), with the stage's
 // remapped mask. Partial results are combined in a fixed order (host stage, then remote stages in order,
 // sources in rank order), so results are bitwise reproducible.
-#include "dist/runtime.hpp"
+#include "distributed/runtime.hpp"
 
 #include <cmath>
 #include <cstring>
@@ -14,11 +14,12 @@
 
 #include "comm/elements.hpp"
 #include "comm/group_collective.hpp"
+#include "common/lru_cache.hpp"
 #include "common/lse_merge.hpp"
 #include "magi/env.hpp"
 
 #if MAGI_ATTN_WITH_NCCL
-#include "dist/gpu_runtime.hpp"
+#include "distributed/gpu_runtime.hpp"
 #endif
 
 namespace magi::dist {
@@ -45,7 +46,7 @@ void require_rows(const TensorView& t, const char* name, int64_t rows, int32_t n
                           std::to_string(rows) + " local rows (the runtime key's local length), got " +
                           shape_string(t));
   if (t.device.type != DeviceType::CPU)
-    throw InvalidArgument(std::string(name) + ": the MPI engine needs host tensors (allowed: CPU)");
+    throw InvalidArgument(std::string(name) + ": host communicators need host tensors (allowed: CPU)");
 }
 
 void store_all(const std::vector<double>& values, const TensorView& dst) {
@@ -169,16 +170,16 @@ bool on_device(const TensorView& q) {
   if (q.device.type != DeviceType::CUDA) return false;
 #if !MAGI_ATTN_WITH_NCCL
   throw NotAvailable("q: CUDA tensors given, but this build has no NCCL engine for distributed attention "
-                     "(allowed: host tensors with the MPI engine)");
+                     "(allowed: host tensors with a host communicator)");
 #endif
   return true;
 }
 }  // namespace
 
-void DistAttnRuntime::forward(const ForwardArgs& a) const {
+void DistAttnRuntime::forward(const ForwardArgs& a, [[maybe_unused]] StreamHandle stream) const {
   if (on_device(a.q)) {
 #if MAGI_ATTN_WITH_NCCL
-    gpu::forward(*this, gpu_state(), a);
+    gpu::forward(*this, gpu_state(), a, static_cast<cudaStream_t>(stream));
 #endif
     return;
   }
@@ -245,10 +246,10 @@ void DistAttnRuntime::forward(const ForwardArgs& a) const {
   }
 }
 
-void DistAttnRuntime::backward(const BackwardArgs& a) const {
+void DistAttnRuntime::backward(const BackwardArgs& a, [[maybe_unused]] StreamHandle stream) const {
   if (on_device(a.q)) {
 #if MAGI_ATTN_WITH_NCCL
-    gpu::backward(*this, gpu_state(), a);
+    gpu::backward(*this, gpu_state(), a, static_cast<cudaStream_t>(stream));
 #endif
     return;
   }
@@ -420,39 +421,10 @@ struct RuntimeId {
   }
 };
 
-class RuntimeCache {
- public:
-  std::shared_ptr<const DistAttnRuntime> find(const RuntimeId& id) {
-    std::lock_guard lock(mutex_);
-    for (auto it = entries_.begin(); it != entries_.end(); ++it)
-      if (it->first == id) {
-        entries_.splice(entries_.begin(), entries_, it);
-        return it->second;
-      }
-    return nullptr;
-  }
-  void insert(RuntimeId id, std::shared_ptr<const DistAttnRuntime> runtime) {
-    const auto capacity = static_cast<size_t>(env::get_int("MAGI_ATTENTION_DIST_ATTN_RUNTIME_DICT_SIZE"));
-    std::lock_guard lock(mutex_);
-    entries_.emplace_front(std::move(id), std::move(runtime));
-    while (entries_.size() > capacity) entries_.pop_back();
-  }
-  size_t size() {
-    std::lock_guard lock(mutex_);
-    return entries_.size();
-  }
-  void clear() {
-    std::lock_guard lock(mutex_);
-    entries_.clear();
-  }
-
- private:
-  std::mutex mutex_;
-  std::list<std::pair<RuntimeId, std::shared_ptr<const DistAttnRuntime>>> entries_;
-};
+using RuntimeCache = LruCache<RuntimeId, const DistAttnRuntime>;
 
 RuntimeCache& runtime_cache() {
-  static RuntimeCache cache;
+  static RuntimeCache cache(1000);  // capacity: MAGI_ATTENTION_DIST_ATTN_RUNTIME_DICT_SIZE, set on each use
   return cache;
 }
 
@@ -546,12 +518,12 @@ RuntimeKey make_runtime_key(const Mask& mask, const HeadShape& heads, std::share
                           std::to_string(id.ranks_per_node) + " does not divide cp " + std::to_string(id.cp) +
                           " (set DistConfig::ranks_per_node)");
 
-  if (auto hit = runtime_cache().find(id)) return RuntimeKey(std::move(hit));
-  validate(mask);
-  auto runtime = std::make_shared<const DistAttnRuntime>(mask, heads, comm, config, id.backward_high_precision,
-                                                         id.dsink_op, id.ranks_per_node);
-  runtime_cache().insert(std::move(id), runtime);
-  return RuntimeKey(std::move(runtime));
+  runtime_cache().set_capacity(static_cast<size_t>(env::get_int("MAGI_ATTENTION_DIST_ATTN_RUNTIME_DICT_SIZE")));
+  return RuntimeKey(runtime_cache().get(id, [&] {
+    validate(mask);
+    return std::make_shared<const DistAttnRuntime>(mask, heads, comm, config, id.backward_high_precision, id.dsink_op,
+                                                   id.ranks_per_node);
+  }));
 }
 
 // Device tensors: a local one on the NCCL communicator's device (the global one on the device or host).
@@ -574,11 +546,12 @@ static bool device_rows(const RuntimeKey& key, const Partition& p, const TensorV
 #endif
 }
 
-void dispatch(const RuntimeKey& key, Axis axis, const TensorView& global, const TensorView& local) {
+void dispatch(const RuntimeKey& key, Axis axis, const TensorView& global, const TensorView& local,
+              [[maybe_unused]] StreamHandle stream) {
   const Partition& p = partition(key, axis);
   if (device_rows(key, p, global, local)) {
 #if MAGI_ATTN_WITH_NCCL
-    gpu::dispatch(key.runtime(), p, global, local);
+    gpu::dispatch(key.runtime(), p, global, local, static_cast<cudaStream_t>(stream));
 #endif
     return;
   }
@@ -595,11 +568,12 @@ void dispatch(const RuntimeKey& key, Axis axis, const TensorView& global, const 
   }
 }
 
-void undispatch(const RuntimeKey& key, Axis axis, const TensorView& local, const TensorView& global) {
+void undispatch(const RuntimeKey& key, Axis axis, const TensorView& local, const TensorView& global,
+                [[maybe_unused]] StreamHandle stream) {
   const Partition& p = partition(key, axis);
   if (device_rows(key, p, global, local)) {
 #if MAGI_ATTN_WITH_NCCL
-    gpu::undispatch(key.runtime(), p, local, global);
+    gpu::undispatch(key.runtime(), p, local, global, static_cast<cudaStream_t>(stream));
 #endif
     return;
   }
@@ -622,11 +596,18 @@ std::vector<int32_t> position_ids(const RuntimeKey& key, Axis axis) {
   return partition(key, axis).global_rows(key.runtime().rank());
 }
 
-void calc_attn(const RuntimeKey& key, const ForwardArgs& local) { key.runtime().forward(local); }
-void calc_attn_backward(const RuntimeKey& key, const BackwardArgs& local) { key.runtime().backward(local); }
+void calc_attn(const RuntimeKey& key, const ForwardArgs& local, StreamHandle stream) {
+  key.runtime().forward(local, stream);
+}
+void calc_attn_backward(const RuntimeKey& key, const BackwardArgs& local, StreamHandle stream) {
+  key.runtime().backward(local, stream);
+}
 
 size_t runtime_cache_size() { return runtime_cache().size(); }
 void clear_runtime_cache() { runtime_cache().clear(); }
+void clear_runtime_cache(const comm::Communicator& comm) {
+  runtime_cache().erase_if([&](const RuntimeId& id) { return id.comm == &comm; });
+}
 
 double PlanSummary::imbalance() const {
   if (rank_area.empty()) return 1.0;

@@ -7,7 +7,7 @@
 #include <random>
 #include <set>
 
-#include "dist/comm_plan.hpp"
+#include "distributed/comm_plan.hpp"
 #include "reference/random_inputs.hpp"
 
 namespace magi::dist {

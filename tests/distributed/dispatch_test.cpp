@@ -7,8 +7,8 @@
 #include <random>
 #include <set>
 
-#include "dist/band.hpp"
-#include "dist/dispatch.hpp"
+#include "distributed/band.hpp"
+#include "distributed/dispatch.hpp"
 #include "reference/random_inputs.hpp"
 
 namespace magi::dist {

@@ -1,4 +1,4 @@
-#include "dist/gpu_kernels.hpp"
+#include "distributed/gpu_kernels.hpp"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

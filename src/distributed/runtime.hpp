@@ -6,8 +6,8 @@
 #include <memory>
 #include <mutex>
 
-#include "dist/comm_plan.hpp"
-#include "dist/dispatch.hpp"
+#include "distributed/comm_plan.hpp"
+#include "distributed/dispatch.hpp"
 #include "magi/comm.hpp"
 #include "magi/dist.hpp"
 
@@ -23,8 +23,8 @@ class DistAttnRuntime {
                   const DistConfig& config, bool backward_high_precision, DsinkReduceOp dsink_op,
                   int32_t ranks_per_node);
 
-  void forward(const ForwardArgs& local) const;
-  void backward(const BackwardArgs& local) const;
+  void forward(const ForwardArgs& local, StreamHandle stream) const;
+  void backward(const BackwardArgs& local, StreamHandle stream) const;
 
   int32_t rank() const { return rank_; }
   const Dispatch& dispatch() const { return dispatch_; }

@@ -1,8 +1,8 @@
-#include "dist/comm_plan.hpp"
+#include "distributed/comm_plan.hpp"
 
 #include <algorithm>
 
-#include "dist/band.hpp"
+#include "distributed/band.hpp"
 
 namespace magi::dist {
 namespace {
