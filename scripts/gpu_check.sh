@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The GPU evidence in one call (issue 3): build with every core, run the GPU tests, compute-sanitizer
-# (memcheck + racecheck) on small forward/backward cases, then the benchmark with the torch peers measured
-# in the same run; a short table is printed last.
+# The GPU evidence in one call: build with every core, run the GPU tests, compute-sanitizer (memcheck +
+# racecheck) on small forward/backward cases, the Python package (pip install . timed, its tests on the GPU,
+# the call-overhead benchmark against the C++ API), then the benchmark with the torch peers measured in the
+# same run; a short table is printed last.
 #
-# usage: scripts/gpu_check.sh [--arch "80;90a"] [--skip-tests] [--skip-sanitizer] [--skip-bench] [--skip-peers] [--quick]
+# usage: scripts/gpu_check.sh [--arch "80;90a"] [--skip-tests] [--skip-sanitizer] [--skip-python] [--skip-bench]
+#                             [--skip-peers] [--quick]
 #   --quick: D=128 only in the benchmark, FlexAttention only on varlen causal.
 # Env: BUILD_DIR (default build-gpu), OUT (logs/CSV; default $BUILD_DIR/out), TESTS_REGEX (ctest -R) for the tests; not GTEST_FILTER,
 #   which the build's test discovery would obey too (an empty or narrow one lists no tests).
@@ -12,16 +14,17 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=${BUILD_DIR:-$ROOT/build-gpu}
 LOGS=${OUT:-$BUILD/out}
 ARCH="80;90a"
-RUN_TESTS=1 RUN_SANITIZER=1 RUN_BENCH=1 RUN_PEERS=1 QUICK=0
+RUN_TESTS=1 RUN_SANITIZER=1 RUN_PYTHON=1 RUN_BENCH=1 RUN_PEERS=1 QUICK=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --arch) ARCH="$2"; shift ;;
     --skip-tests) RUN_TESTS=0 ;;
     --skip-sanitizer) RUN_SANITIZER=0 ;;
+    --skip-python) RUN_PYTHON=0 ;;
     --skip-bench) RUN_BENCH=0 ;;
     --skip-peers) RUN_PEERS=0 ;;
     --quick) QUICK=1 ;;
-    *) echo "gpu_check.sh: unknown argument '$1' (allowed: --arch A, --skip-tests, --skip-sanitizer, --skip-bench, --skip-peers, --quick)" >&2; exit 2 ;;
+    *) echo "gpu_check.sh: unknown argument '$1' (allowed: --arch A, --skip-tests, --skip-sanitizer, --skip-python, --skip-bench, --skip-peers, --quick)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -43,7 +46,7 @@ t0=$(date +%s)
 cmake -S "$ROOT" -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DMAGI_ATTN_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES="$ARCH" "${PREFIX_ARGS[@]}" > "$LOGS/configure.log" 2>&1 \
   || { tail -30 "$LOGS/configure.log"; echo "configure FAILED"; exit 1; }
-cmake --build "$BUILD" -j"$(nproc)" --target flash_attention_test flash_bench > "$LOGS/build.log" 2>&1 \
+cmake --build "$BUILD" -j"$(nproc)" --target flash_attention_test flash_bench api_overhead_bench > "$LOGS/build.log" 2>&1 \
   || { grep -E "error|Error" "$LOGS/build.log" | head -40; echo "build FAILED"; exit 1; }
 grep -E "spill|ptxas warning" "$LOGS/build.log" | sort -u | head -20
 note "build ($ARCH): $(( $(date +%s) - t0 )) s"
@@ -69,6 +72,29 @@ if [ $RUN_SANITIZER = 1 ]; then
   note "memcheck: rc $? ($(grep -E 'ERROR SUMMARY' "$LOGS/memcheck.log" | tail -1))"
   compute-sanitizer --tool racecheck --error-exitcode 9 "$TEST_BIN" --gtest_filter="$small" > "$LOGS/racecheck.log" 2>&1
   note "racecheck: rc $? ($(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$LOGS/racecheck.log" | tail -1)) $(( $(date +%s) - t0 )) s"
+fi
+
+if [ $RUN_PYTHON = 1 ]; then
+  # The package as a user installs it (the machine has no network: build dependencies come from the image and
+  # build-deps/), built for the visible GPU; then its tests on the GPU and the call-overhead benchmark.
+  t0=$(date +%s)
+  CMAKE_PREFIX_PATH="$ROOT/build-deps/usr" python3 -m pip install --no-build-isolation --no-deps -v "$ROOT" \
+    > "$LOGS/pip_install.log" 2>&1
+  rc=$?
+  note "pip install . (nproc $(nproc), CUDA $(python3 -c 'import magi_attn; print(magi_attn.build_info()["cuda_architectures"])' 2>/dev/null)): rc $rc, $(( $(date +%s) - t0 )) s"
+  [ $rc = 0 ] || tail -30 "$LOGS/pip_install.log"
+  t0=$(date +%s)
+  : > "$LOGS/pytest.log"
+  for f in "$ROOT"/tests/python/test_*.py; do  # one process a file: a crash shows which file, the rest still run
+    (cd /tmp && python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short "$f") >> "$LOGS/pytest.log" 2>&1
+    rc=$?
+    note "pytest $(basename "$f"): $(grep -E "passed|failed|error" "$LOGS/pytest.log" | tail -1) (rc $rc)"
+  done
+  grep -E "^(FAILED|ERROR|SKIPPED)|Fatal Python" "$LOGS/pytest.log" | cut -c1-300 | head -30
+  note "pytest tests/python: $(( $(date +%s) - t0 )) s"
+  python3 "$ROOT/bench/python/call_overhead.py" --cpp "$BUILD/bench/cuda/api_overhead_bench" > "$LOGS/overhead.txt" 2>&1
+  note "call overhead rc $?"
+  tail -8 "$LOGS/overhead.txt"
 fi
 
 if [ $RUN_BENCH = 1 ]; then
@@ -110,4 +136,5 @@ for key in order:
 PY
 fi
 echo
+[ -f "$LOGS/overhead.txt" ] && tail -7 "$LOGS/overhead.txt"
 for s in "${SUMMARY[@]}"; do echo "$s"; done

@@ -1,0 +1,148 @@
+"""One rank of the distributed tests (tests/python/test_distributed.py launches it with torchrun or mpirun):
+the SPEC section 7 distributed cases through magi_attn's torch.distributed API, each checked against one
+device computing the whole problem and against the fp64 reference. Prints one 'ok <case>' line per case
+on rank 0; any failure raises (non-zero exit)."""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+import magi_attn as ma  # noqa: E402
+import reference as ref  # noqa: E402
+
+
+def single_device(mask, q, k, v, do, sink, layout):
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    s = None if sink is None else sink.detach().clone().requires_grad_()
+    out, lse = ma.flex_flash_attn_func(*leaves, *(torch.from_numpy(a) for a in (mask.q_ranges, mask.k_ranges,
+                                                                                 mask.attn_type_map)),
+                                       sink=s, sink_layout=layout or "sh")
+    out.backward(do)
+    return out.detach(), lse, [x.grad for x in leaves], None if s is None else s.grad
+
+
+def run_case(name, mask, heads, d, chunk, device, dtype, layout=None, overlap=1, dispatch="locality"):
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(1234)  # every rank draws the same global inputs
+    hq, hkv = heads
+    q = torch.randn(mask.total_q, hq, d, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(mask.total_k, hkv, d, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(mask.total_k, hkv, d, generator=g, dtype=torch.float64).to(dtype)
+    do = torch.randn(mask.total_q, hq, d, generator=g, dtype=torch.float64).to(dtype)
+    sink = None
+    if layout == "sh":
+        sink = torch.randn(2, hq, generator=g)
+    elif layout == "ssh":
+        sink = torch.randn(mask.total_q, 2, hq, generator=g)
+    key = ma.magi_attn_flex_key(mask.q_ranges, mask.k_ranges, mask.attn_type_map, mask.total_q, mask.total_k, hq, hkv,
+                                d, chunk_size=chunk, overlap_degree=overlap, dispatch=dispatch, sink_layout=layout,
+                                device=device)
+    assert ma.get_most_recent_key() is key
+    to = lambda x: x.to(device)  # noqa: E731
+    local = {n: ma.dispatch(to(x), key, "q" if n in ("q", "do") else "k").requires_grad_(n != "do")
+             for n, x in (("q", q), ("k", k), ("v", v), ("do", do))}
+    local_sink = None
+    if sink is not None:
+        local_sink = (to(sink) if layout == "sh" else ma.dispatch(to(sink), key)).detach().requires_grad_()
+    pos = ma.get_position_ids(key)
+    real = pos < mask.total_q
+    assert torch.equal(local["q"][real].detach().cpu(), q[pos[real].cpu()]), "dispatch: rows differ from x[position_ids]"
+    out, lse = ma.calc_attn(local["q"], local["k"], local["v"], key, sink=local_sink)
+    out.backward(local["do"])
+    # global results on every rank
+    got_out = ma.undispatch(out.detach(), key).cpu()
+    got_lse = ma.undispatch(lse, key).cpu()
+    got_dq = ma.undispatch(local["q"].grad, key).cpu()
+    got_dk = ma.undispatch(local["k"].grad, key, "k").cpu()
+    got_dv = ma.undispatch(local["v"].grad, key, "k").cpu()
+    want_out, want_lse, (dq, dk, dv), dsink = single_device(mask, to(q), to(k), to(v), to(do), None if sink is None
+                                                            else to(sink), layout)
+    kind = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    keep = ref.keep_matrix(mask.q_ranges, mask.k_ranges, mask.attn_type_map, mask.total_q, mask.total_k)
+    host = lambda x: x.detach().double().cpu().numpy()  # noqa: E731
+    sink_np = None if sink is None else sink.double().numpy()
+    out_ref, lse_ref, _ = ref.forward(host(q), host(k), host(v), keep, None, 0.0, sink_np, layout or "sh")
+    grads_ref = ref.backward(host(q), host(k), host(v), host(do), keep, None, 0.0, sink_np, layout or "sh")
+    ref.assert_close("out", host(got_out), out_ref, kind)
+    ref.assert_lse(host(got_lse), lse_ref, kind)
+    for n, got, want in zip(("dq", "dk", "dv"), (got_dq, got_dk, got_dv), grads_ref[:3]):
+        ref.assert_close(n, host(got), want, kind, grad=True)
+    if kind != "fp64":  # SPEC: at most 2x the single-device error
+        for n, got, single, want in zip(("out", "dq", "dk", "dv"), (got_out, got_dq, got_dk, got_dv),
+                                        (want_out, dq, dk, dv), (out_ref, *grads_ref[:3])):
+            e_dist = np.abs(host(got) - want).max()
+            e_single = np.abs(host(single) - want).max()
+            assert e_dist <= 2 * e_single + 1e-6, f"{n}: distributed error {e_dist} > 2 x single-device {e_single}"
+    sink_kind = kind if kind in ("bf16", "fp16") else "fp32"  # dsink is fp32, from inputs of `kind`
+    if layout == "ssh":
+        ref.assert_close("dsink", host(ma.undispatch(local_sink.grad, key)), grads_ref[3], sink_kind, grad=True)
+    elif layout == "sh":  # each rank holds its part: the sum over ranks is the whole gradient
+        total = local_sink.grad.clone()
+        dist.all_reduce(total)
+        ref.assert_close("dsink", host(total), grads_ref[3], sink_kind, grad=True)
+    # deterministic: a second run gives the same bits
+    out2, _ = ma.calc_attn(local["q"], local["k"], local["v"], key, sink=local_sink)
+    assert torch.equal(out2, out), "calc_attn is not bitwise reproducible"
+    if rank == 0:
+        print(f"ok {name} cp={cp} {key.summary().splitlines()[-2 if key.summary().count(chr(10)) > 1 else 0]}",
+              flush=True)
+
+
+def cases(device, dtype):
+    rng = np.random.default_rng(7)
+    cu = lambda total, n: [0, *sorted(rng.choice(np.arange(1, total), n - 1, replace=False).tolist()), total]  # noqa
+    yield "full", ma.masks.full(1400), (2, 1), 32, 128, {}
+    yield "varlen full", ma.masks.varlen_full(cu(1200, 7)), (2, 2), 32, 100, {}
+    yield "varlen block-causal", ma.masks.varlen_block_causal(cu(1500, 5), 64), (4, 2), 32, 128, {"overlap": 2}
+    qo = ma.Mask([[0, 600], [0, 600], [600, 1200], [600, 1200]], [[0, 300], [300, 600], [0, 600], [600, 1200]],
+                 ["full", "causal", "full", "bi_causal"])
+    yield "q-overlap", qo, (2, 1), 32, 64, {"overlap": 0}
+    mixed = ma.Mask([[0, 250], [250, 600], [600, 1000], [250, 600]], [[0, 250], [0, 250], [100, 1000], [250, 600]],
+                    ["causal", "full", "inv_causal", "causal"])
+    yield "mixed types", mixed, (2, 2), 32, 63, {"dispatch": "greedy"}
+    yield "128 small slices forming full", ma.Mask([[i * 8, i * 8 + 8] for i in range(128)] * 1,
+                                                   [[0, 1024]] * 128), (1, 1), 32, 253, {}
+    yield "uneven q/k 1000x1100", ma.Mask([[0, 1000]], [[0, 1100]], "causal"), (2, 1), 32, 111, {}
+    yield "sink sh", ma.masks.varlen_causal(cu(900, 3)), (2, 1), 32, 64, {"layout": "sh"}
+    yield "sink ssh", ma.masks.causal(700), (2, 1), 32, 64, {"layout": "ssh", "dispatch": "greedy_swap"}
+
+
+def bad_inputs(device):
+    key = ma.magi_attn_flex_key([[0, 256]], [[0, 256]], [1], 256, 256, 2, 1, 32, chunk_size=32, device=device)
+    q = torch.zeros(key.local_q_tokens + 1, 2, 32, device=device)
+    kv = torch.zeros(key.local_k_tokens, 1, 32, device=device)
+    for call, message in ((lambda: ma.calc_attn(q, kv, kv, key), "local rows"),
+                          (lambda: ma.calc_attn(q[:-1].cpu() if device != "cpu" else q[:-1].double(), kv, kv, key),
+                           "" if device != "cpu" else "dtype"),
+                          (lambda: ma.magi_attn_flex_key([[0, 8]], [[0, 8]], [0], 8, 8, 2, 1, 32, dispatch="fair"),
+                           "dispatch: unknown algorithm")):
+        try:
+            call()
+        except (ValueError, TypeError) as e:
+            assert message in str(e), str(e)
+        else:
+            raise AssertionError(f"no error for: {message}")
+    if dist.get_rank() == 0:
+        print("ok bad inputs", flush=True)
+
+
+def main():
+    rank, size, local = ma.init_distributed(backend=os.environ.get("MAGI_TEST_DIST_BACKEND"))
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    torch.set_num_threads(1)
+    dtype = torch.float64 if device == "cpu" else torch.bfloat16
+    for name, mask, heads, d, chunk, kw in cases(device, dtype):
+        run_case(name, mask, heads, d if device == "cpu" else 128, chunk, device, dtype, **kw)
+    bad_inputs(device)
+    ma.clear_cache()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""The torch.distributed API on 2-4 CPU processes (gloo): every case of distributed_worker.py under torchrun and
+under mpirun, each rank checked against one device and the fp64 reference."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")  # CI installs torch (README)
+
+WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
+CASES = 10  # 'ok' lines the worker prints on rank 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(command, extra_env):
+    # gloo: the CPU engine, also on a GPU machine (its one GPU cannot hold several NCCL ranks)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MAGI_TEST_DIST_BACKEND="gloo")
+    env.update(extra_env)
+    env.pop("MAGI_ATTENTION_DETERMINISTIC_MODE", None)
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    oks = [line for line in result.stdout.splitlines() if line.startswith("ok ")]
+    assert len(oks) == CASES, result.stdout + result.stderr[-3000:]
+    return oks
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_under_torchrun(ranks):
+    oks = _run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
+                f"--master-port={_free_port()}", WORKER], {})
+    assert all(f"cp={ranks}" in line for line in oks if "bad inputs" not in line)
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun (CI installs openmpi-bin)")
+def test_under_mpirun():
+    flags = ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+    _run(["mpirun", "-np", "2", *flags, "-x", "MASTER_PORT", "-x", "OMP_NUM_THREADS", "-x", "MAGI_TEST_DIST_BACKEND", sys.executable, WORKER],
+         {"MASTER_PORT": str(_free_port())})
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device (runs on the GPU machine)")
+def test_nccl_engine_on_one_gpu():
+    """The NCCL path (id broadcast over the group, device runtime, torch's stream) at cp = 1: the machines lent
+    here have one GPU."""
+    env = {"MAGI_TEST_DIST_BACKEND": "nccl"}
+    oks = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={_free_port()}",
+                WORKER], env)
+    assert all("cp=1" in line for line in oks if "bad inputs" not in line)
+
+
+def test_init_distributed_without_a_launcher_is_an_error():
+    code = "import magi_attn as ma\ntry:\n    ma.init_distributed()\nexcept ValueError as e:\n    print('ValueError:', e)"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120).stdout
+    assert "ValueError: init_distributed: no launcher variables" in out and "torchrun" in out
