@@ -112,6 +112,22 @@ def cases(device, dtype):
     yield "sink ssh", ma.masks.causal(700), (2, 1), 32, 64, {"layout": "ssh", "dispatch": "greedy_swap"}
 
 
+def varlen_helpers(device):
+    """magi_attn_varlen_dispatch (key and dispatched tensor in one call) over packed documents, int token ids
+    dispatched like any tensor, and the position ids."""
+    cu = [0, 100, 350, 500]
+    ids = torch.arange(500, dtype=torch.int64, device=device) * 7
+    local_ids, key = ma.magi_attn_varlen_dispatch(ids, cu, cu, 2, 1, 32, causal=True, chunk_size=50, device=device)
+    assert ma.get_most_recent_key() is key
+    pos = ma.get_position_ids(key)
+    real = pos < 500
+    assert torch.equal(local_ids[real], ids[pos[real]]) and (local_ids[~real] == 0).all()
+    assert torch.equal(ma.undispatch(local_ids, key), ids)
+    assert key.mask == ma.masks.varlen_causal(cu)
+    if dist.get_rank() == 0:
+        print("ok varlen helpers", flush=True)
+
+
 def bad_inputs(device):
     key = ma.magi_attn_flex_key([[0, 256]], [[0, 256]], [1], 256, 256, 2, 1, 32, chunk_size=32, device=device)
     q = torch.zeros(key.local_q_tokens + 1, 2, 32, device=device)
@@ -138,6 +154,7 @@ def main():
     dtype = torch.float64 if device == "cpu" else torch.bfloat16
     for name, mask, heads, d, chunk, kw in cases(device, dtype):
         run_case(name, mask, heads, d if device == "cpu" else 128, chunk, device, dtype, **kw)
+    varlen_helpers(device)
     bad_inputs(device)
     ma.clear_cache()
     dist.barrier()

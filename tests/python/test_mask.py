@@ -107,3 +107,38 @@ def test_bad_masks_raise(case):
     with pytest.raises(error) as info:
         call()
     assert message in str(info.value), str(info.value)
+
+
+# ---- the reference system's helpers ----
+
+
+def test_infer_attn_mask_from_cu_seqlens():
+    cu = [0, 30, 100, 160]
+    q_ranges, k_ranges, types, tq, tk = ma.infer_attn_mask_from_cu_seqlens(cu, cu, causal=True)
+    assert (tq, tk) == (160, 160) and q_ranges.dtype == np.int32 and types.tolist() == [1, 1, 1]
+    assert ma.Mask(q_ranges, k_ranges, types) == ma.masks.varlen_causal(cu)
+    q_ranges, k_ranges, types, _, _ = ma.infer_attn_mask_from_cu_seqlens(cu, [0, 40, 90, 200])
+    assert ma.Mask(q_ranges, k_ranges, types, 160, 200) == ma.masks.varlen_full(cu, [0, 40, 90, 200])
+    q_ranges, k_ranges, types, _, _ = ma.infer_attn_mask_from_cu_seqlens(cu, cu, window_size=(8, 3))
+    assert ma.Mask(q_ranges, k_ranges, types) == ma.masks.varlen_sliding_window(cu, 8, 3)
+    torch = pytest.importorskip("torch")
+    out = ma.infer_attn_mask_from_cu_seqlens(torch.tensor(cu), torch.tensor(cu))
+    assert isinstance(out[0], torch.Tensor) and out[0].dtype == torch.int32
+    with pytest.raises(ValueError, match="causal mask has no right window"):
+        ma.infer_attn_mask_from_cu_seqlens(cu, cu, causal=True, window_size=(4, 2))
+    with pytest.raises(ValueError, match="needs cu_seqlens_q == cu_seqlens_k"):
+        ma.infer_attn_mask_from_cu_seqlens(cu, [0, 40, 90, 200], window_size=(4, 0))
+
+
+def test_infer_attn_mask_from_sliding_window_and_padding_helpers():
+    q_ranges, k_ranges, types = ma.infer_attn_mask_from_sliding_window([100, 164], [200, 264], (10, 0))
+    keep = ref.keep_matrix(q_ranges, k_ranges, types, 164, 264)[100:, 200:]
+    i, j = np.arange(64)[:, None], np.arange(64)[None, :]
+    assert (keep == ((j <= i) & (j >= i - 10))).all()
+    with pytest.raises(ValueError, match="equal length"):
+        ma.infer_attn_mask_from_sliding_window([0, 10], [0, 12], (2, 2))
+    assert ma.compute_pad_size(1000, 4, 64) == 24 and ma.compute_pad_size(1024, 4, 64) == 0
+    with pytest.raises(ValueError, match="cp_size >= 1"):
+        ma.compute_pad_size(10, 0, 4)
+    x = np.arange(2 * 3 * 4).reshape(2, 3, 4)
+    assert ma.squash_batch_dim(x).shape == (6, 4) and (ma.squash_batch_dim(x)[3] == x[1, 0]).all()
