@@ -257,6 +257,75 @@ TEST(CudaBackend, GraphCaptureAndReplay) {
   cudaStreamDestroy(stream);
 }
 
+// Through the API edge with the caller's workspace (as the Python package passes torch's memory): a stream that
+// never ran the call captures forward + backward in global mode (no allocation or host sync while capturing; the
+// plan made on another stream serves it), replays bitwise equal to the eager deterministic run, and a workspace
+// too small or misaligned is an InvalidArgument naming it.
+TEST(CudaBackend, CallerWorkspaceCapturesOnAFreshStream) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  const Mask mask = random_rectangles(rng, 600, 520, 20);
+  CaseConfig c = config(DType::BF16, 4, 2, 128);
+  c.sink_layout = SinkLayout::SSH;
+  CaseData d = make_case(mask, c, seed);
+  DeviceCase dev(d, c);
+  AttentionOptions o;
+  o.sink_layout = c.sink_layout;
+  o.deterministic = true;
+  magi::forward(mask, dev.forward_args(), o, nullptr);
+  magi::backward(mask, dev.backward_args(), o, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto eager = dev.results();
+
+  ForwardArgs f = dev.forward_args();
+  BackwardArgs b = dev.backward_args();
+  const int64_t f_bytes = workspace_bytes(f, o), b_bytes = workspace_bytes(b, o);
+  ASSERT_GT(f_bytes, 0);
+  ASSERT_GT(b_bytes, 0);
+  void *f_ws = nullptr, *b_ws = nullptr;
+  ASSERT_EQ(cudaMalloc(&f_ws, static_cast<size_t>(f_bytes)), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&b_ws, static_cast<size_t>(b_bytes) + 16), cudaSuccess);
+  f.workspace = {f_ws, f_bytes};
+  b.workspace = {b_ws, b_bytes};
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  cudaGraph_t graph;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+  magi::forward(mask, f, o, stream);
+  magi::backward(mask, b, o, stream);
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  dev.poison();
+  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  const auto replayed = dev.results();
+  ASSERT_EQ(eager.size(), replayed.size());
+  for (size_t i = 0; i < eager.size(); ++i)
+    EXPECT_TRUE(check_bitwise_equal(eager[i].first, eager[i].second, replayed[i].second, "seed " + std::to_string(seed)));
+
+  BackwardArgs small = b;
+  small.workspace.bytes = b_bytes - 1;
+  EXPECT_THROW(
+      {
+        try {
+          magi::backward(mask, small, o, stream);
+        } catch (const InvalidArgument& e) {
+          EXPECT_NE(std::string(e.what()).find("workspace"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      InvalidArgument);
+  BackwardArgs misaligned = b;
+  misaligned.workspace = {static_cast<char*>(b_ws) + 4, b_bytes};
+  EXPECT_THROW(magi::backward(mask, misaligned, o, stream), InvalidArgument);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  cudaFree(f_ws);
+  cudaFree(b_ws);
+}
+
 // A persistent grid squeezed onto one SM (every block walks many tiles) must give the same results as the
 // full grid, for forward and backward in both modes; profile mode must not change results either.
 TEST(CudaBackend, SmMarginAndProfileModeKeepResults) {
