@@ -10,7 +10,7 @@
 #include <nanobind/stl/vector.h>
 
 #if MAGI_ATTN_CUDA_BACKEND
-#include <cuda_runtime_api.h>
+#include "cuda/check.hpp"
 #endif
 
 namespace magi::python {
@@ -156,12 +156,8 @@ LibraryArray::LibraryArray(const std::vector<int64_t>& shape, DType dtype, Devic
     return;
   }
 #if MAGI_ATTN_CUDA_BACKEND
-  int previous = 0;
-  cudaGetDevice(&previous);
-  cudaSetDevice(device.index);
-  const cudaError_t err = cudaMalloc(&data_, bytes);
-  cudaSetDevice(previous);
-  if (err != cudaSuccess) throw Error(std::string("cudaMalloc of an output failed: ") + cudaGetErrorString(err));
+  cuda::DeviceGuard guard(device.index);
+  cuda::check(cudaMalloc(&data_, bytes), "cudaMalloc (an output array)");
 #else
   throw NotAvailable("CUDA arrays: this build of magi_attn has no CUDA backend (allowed: CPU arrays)");
 #endif

@@ -11,7 +11,7 @@
 #include "magi/error.hpp"
 
 #if MAGI_ATTN_CUDA_BACKEND
-#include <cuda_runtime_api.h>
+#include "cuda/check.hpp"
 #endif
 
 namespace magi::python {
@@ -63,12 +63,8 @@ NB_MODULE(_C, m) {
   m.def("cuda_synchronize", [](int32_t device, uintptr_t stream) {
 #if MAGI_ATTN_CUDA_BACKEND
     nb::gil_scoped_release release;
-    int previous = 0;
-    cudaGetDevice(&previous);
-    cudaSetDevice(device);
-    const cudaError_t err = cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream));
-    cudaSetDevice(previous);
-    if (err != cudaSuccess) throw magi::Error(std::string("cudaStreamSynchronize failed: ") + cudaGetErrorString(err));
+    magi::cuda::DeviceGuard guard(device);
+    magi::cuda::check(cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream)), "cudaStreamSynchronize");
 #else
     (void)device;
     (void)stream;

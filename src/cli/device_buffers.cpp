@@ -6,7 +6,7 @@
 #include "magi/error.hpp"
 
 #if MAGI_ATTN_CUDA_BACKEND
-#include <cuda_runtime_api.h>
+#include "cuda/check.hpp"
 #endif
 
 namespace magi::cli {
@@ -39,9 +39,7 @@ Backend gpu_backend(Backend requested, DType dtype) {
 #if MAGI_ATTN_CUDA_BACKEND
 namespace {
 
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw Error(std::string(what) + " failed: " + cudaGetErrorString(err));
-}
+using cuda::check;
 
 // One owning device allocation with a CUDA view of the host tensor's shape.
 class DeviceBuffer {

@@ -35,7 +35,7 @@
 #include "magi/mask.hpp"
 
 #if MAGI_ATTN_WITH_NCCL
-#include <cuda_runtime_api.h>
+#include "cuda/check.hpp"
 
 #include "comm/nccl_local_launch.hpp"
 #endif
@@ -445,9 +445,7 @@ int dist_demo_cpu(DistWorld& world, Settings s) {
 #if MAGI_ATTN_WITH_NCCL
 // ---- the GPU ranks: NCCL engine, device tensors; every rank draws the inputs (dispatch is a local copy) ----
 
-void cuda_check(cudaError_t code, const char* what) {
-  if (code != cudaSuccess) throw Error(std::string(what) + " failed: " + cudaGetErrorString(code));
-}
+using cuda::check;
 
 // An owning buffer on one GPU, viewed as a tensor; new ones hold NaN (all bits set, in every float dtype).
 class DeviceTensor {
@@ -457,11 +455,11 @@ class DeviceTensor {
     view_.ndim = static_cast<int32_t>(shape.size());
     for (size_t i = 0; i < shape.size(); ++i) view_.shape[i] = shape[i];
     view_.device = Device{DeviceType::CUDA, device};
-    cuda_check(cudaMalloc(&view_.data, std::max<size_t>(1, bytes())), "cudaMalloc");
-    cuda_check(cudaMemset(view_.data, 0xFF, bytes()), "cudaMemset");
+    check(cudaMalloc(&view_.data, std::max<size_t>(1, bytes())), "cudaMalloc");
+    check(cudaMemset(view_.data, 0xFF, bytes()), "cudaMemset");
   }
   DeviceTensor(HostTensor& host, int32_t device) : DeviceTensor(host.dtype(), host.shape(), device) {
-    cuda_check(cudaMemcpy(view_.data, host.view().data, bytes(), cudaMemcpyHostToDevice), "cudaMemcpy to the GPU");
+    check(cudaMemcpy(view_.data, host.view().data, bytes(), cudaMemcpyHostToDevice), "cudaMemcpy to the GPU");
   }
   DeviceTensor(const DeviceTensor&) = delete;
   DeviceTensor& operator=(const DeviceTensor&) = delete;
@@ -469,7 +467,7 @@ class DeviceTensor {
 
   const TensorView& view() const { return view_; }
   void download(HostTensor& host) const {
-    cuda_check(cudaMemcpy(host.view().data, view_.data, bytes(), cudaMemcpyDeviceToHost), "cudaMemcpy from the GPU");
+    check(cudaMemcpy(host.view().data, view_.data, bytes(), cudaMemcpyDeviceToHost), "cudaMemcpy from the GPU");
   }
 
  private:
@@ -479,7 +477,7 @@ class DeviceTensor {
 
 int dist_demo_gpu(DistWorld& world, Settings s) {
   const int32_t device = world.comm().device().index;  // the NCCL communicator's GPU
-  cuda_check(cudaSetDevice(device), "cudaSetDevice");
+  check(cudaSetDevice(device), "cudaSetDevice");
   const uint64_t seed = shared_seed(world, s);
   const bool root = world.root();
   const int32_t cp = world.size();
@@ -559,7 +557,7 @@ int dist_demo_gpu(DistWorld& world, Settings s) {
       for (int i = 0; i < s.runs; ++i) {
         const auto start = Clock::now();
         call();
-        cuda_check(cudaDeviceSynchronize(), "the single-GPU kernel");
+        check(cudaDeviceSynchronize(), "the single-GPU kernel");
         times.push_back(seconds_since(start));
       }
       std::sort(times.begin(), times.end());

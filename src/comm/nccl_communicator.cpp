@@ -1,5 +1,6 @@
 // The NCCL engine: see nccl_communicator.hpp.
 #include "comm/nccl_communicator.hpp"
+#include "cuda/check.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -35,9 +36,7 @@ ncclUniqueId to_nccl_id(const NcclUniqueId& id) {
   return nccl;
 }
 
-void check_cuda(cudaError_t code, const char* call) {
-  if (code != cudaSuccess) throw CommError(std::string(call) + " failed: " + cudaGetErrorString(code));
-}
+void check_cuda(cudaError_t code, const char* call) { cuda::check<CommError>(code, call); }
 
 std::string nccl_message(ncclResult_t code, ncclComm_t comm) {
   std::string text = ncclGetErrorString(code);
@@ -45,22 +44,6 @@ std::string nccl_message(ncclResult_t code, ncclComm_t comm) {
   if (last != nullptr && *last != '\0') text += std::string(" (") + last + ")";
   return text;
 }
-
-// Makes `device` current for the scope (NCCL and the stream belong to it).
-class DeviceScope {
- public:
-  explicit DeviceScope(int32_t device) {
-    cudaGetDevice(&previous_);
-    if (previous_ != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceScope() {
-    int current = -1;
-    if (cudaGetDevice(&current) == cudaSuccess && current != previous_) cudaSetDevice(previous_);
-  }
-
- private:
-  int previous_ = 0;
-};
 
 void require_entries(std::span<const int64_t> list, size_t n, const char* what) {
   if (list.size() != n)
@@ -118,7 +101,7 @@ NcclCommunicator::NcclCommunicator(const ncclUniqueId& id, int32_t rank, int32_t
   if (device < 0 || device >= devices)
     throw InvalidArgument("nccl communicator: device must be in [0, " + std::to_string(devices) + "), got " +
                           std::to_string(device));
-  DeviceScope scope(device_);
+  cuda::DeviceGuard scope(device_);
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
   const ncclResult_t code = ncclCommInitRankConfig(&comm_, size, id, rank, &config);
@@ -229,7 +212,7 @@ void NcclCommunicator::enqueue_all_to_all_v(const void* send, std::span<const in
   require_entries(recv_counts, n, "recv_counts");
   require_entries(recv_displs, n, "recv_displs");
   if (aborted_) throw CommError("all_to_all_v: the communicator was aborted by an earlier error");
-  DeviceScope scope(device_);
+  cuda::DeviceGuard scope(device_);
   const auto* src = static_cast<const char*>(send);
   auto* dst = static_cast<char*>(recv);
   // Our own share is a device copy: no NCCL channel needed.
@@ -261,7 +244,7 @@ void NcclCommunicator::enqueue_allgather(const void* send, int64_t bytes, void* 
   if (bytes < 0) throw InvalidArgument("allgather: bytes must be >= 0");
   if (aborted_) throw CommError("allgather: the communicator was aborted by an earlier error");
   if (bytes == 0) return;
-  DeviceScope scope(device_);
+  cuda::DeviceGuard scope(device_);
   await_launch(ncclAllGather(send, recv, static_cast<size_t>(bytes), ncclUint8, comm_, stream), "allgather");
 }
 
@@ -270,14 +253,14 @@ std::unique_ptr<Request> NcclCommunicator::start_all_to_all_v(const void* send, 
                                                               std::span<const int64_t> recv_counts,
                                                               std::span<const int64_t> recv_displs) {
   enqueue_all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs, stream_);
-  DeviceScope scope(device_);
+  cuda::DeviceGuard scope(device_);
   return std::make_unique<NcclRequest>(*this, "all_to_all_v");
 }
 
 void NcclCommunicator::allgather(const void* send, int64_t bytes, void* recv) {
   if (bytes < 0) throw InvalidArgument("allgather: bytes must be >= 0");
   if (bytes == 0) return;
-  DeviceScope scope(device_);
+  cuda::DeviceGuard scope(device_);
   cudaPointerAttributes attributes{};
   const bool on_device = cudaPointerGetAttributes(&attributes, send) == cudaSuccess &&
                          attributes.type == cudaMemoryTypeDevice;

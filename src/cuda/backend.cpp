@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/check.hpp"
 #include "cuda/launch.hpp"
 #include "cuda/params.hpp"
 #include "magi/error.hpp"
@@ -23,28 +24,6 @@ using detail::DeviceList;
 using detail::WorkItem;
 
 namespace {
-
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw Error(std::string("CUDA ") + what + " failed: " + cudaGetErrorString(err));
-}
-
-// Makes `device` current for the scope and restores the caller's device.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceGuard() {
-    int current = previous_;
-    if (cudaGetDevice(&current) == cudaSuccess && current != previous_) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-};
 
 constexpr int kCompiledTiles[] = {
 #if MAGI_CUDA_HEAD_DIM_64

@@ -2,17 +2,15 @@
 #include <cstdint>
 #include <string>
 
+#include "cuda/check.hpp"
+#include "cuda/elementwise.hpp"
 #include "cuda/kernel_common.cuh"
 #include "cuda/launch.hpp"
 #include "magi/error.hpp"
 
 namespace magi::cuda::detail {
 
-void check_launch(const char* what) {
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess)
-    throw Error(std::string("CUDA launch of ") + what + " failed: " + cudaGetErrorString(err));
-}
+void check_launch(const char* what) { check(cudaGetLastError(), (std::string("launch of ") + what).c_str()); }
 
 namespace {
 
@@ -172,3 +170,13 @@ void launch_dsink_sh(const float* sink, const float* lse, const float* delta, in
 }
 
 }  // namespace magi::cuda::detail
+
+namespace magi::cuda {
+
+void fill(float* data, int64_t n, float value, cudaStream_t stream) { detail::launch_fill(data, n, value, stream); }
+
+void convert(const float* src, void* dst, HalfType type, int64_t n, cudaStream_t stream) {
+  detail::launch_convert(type == HalfType::BF16 ? detail::kBf16 : detail::kFp16, src, dst, n, stream);
+}
+
+}  // namespace magi::cuda

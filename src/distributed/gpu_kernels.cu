@@ -8,7 +8,8 @@
 #include <string>
 
 #include "common/lse_merge.hpp"
-#include "cuda/launch.hpp"
+#include "cuda/check.hpp"
+#include "cuda/elementwise.hpp"
 #include "magi/error.hpp"
 
 namespace magi::dist::gpu {
@@ -16,10 +17,7 @@ namespace {
 
 constexpr int kThreads = 256;
 
-void check_launch(const char* what) {
-  const cudaError_t code = cudaGetLastError();
-  if (code != cudaSuccess) throw Error(std::string(what) + " launch failed: " + cudaGetErrorString(code));
-}
+void check_launch(const char* what) { cuda::check(cudaGetLastError(), (std::string("launch of ") + what).c_str()); }
 
 unsigned blocks_for(int64_t n) {
   return static_cast<unsigned>(std::min<int64_t>((n + kThreads - 1) / kThreads, int64_t{1} << 20));
@@ -132,11 +130,11 @@ void convert(const float* src, void* dst, Element type, int64_t n, cudaStream_t 
   if (n == 0) return;
   if (type == Element::F32) {
     if (static_cast<const void*>(src) == dst) return;
-    const cudaError_t code = cudaMemcpyAsync(dst, src, static_cast<size_t>(n) * 4, cudaMemcpyDeviceToDevice, stream);
-    if (code != cudaSuccess) throw Error(std::string("convert (fp32 copy): ") + cudaGetErrorString(code));
+    cuda::check(cudaMemcpyAsync(dst, src, static_cast<size_t>(n) * 4, cudaMemcpyDeviceToDevice, stream),
+                "cudaMemcpyAsync (fp32 convert)");
     return;
   }
-  cuda::detail::launch_convert(type == Element::BF16 ? cuda::detail::kBf16 : cuda::detail::kFp16, src, dst, n, stream);
+  cuda::convert(src, dst, type == Element::BF16 ? cuda::HalfType::BF16 : cuda::HalfType::FP16, n, stream);
 }
 
 }  // namespace magi::dist::gpu

@@ -21,7 +21,7 @@ void gather_rows(const void* src, const int32_t* index, int64_t rows, int64_t ro
 void lse_merge(float* acc_out, float* acc_lse, const float* part_out, const float* part_lse, int64_t row_heads,
                int32_t head_dim, cudaStream_t stream);
 
-// acc[i] = max(acc[i], part[i]), fp32. (Fills: cuda::detail::launch_fill.)
+// acc[i] = max(acc[i], part[i]), fp32. (Fills: cuda::fill.)
 void max_into(float* acc, const float* part, int64_t n, cudaStream_t stream);
 
 // Group-reduce sum: for each row r of acc ([rows, elems] fp32), adds received rows
@@ -29,7 +29,7 @@ void max_into(float* acc, const float* part, int64_t n, cudaStream_t stream);
 void sum_rows(float* acc, int64_t rows, int64_t elems, const int32_t* offsets, const int32_t* index,
               const void* received, Element type, cudaStream_t stream);
 
-// dst (type) = src (fp32), n elements (16-bit types: cuda::detail::launch_convert).
+// dst (type) = src (fp32), n elements (16-bit types: cuda::convert).
 void convert(const float* src, void* dst, Element type, int64_t n, cudaStream_t stream);
 
 }  // namespace magi::dist::gpu

@@ -18,7 +18,8 @@
 #include <vector>
 
 #include "comm/nccl_communicator.hpp"
-#include "cuda/launch.hpp"
+#include "cuda/check.hpp"
+#include "cuda/elementwise.hpp"
 #include "distributed/gpu_kernels.hpp"
 
 namespace magi::dist::gpu {
@@ -26,24 +27,8 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-void check(cudaError_t code, const char* what) {
-  if (code != cudaSuccess) throw Error(std::string(what) + " failed: " + cudaGetErrorString(code));
-}
-
-class DeviceScope {
- public:
-  explicit DeviceScope(int32_t device) {
-    check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceScope() {
-    int current = -1;
-    if (cudaGetDevice(&current) == cudaSuccess && current != previous_) cudaSetDevice(previous_);
-  }
-
- private:
-  int previous_ = 0;
-};
+using cuda::check;
+using cuda::DeviceGuard;
 
 class DeviceMemory {
  public:
@@ -173,7 +158,7 @@ std::shared_ptr<State> make_state(const DistAttnRuntime& rt) {
   if (rt.plan().hierarchical())
     throw NotAvailable("hierarchical comm is not built for device tensors (allowed: flat comm; unset "
                        "MAGI_ATTENTION_HIERARCHICAL_COMM)");
-  DeviceScope scope(nccl.cuda_device());
+  DeviceGuard scope(nccl.cuda_device());
   auto state = std::make_shared<State>();
   state->device = nccl.cuda_device();
   state->nccl = &nccl;
@@ -313,7 +298,7 @@ void forward(const DistAttnRuntime& rt, State& st, const ForwardArgs& a, cudaStr
   const bool with_sink = rt.config().attention.sink_layout != SinkLayout::None;
 
   std::lock_guard lock(st.mutex);
-  DeviceScope scope(dev);
+  DeviceGuard scope(dev);
   ensure_buffers(rt, st, a.q.dtype, rt.backward_high_precision() ? DType::F32 : a.q.dtype);
   begin(st, caller);
   enqueue_fetches(rt, st, a.k, a.v);
@@ -333,9 +318,9 @@ void forward(const DistAttnRuntime& rt, State& st, const ForwardArgs& a, cudaStr
     if (want_max) s.max_logits = device_view(st.acc_max.get(), DType::F32, {hq}, dev);
     magi::forward(mine.host_mask, s, options, st.compute);
   } else {
-    cuda::detail::launch_fill(st.acc_out.as<float>(), lq * hq * d, 0.f, st.compute);
-    cuda::detail::launch_fill(st.acc_lse.as<float>(), lq * hq, kNegInf, st.compute);
-    cuda::detail::launch_fill(st.acc_max.as<float>(), hq, kNegInf, st.compute);
+    cuda::fill(st.acc_out.as<float>(), lq * hq * d, 0.f, st.compute);
+    cuda::fill(st.acc_lse.as<float>(), lq * hq, kNegInf, st.compute);
+    cuda::fill(st.acc_max.as<float>(), hq, kNegInf, st.compute);
   }
   options.sink_layout = SinkLayout::None;
   // Each remote stage's kernel merges its result into the fp32 accumulators itself (prev_out / prev_lse,
@@ -389,7 +374,7 @@ void backward(const DistAttnRuntime& rt, State& st, const BackwardArgs& a, cudaS
   const int64_t kv_row = int64_t{hkv} * d;
 
   std::lock_guard lock(st.mutex);
-  DeviceScope scope(dev);
+  DeviceGuard scope(dev);
   ensure_buffers(rt, st, a.q.dtype, wire);
   begin(st, caller);
   enqueue_fetches(rt, st, a.k, a.v);
@@ -404,9 +389,9 @@ void backward(const DistAttnRuntime& rt, State& st, const BackwardArgs& a, cudaS
     s.dv = device_view(st.acc_dv.get(), DType::F32, {lk, hkv, d}, dev);
     magi::backward(mine.host_mask, s, options, st.compute);
   } else {
-    cuda::detail::launch_fill(st.acc_dq.as<float>(), lq * hq * d, 0.f, st.compute);
-    cuda::detail::launch_fill(st.acc_dk.as<float>(), lk * kv_row, 0.f, st.compute);
-    cuda::detail::launch_fill(st.acc_dv.as<float>(), lk * kv_row, 0.f, st.compute);
+    cuda::fill(st.acc_dq.as<float>(), lq * hq * d, 0.f, st.compute);
+    cuda::fill(st.acc_dk.as<float>(), lk * kv_row, 0.f, st.compute);
+    cuda::fill(st.acc_dv.as<float>(), lk * kv_row, 0.f, st.compute);
   }
   check(cudaEventRecord(st.host_done, st.compute), "cudaEventRecord");
   options.sink_layout = SinkLayout::None;
@@ -484,7 +469,7 @@ void dispatch(const DistAttnRuntime& rt, const Partition& p, const TensorView& g
     throw InvalidArgument("local: must be on CUDA device " + std::to_string(nccl.cuda_device()) +
                           " (the NCCL communicator's device)");
   const int64_t row = p.total == 0 ? 0 : global.nbytes() / p.total;
-  DeviceScope scope(nccl.cuda_device());
+  DeviceGuard scope(nccl.cuda_device());
   auto* dst = static_cast<char*>(local.data);
   const auto* src = static_cast<const char*>(global.data);
   const auto& chunks = p.chunks[static_cast<size_t>(rt.rank())];
@@ -514,7 +499,7 @@ void undispatch(const DistAttnRuntime& rt, const Partition& p, const TensorView&
                           " (the NCCL communicator's device)");
   const int64_t local_bytes = local.nbytes();
   const int64_t row = p.local_tokens() == 0 ? 0 : local_bytes / p.local_tokens();
-  DeviceScope scope(nccl.cuda_device());
+  DeviceGuard scope(nccl.cuda_device());
   DeviceMemory all(static_cast<size_t>(local_bytes) * nccl.size());
   const cudaStream_t stream = nccl.comm_stream();
   Event start, gathered;

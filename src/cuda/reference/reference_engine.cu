@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/check.hpp"
 #include "magi/error.hpp"
 
 namespace magi::cuda::reference {
@@ -16,25 +17,6 @@ namespace {
 constexpr int kThreads = 128;
 constexpr int kMaxHeadDim = 1024;
 constexpr int kDimsPerThread = kMaxHeadDim / kThreads;  // accumulators each thread owns
-
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw Error(std::string("CUDA ") + what + " failed: " + cudaGetErrorString(err));
-}
-
-// Restores the caller's current device on scope exit.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int32_t device) {
-    check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-};
 
 // A typed view of one tensor for the kernels: every element goes through fp64.
 struct Buffer {

@@ -1,0 +1,52 @@
+#include "api/checks.hpp"
+
+namespace magi::api {
+
+std::string describe(const TensorView& t) { return std::string(to_string(t.dtype)) + " " + shape_string(t); }
+
+void require_defined(const TensorView& t, const char* name) {
+  if (t.ndim == 0) throw InvalidArgument(std::string(name) + " is required but was not given");
+  for (int i = 0; i < t.ndim; ++i)
+    if (t.shape[i] < 0) throw InvalidArgument(std::string(name) + ": negative dimension in " + shape_string(t));
+  if (t.data == nullptr && t.numel() > 0) throw InvalidArgument(std::string(name) + ": null data pointer");
+}
+
+void require_shape(const TensorView& t, const char* name, std::initializer_list<int64_t> dims, const char* expected) {
+  require_defined(t, name);
+  bool ok = t.ndim == static_cast<int>(dims.size());
+  int i = 0;
+  for (int64_t d : dims) ok = ok && t.shape[i++] == d;
+  if (!ok)
+    throw InvalidArgument(std::string(name) + ": expected shape " + expected + " = " +
+                          shape_string(TensorView(nullptr, t.dtype, dims)) + ", got " + shape_string(t));
+}
+
+void require_dtype(const TensorView& t, const char* name, std::initializer_list<DType> allowed) {
+  for (DType d : allowed)
+    if (t.dtype == d) return;
+  std::string list;
+  for (DType d : allowed) list += (list.empty() ? "" : ", ") + std::string(to_string(d));
+  throw InvalidArgument(std::string(name) + ": dtype " + std::string(to_string(t.dtype)) +
+                        " is not allowed here (allowed: " + list + ")");
+}
+
+void require_device(const TensorView& t, const char* name, Device device) {
+  if (!(t.device == device))
+    throw InvalidArgument(std::string(name) + ": all tensors must be on the same device as q");
+}
+
+void require_aligned(const TensorView& t, const char* name, size_t bytes, std::string_view who) {
+  const auto address = reinterpret_cast<uintptr_t>(t.data);
+  if (address % bytes != 0)
+    throw InvalidArgument(std::string(name) + ": " + std::string(who) + " needs an address aligned to " +
+                          std::to_string(bytes) + " bytes, got one " + std::to_string(address % bytes) +
+                          " bytes past a multiple of " + std::to_string(bytes));
+}
+
+bool overlaps(const TensorView& a, const TensorView& b) {
+  if (a.data == nullptr || b.data == nullptr || a.nbytes() == 0 || b.nbytes() == 0) return false;
+  const auto a0 = reinterpret_cast<uintptr_t>(a.data), b0 = reinterpret_cast<uintptr_t>(b.data);
+  return a0 < b0 + static_cast<uintptr_t>(b.nbytes()) && b0 < a0 + static_cast<uintptr_t>(a.nbytes());
+}
+
+}  // namespace magi::api
