@@ -141,6 +141,37 @@ TensorView optional_view(nb::handle obj, const char* name, bool writable) {
   return obj.is_none() ? TensorView() : view_of(obj, name, writable);
 }
 
+ForwardArgs forward_args(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
+                         nb::handle max_logits, nb::handle sink) {
+  ForwardArgs a;
+  a.q = view_of(q, "q", false);
+  a.k = view_of(k, "k", false);
+  a.v = view_of(v, "v", false);
+  a.out = view_of(out, "out", true);
+  a.lse = view_of(lse, "lse", true);
+  a.max_logits = optional_view(max_logits, "max_logits", true);
+  a.sink = optional_view(sink, "sink", false);
+  return a;
+}
+
+BackwardArgs backward_args(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
+                           nb::handle dout, nb::handle dq, nb::handle dk, nb::handle dv, nb::handle sink,
+                           nb::handle dsink) {
+  BackwardArgs a;
+  a.q = view_of(q, "q", false);
+  a.k = view_of(k, "k", false);
+  a.v = view_of(v, "v", false);
+  a.out = view_of(out, "out", false);
+  a.lse = view_of(lse, "lse", false);
+  a.dout = view_of(dout, "do", false);
+  a.dq = view_of(dq, "dq", true);
+  a.dk = view_of(dk, "dk", true);
+  a.dv = view_of(dv, "dv", true);
+  a.sink = optional_view(sink, "sink", false);
+  a.dsink = optional_view(dsink, "dsink", true);
+  return a;
+}
+
 LibraryArray::LibraryArray(const std::vector<int64_t>& shape, DType dtype, Device device)
     : dtype_(dtype), device_(device) {
   size_t elements = 1;

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "magi/attention.hpp"
 #include "magi/tensor.hpp"
 
 namespace magi::python {
@@ -28,6 +29,13 @@ using OutArray = nb::ndarray<>;
 TensorView view_of(nb::handle obj, const char* name, bool writable);
 // None -> an empty view (an absent optional tensor).
 TensorView optional_view(nb::handle obj, const char* name, bool writable);
+
+// The C++ API's argument structs from Python arrays (max_logits, sink, dsink may be None).
+ForwardArgs forward_args(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
+                         nb::handle max_logits, nb::handle sink);
+BackwardArgs backward_args(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
+                           nb::handle dout, nb::handle dq, nb::handle dk, nb::handle dv, nb::handle sink,
+                           nb::handle dsink);
 
 // An array the extension allocates (the CPU, or a CUDA device: cudaMalloc), for frameworks without mutable
 // arrays of their own (JAX, other DLPack producers): frameworks import it through DLPack (__dlpack__,

@@ -42,14 +42,7 @@ void forward(const Mask& mask, nb::handle q, nb::handle k, nb::handle v, nb::han
              std::optional<double> softmax_scale, double softcap, const std::string& sink_layout,
              const std::string& backend, std::optional<bool> deterministic, nb::handle workspace,
              uintptr_t stream) {
-  ForwardArgs a;
-  a.q = view_of(q, "q", false);
-  a.k = view_of(k, "k", false);
-  a.v = view_of(v, "v", false);
-  a.out = view_of(out, "out", true);
-  a.lse = view_of(lse, "lse", true);
-  a.max_logits = optional_view(max_logits, "max_logits", true);
-  a.sink = optional_view(sink, "sink", false);
+  ForwardArgs a = forward_args(q, k, v, out, lse, max_logits, sink);
   a.prev_out = optional_view(prev_out, "prev_out", false);
   a.prev_lse = optional_view(prev_lse, "prev_lse", false);
   a.workspace = workspace_of(workspace);
@@ -64,18 +57,7 @@ void backward(const Mask& mask, nb::handle q, nb::handle k, nb::handle v, nb::ha
               std::optional<double> softmax_scale, double softcap, const std::string& sink_layout,
               const std::string& backend, std::optional<bool> deterministic, bool accumulate_dq,
               nb::handle workspace, uintptr_t stream) {
-  BackwardArgs a;
-  a.q = view_of(q, "q", false);
-  a.k = view_of(k, "k", false);
-  a.v = view_of(v, "v", false);
-  a.out = view_of(out, "out", true);
-  a.lse = view_of(lse, "lse", true);
-  a.dout = view_of(dout, "do", false);
-  a.dq = view_of(dq, "dq", true);
-  a.dk = view_of(dk, "dk", true);
-  a.dv = view_of(dv, "dv", true);
-  a.sink = optional_view(sink, "sink", false);
-  a.dsink = optional_view(dsink, "dsink", true);
+  BackwardArgs a = backward_args(q, k, v, out, lse, dout, dq, dk, dv, sink, dsink);
   a.accumulate_dq = accumulate_dq;
   a.workspace = workspace_of(workspace);
   const AttentionOptions o = options_of(softmax_scale, softcap, sink_layout, !sink.is_none(), backend, deterministic);

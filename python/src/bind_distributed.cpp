@@ -280,14 +280,7 @@ void bind_distributed(nb::module_& m) {
       [](const dist::RuntimeKey& key, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
          nb::handle lse, nb::handle max_logits, nb::handle sink,
          uintptr_t stream) {
-        ForwardArgs a;
-        a.q = view_of(q, "q", false);
-        a.k = view_of(k, "k", false);
-        a.v = view_of(v, "v", false);
-        a.out = view_of(out, "out", true);
-        a.lse = view_of(lse, "lse", true);
-        a.max_logits = optional_view(max_logits, "max_logits", true);
-        a.sink = optional_view(sink, "sink", false);
+        const ForwardArgs a = forward_args(q, k, v, out, lse, max_logits, sink);
         nb::gil_scoped_release release;
         dist::calc_attn(key, a, reinterpret_cast<StreamHandle>(stream));
       },
@@ -298,18 +291,7 @@ void bind_distributed(nb::module_& m) {
       [](const dist::RuntimeKey& key, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
          nb::handle lse, nb::handle dout, nb::handle dq, nb::handle dk, nb::handle dv,
          nb::handle sink, nb::handle dsink, uintptr_t stream) {
-        BackwardArgs a;
-        a.q = view_of(q, "q", false);
-        a.k = view_of(k, "k", false);
-        a.v = view_of(v, "v", false);
-        a.out = view_of(out, "out", true);
-        a.lse = view_of(lse, "lse", true);
-        a.dout = view_of(dout, "do", false);
-        a.dq = view_of(dq, "dq", true);
-        a.dk = view_of(dk, "dk", true);
-        a.dv = view_of(dv, "dv", true);
-        a.sink = optional_view(sink, "sink", false);
-        a.dsink = optional_view(dsink, "dsink", true);
+        const BackwardArgs a = backward_args(q, k, v, out, lse, dout, dq, dk, dv, sink, dsink);
         nb::gil_scoped_release release;
         dist::calc_attn_backward(key, a, reinterpret_cast<StreamHandle>(stream));
       },
