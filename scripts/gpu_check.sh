@@ -68,10 +68,20 @@ if [ $RUN_SANITIZER = 1 ]; then
   # D 256 and both forward tiles: All/Features.MatchReference/d256_fp16, CudaBackend.ForwardTileChoicesMatchReference.
   small='CudaBackend.EmptyMaskGivesZerosAndMinusInf:CudaBackend.DeterministicModeSmallCase:All/Features.MatchReference/d40_bf16:All/Features.MatchReference/sink_sh'
   small+=':All/Features.MatchReference/d256_fp16:CudaBackend.ForwardTileChoicesMatchReference'
-  compute-sanitizer --tool memcheck --error-exitcode 9 "$TEST_BIN" --gtest_filter="$small" > "$LOGS/memcheck.log" 2>&1
-  note "memcheck: rc $? ($(grep -E 'ERROR SUMMARY' "$LOGS/memcheck.log" | tail -1))"
-  compute-sanitizer --tool racecheck --error-exitcode 9 "$TEST_BIN" --gtest_filter="$small" > "$LOGS/racecheck.log" 2>&1
-  note "racecheck: rc $? ($(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$LOGS/racecheck.log" | tail -1)) $(( $(date +%s) - t0 )) s"
+  # Once per forward kernel family (the suite's ctest runs are per family too); synccheck for the Hopper one's
+  # mbarrier pipelines and named barriers.
+  families=(ffa_sm80)
+  grep -q "sm_90a kernels with CUTLASS" "$LOGS/configure.log" && families+=(ffa_sm90)
+  for family in "${families[@]}"; do
+    tools=(memcheck racecheck)
+    [ $family = ffa_sm90 ] && tools+=(synccheck)
+    for tool in "${tools[@]}"; do
+      MAGI_ATTENTION_KERNEL_BACKEND=$family compute-sanitizer --tool $tool --error-exitcode 9 "$TEST_BIN" \
+        --gtest_filter="$small" > "$LOGS/$tool.$family.log" 2>&1
+      note "$tool ($family): rc $? ($(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$LOGS/$tool.$family.log" | tail -1))"
+    done
+  done
+  note "sanitizers: $(( $(date +%s) - t0 )) s"
 fi
 
 if [ $RUN_PYTHON = 1 ]; then
@@ -106,15 +116,15 @@ if [ $RUN_BENCH = 1 ]; then
   note "flash_bench rc $? ($(( $(date +%s) - t0 )) s)"
   # The API's default grids (SM margin 4 while CUDA_DEVICE_MAX_CONNECTIONS > 1): persistent kernels, D 128.
   "$BUILD/bench/cuda/flash_bench" --quick --sm-margin 4 --impl magi_m4 > "$LOGS/bench_magi_m4.csv" 2>> "$LOGS/bench_magi.err"
-  # Forward q tile pinned (the planner picks 64 rows for fragmented masks): the A/B behind that rule.
-  for q in 64 128; do
-    "$BUILD/bench/cuda/flash_bench" --quick --fwd-tile-q $q --impl magi_q$q > "$LOGS/bench_magi_q$q.csv" 2>> "$LOGS/bench_magi.err"
-  done
+  # The portable forward beside the default (the Hopper one on sm_90): the A/B of the two kernel families.
+  "$BUILD/bench/cuda/flash_bench" --quick --family sm80 --impl magi_sm80 > "$LOGS/bench_magi_sm80.csv" 2>> "$LOGS/bench_magi.err"
+  # 16 sequences of 1k tokens (the same total): short-sequence rate against the 2 x 8k one.
+  "$BUILD/bench/cuda/flash_bench" --quick --seq 1024 --batch 16 --impl magi_16x1k > "$LOGS/bench_magi_16x1k.csv" 2>> "$LOGS/bench_magi.err"
   grep -E "^# magi " "$LOGS/bench_magi.err" | sort -u | head -30
   [ $RUN_PEERS = 1 ] || PEER_ARGS=(--skip-all)
   python3 "$ROOT/scripts/bench_peers.py" "$LOGS/cases.json" "${PEER_ARGS[@]}" > "$LOGS/bench_peers.csv" 2> "$LOGS/bench_peers.err"
   note "peers rc $? ($(( $(date +%s) - t0 )) s); $(grep -c '^#' "$LOGS/bench_peers.err") peer errors"
-  python3 - "$LOGS/bench_magi.csv" "$LOGS/bench_magi_m4.csv" "$LOGS/bench_magi_q64.csv" "$LOGS/bench_magi_q128.csv" \
+  python3 - "$LOGS/bench_magi.csv" "$LOGS/bench_magi_m4.csv" "$LOGS/bench_magi_sm80.csv" "$LOGS/bench_magi_16x1k.csv" \
     "$LOGS/bench_peers.csv" <<'PY' | tee "$LOGS/table.txt"
 import csv, sys
 rows = {}
@@ -124,8 +134,8 @@ for path in sys.argv[1:]:
         key = (r["mask"], int(r["head_dim"]))
         if key not in rows: rows[key] = {}; order.append(key)
         rows[key][r["impl"]] = (float(r["fwd_tflops"]), float(r["bwd_tflops"]))
-impls = ["magi", "magi_det", "magi_m4", "magi_q64", "magi_q128", "sdpa_cudnn", "sdpa_flash", "flex"]
-print("\nTFLOP/s fwd/bwd (bf16, 16 heads, 2x8k tokens), same GPU, same run")
+impls = ["magi", "magi_det", "magi_m4", "magi_sm80", "magi_16x1k", "sdpa_cudnn", "sdpa_flash", "flex"]
+print("\nTFLOP/s fwd/bwd (bf16, 16 heads, 2x8k tokens; magi_16x1k: 16x1k), same GPU, same run")
 print(f"{'mask':26s} {'D':>4s} " + " ".join(f"{i:>13s}" for i in impls))
 for key in order:
     cells = []

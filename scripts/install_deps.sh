@@ -19,3 +19,5 @@ if ((${#missing[@]})); then
   "${sudo_cmd[@]}" apt-get update -qq
   DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
+# The Hopper kernels' CUTLASS / CuTe headers (pinned PyPI wheel); a build without them leaves that family out.
+"$(dirname "$0")/fetch_cutlass.sh" || echo "warning: CUTLASS headers not fetched; the sm_90a kernels will not be built" >&2

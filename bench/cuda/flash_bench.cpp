@@ -4,6 +4,7 @@
 //
 // usage: flash_bench [--cases out.json] [--reps N] [--quick] [--only MASK] [--dims 64,128,256] [--seq 8192]
 //                    [--batch 2] [--deterministic] [--sm-margin N] [--impl NAME] [--fwd-tile-q 64|128]
+//                    [--family auto|sm80|sm90]
 //   --batch sequences of --seq tokens (16 heads, bf16); --quick = D 128 only. The backward runs in the default
 //   mode (dq by atomics); --deterministic also times the deterministic backward (rows `magi_det`).
 //   --sm-margin N: persistent grids leaving N SMs free (the API's default is 4 when
@@ -151,6 +152,15 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--sm-margin") && i + 1 < argc) sm_margin = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--impl") && i + 1 < argc) impl = argv[++i];
     else if (!std::strcmp(argv[i], "--fwd-tile-q") && i + 1 < argc) tuning.forward_tile_q = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--family") && i + 1 < argc) {
+      const std::string family = argv[++i];
+      if (family == "sm80") tuning.forward_family = magi::cuda::KernelFamily::Sm80;
+      else if (family == "sm90") tuning.forward_family = magi::cuda::KernelFamily::Sm90;
+      else if (family != "auto") {
+        std::fprintf(stderr, "flash_bench: --family '%s' (allowed: auto, sm80, sm90)\n", family.c_str());
+        return 2;
+      }
+    }
   }
   if (seq <= 0 || batch <= 0) {
     std::fprintf(stderr, "flash_bench: --seq and --batch must be positive\n");
@@ -231,8 +241,10 @@ int main(int argc, char** argv) {
     for (const Case& c : cases) {
       if (!only.empty() && c.name != only) continue;
       auto plan = magi::cuda::make_plan(c.mask, heads, heads, d, 0, tuning);
-      std::fprintf(stderr, "# %s %s D %d: %d-row forward tiles\n", impl.c_str(), c.name.c_str(), d,
-                   magi::cuda::stats(*plan).forward_tile_q);
+      const magi::cuda::PlanStats ps = magi::cuda::stats(*plan);
+      std::fprintf(stderr, "# %s %s D %d: %s forward, %d x %d tiles\n", impl.c_str(), c.name.c_str(), d,
+                   ps.forward_family == magi::cuda::KernelFamily::Sm90 ? "sm90" : "sm80", ps.forward_tile_q,
+                   ps.forward_tile_k);
       const double fwd_ms = time_ms([&] { magi::cuda::forward(*plan, fa, options, stream); }, reps, stream);
       const double bwd_ms = time_ms([&] { magi::cuda::backward(*plan, ba, options, stream); }, reps, stream);
       const int64_t area = c.mask.area();

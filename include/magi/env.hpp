@@ -62,6 +62,9 @@ bool is_set(std::string_view name);
 // (validation rejects SDPA_BACKEND=1 together with KERNEL_BACKEND=ffa).
 enum class KernelBackend { Auto, Ffa, Sdpa };
 KernelBackend kernel_backend();
+// The GPU kernel family MAGI_ATTENTION_KERNEL_BACKEND forces (ffa_sm80, ffa_sm90), else Auto (the device's best).
+enum class KernelFamily { Auto, Sm80, Sm90 };
+KernelFamily kernel_family();
 
 // Markdown table of the registry (docs/env.md is this text; a test checks it is current).
 std::string markdown();

@@ -15,11 +15,11 @@ const Engine& engine(Backend backend, Device device) {
 #endif
 }
 
-PlanKey plan_key(const Mask& mask, const Shapes& s, int32_t device) {
+PlanKey plan_key(const Mask& mask, const Shapes& s, int32_t device, int32_t variant) {
   validate_bounds(mask);
   if (env::get_bool("MAGI_ATTENTION_SANITY_CHECK")) validate(mask);
   return {mask.slices, mask.total_q, mask.total_k, static_cast<int32_t>(s.hq), static_cast<int32_t>(s.hkv),
-          static_cast<int32_t>(s.d), device};
+          static_cast<int32_t>(s.d), device, variant};
 }
 
 }  // namespace magi::api

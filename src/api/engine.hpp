@@ -50,20 +50,21 @@ struct PlanKey {
   std::vector<Slice> slices;
   int32_t total_q = 0, total_k = 0, hq = 0, hkv = 0, d = 0;
   int32_t device = -1;  // -1 for host plans
+  int32_t variant = 0;  // an engine's own plan choice (the CUDA engine: the forced kernel family)
   bool operator==(const PlanKey&) const = default;
 };
 inline constexpr size_t kPlanCacheCapacity = 16;
 
 // The bounds check of every call (cheap: it protects memory even where the overlap check is cached), the full
 // check under MAGI_ATTENTION_SANITY_CHECK, then the key.
-PlanKey plan_key(const Mask& mask, const Shapes& s, int32_t device);
+PlanKey plan_key(const Mask& mask, const Shapes& s, int32_t device, int32_t variant = 0);
 
 // The plan for (mask, shapes, device) from `cache`, made by make() after the full check (incl. overlap) once per
 // distinct mask.
 template <class PlanT, class Make>
 std::shared_ptr<PlanT> cached_plan(LruCache<PlanKey, PlanT>& cache, const Mask& mask, const Shapes& s,
-                                   int32_t device, Make make) {
-  return cache.get(plan_key(mask, s, device), [&] {
+                                   int32_t device, Make make, int32_t variant = 0) {
+  return cache.get(plan_key(mask, s, device, variant), [&] {
     validate(mask);
     return make();
   });

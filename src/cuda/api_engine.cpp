@@ -72,7 +72,15 @@ class CudaEngine final : public Engine {
 
  private:
   std::shared_ptr<cuda::Plan> plan_for(const Mask& mask, const Shapes& s, int32_t device) const {
-    return cached_plan(plans_, mask, s, device, [&] { return cuda::make_plan(mask, s.hq, s.hkv, s.d, device); });
+    cuda::PlanTuning tuning;
+    switch (env::kernel_family()) {
+      case env::KernelFamily::Sm80: tuning.forward_family = cuda::KernelFamily::Sm80; break;
+      case env::KernelFamily::Sm90: tuning.forward_family = cuda::KernelFamily::Sm90; break;
+      case env::KernelFamily::Auto: break;
+    }
+    return cached_plan(
+        plans_, mask, s, device, [&] { return cuda::make_plan(mask, s.hq, s.hkv, s.d, device, tuning); },
+        static_cast<int32_t>(tuning.forward_family));
   }
 
   mutable LruCache<PlanKey, cuda::Plan> plans_{kPlanCacheCapacity};

@@ -15,6 +15,8 @@
 #include "cuda/check.hpp"
 #include "cuda/launch.hpp"
 #include "cuda/params.hpp"
+#include "cuda/sm90/launch.hpp"
+#include "cuda/sm90/tiles.hpp"
 #include "magi/error.hpp"
 #include "mask/tiling.hpp"
 
@@ -227,6 +229,8 @@ PassOrder order_in_passes(HostList& list, int32_t heads, double head_bytes, int6
 struct Plan {
   int32_t tq = 0, tk = 0, hq = 0, hkv = 0, d = 0, padded_d = 0, device = 0;
   int32_t fwd_tile_q = 0;  // rows per forward block (the fwd list's major tile)
+  int32_t fwd_tile_k = 0;
+  KernelFamily fwd_family = KernelFamily::Sm80;
   int32_t fwd_itemless_tiles = 0;  // q tiles without items: the last ones of the fwd order
   int32_t smem_optin = 0;  // the device's per-block shared-memory limit (opt-in)
   DeviceList fwd, dkdv, dq;
@@ -339,6 +343,21 @@ bool head_dim_supported(int32_t head_dim) {
   return head_dim > 0 && head_dim % 8 == 0 && padded_head_dim(head_dim) != 0;
 }
 
+bool sm90_forward_available(int32_t head_dim, int32_t device) {
+#if MAGI_CUDA_SM90
+  if (!head_dim_supported(head_dim)) return false;
+  int major = 0, minor = 0, smem = 0;
+  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
+  check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute");
+  check(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), "cudaDeviceGetAttribute");
+  return major == 9 && minor == 0 && sm90::forward_smem_bytes(padded_head_dim(head_dim)) <= smem;
+#else
+  (void)head_dim;
+  (void)device;
+  return false;
+#endif
+}
+
 
 std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads_kv, int32_t head_dim,
                                 int32_t device, const PlanTuning& tuning) {
@@ -371,16 +390,26 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   check(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device), "cudaDeviceGetAttribute");
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
 
-  const int small_q = detail::kFwdSmallTileQ;
-  const int large_q =
-      detail::fwd_smem_bytes(plan->padded_d, detail::kFwdTileQ) <= plan->smem_optin ? detail::kFwdTileQ : small_q;
+  const bool sm90 = tuning.forward_family != KernelFamily::Sm80 && sm90_forward_available(head_dim, device);
+  if (tuning.forward_family == KernelFamily::Sm90 && !sm90)
+    throw NotAvailable("cuda plan: the Hopper (sm_90a) forward is not available here (it needs a build for 90a "
+                       "with the CUTLASS headers and a device of compute capability 9.0; allowed families "
+                       "here: auto, sm80)");
+  plan->fwd_family = sm90 ? KernelFamily::Sm90 : KernelFamily::Sm80;
+  const int small_q = sm90 ? sm90::kForwardTileQ : detail::kFwdSmallTileQ;
+  const int large_q = sm90 ? sm90::kForwardTileQ
+                      : detail::fwd_smem_bytes(plan->padded_d, detail::kFwdTileQ) <= plan->smem_optin
+                          ? detail::kFwdTileQ
+                          : small_q;
   if (tuning.forward_tile_q != 0 && tuning.forward_tile_q != large_q && tuning.forward_tile_q != small_q)
     throw InvalidArgument("cuda plan: forward_tile_q " + std::to_string(tuning.forward_tile_q) +
                           " is not available at head dim " + std::to_string(head_dim) +
                           " on this device (allowed: 0, " +
                           std::to_string(small_q) + (large_q != small_q ? ", " + std::to_string(large_q) : "") +
                           ")");
-  auto forward_tiles = [&](int q) { return tiling::by_q_tile(mask, q, detail::fwd_tile_k(plan->padded_d, q)); };
+  auto forward_tiles = [&](int q) {
+    return tiling::by_q_tile(mask, q, sm90 ? sm90::forward_tile_k(plan->padded_d) : detail::fwd_tile_k(plan->padded_d, q));
+  };
   int fwd_q = tuning.forward_tile_q != 0 ? tuning.forward_tile_q : large_q;
   tiling::TileLists fwd_tiles = forward_tiles(fwd_q);
   if (tuning.forward_tile_q == 0 && large_q != small_q) {
@@ -393,6 +422,7 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   }
   const int fwd_k = fwd_tiles.tile_minor;
   plan->fwd_tile_q = fwd_q;
+  plan->fwd_tile_k = fwd_k;
   const HostList fwd = convert(mask, fwd_tiles, true);
   for (const detail::TileInfo& t : fwd.tiles) plan->fwd_itemless_tiles += t.count == 0;
   HostList dkdv =
@@ -457,6 +487,8 @@ PlanStats stats(const Plan& plan) {
   PlanStats s;
   s.padded_head_dim = plan.padded_d;
   s.forward_tile_q = plan.fwd_tile_q;
+  s.forward_tile_k = plan.fwd_tile_k;
+  s.forward_family = plan.fwd_family;
   s.forward_items = plan.fwd_items;
   s.dkdv_items = plan.dkdv_items;
   s.dq_items = plan.dq_items;
@@ -487,6 +519,38 @@ void run_forward(int padded, const detail::FwdParams& p, int tile_q, int itemles
 #endif
 #if MAGI_CUDA_HEAD_DIM_256
     case 256: return detail::launch_forward<kDtype, 256>(p, tile_q, itemless, margin, stream);
+#endif
+    default: throw NotAvailable("cuda backend: no forward kernel for head-dim tile " + std::to_string(padded));
+  }
+}
+
+template <int kDtype>
+void run_forward_sm90(int padded, const detail::FwdParams& p, int margin, cudaStream_t stream) {
+  switch (padded) {
+#if MAGI_CUDA_SM90 && MAGI_CUDA_HEAD_DIM_64
+    case 64: return sm90::launch_forward<kDtype, 64>(p, margin, stream);
+#endif
+#if MAGI_CUDA_SM90 && MAGI_CUDA_HEAD_DIM_128
+    case 128: return sm90::launch_forward<kDtype, 128>(p, margin, stream);
+#endif
+#if MAGI_CUDA_SM90 && MAGI_CUDA_HEAD_DIM_256
+    case 256: return sm90::launch_forward<kDtype, 256>(p, margin, stream);
+#endif
+    default: throw NotAvailable("cuda backend: no sm_90a forward kernel for head-dim tile " + std::to_string(padded));
+  }
+}
+
+template <int kDtype>
+void run_forward_itemless(int padded, const detail::FwdParams& p, int tile_q, int itemless, cudaStream_t stream) {
+  switch (padded) {
+#if MAGI_CUDA_HEAD_DIM_64
+    case 64: return detail::launch_forward_itemless<kDtype, 64>(p, tile_q, itemless, stream);
+#endif
+#if MAGI_CUDA_HEAD_DIM_128
+    case 128: return detail::launch_forward_itemless<kDtype, 128>(p, tile_q, itemless, stream);
+#endif
+#if MAGI_CUDA_HEAD_DIM_256
+    case 256: return detail::launch_forward_itemless<kDtype, 256>(p, tile_q, itemless, stream);
 #endif
     default: throw NotAvailable("cuda backend: no forward kernel for head-dim tile " + std::to_string(padded));
   }
@@ -575,11 +639,25 @@ void forward(const Plan& plan, const ForwardArgs& a, const Options& o, cudaStrea
   if (p.max_logits != nullptr) detail::launch_fill(p.max_logits, plan.hq, -INFINITY, stream);
   // Item-less tiles take their own copy kernel unless a sink joins their (otherwise empty) rows.
   const int itemless = p.sink_kind == detail::kSinkNone ? plan.fwd_itemless_tiles : 0;
-  if (tag == detail::kBf16) run_forward<detail::kBf16>(plan.padded_d, p, plan.fwd_tile_q, itemless, o.sm_margin, stream);
-  else run_forward<detail::kFp16>(plan.padded_d, p, plan.fwd_tile_q, itemless, o.sm_margin, stream);
+  if (plan.fwd_family == KernelFamily::Sm90) {
+    // The Hopper kernel walks the tiles with items; the item-less ones (the last of the order) take the copy kernel.
+    detail::FwdParams with_items = p;
+    with_items.list.num_tiles -= itemless;
+    if (tag == detail::kBf16) run_forward_sm90<detail::kBf16>(plan.padded_d, with_items, o.sm_margin, stream);
+    else run_forward_sm90<detail::kFp16>(plan.padded_d, with_items, o.sm_margin, stream);
+    if (itemless > 0) {
+      if (tag == detail::kBf16) run_forward_itemless<detail::kBf16>(plan.padded_d, p, plan.fwd_tile_q, itemless, stream);
+      else run_forward_itemless<detail::kFp16>(plan.padded_d, p, plan.fwd_tile_q, itemless, stream);
+    }
+  } else if (tag == detail::kBf16) {
+    run_forward<detail::kBf16>(plan.padded_d, p, plan.fwd_tile_q, itemless, o.sm_margin, stream);
+  } else {
+    run_forward<detail::kFp16>(plan.padded_d, p, plan.fwd_tile_q, itemless, o.sm_margin, stream);
+  }
   timer.end();
-  timer.report("cuda forward, " + std::to_string(plan.fwd_items) + " work items, " +
-               std::to_string(plan.fwd_tile_q) + "-row tiles, head-dim tile " + std::to_string(plan.padded_d));
+  timer.report(std::string(plan.fwd_family == KernelFamily::Sm90 ? "cuda forward (sm90)" : "cuda forward (sm80)") +
+               ", " + std::to_string(plan.fwd_items) + " work items, " + std::to_string(plan.fwd_tile_q) + " x " +
+               std::to_string(plan.fwd_tile_k) + " tiles, head-dim tile " + std::to_string(plan.padded_d));
 }
 
 void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStream_t stream) {

@@ -38,9 +38,16 @@ struct Plan;
 // Head dims this build can run: multiples of 8 up to the largest compiled tile (64 / 128 / 256).
 bool head_dim_supported(int32_t head_dim);
 
-// Plan-time choices the planner otherwise makes itself (0 = choose); benchmarks and tests pin them.
+// The kernel families: the portable one (sm_80 instructions, every GPU from Ampere on) and the Hopper one (sm_90a:
+// TMA, wgmma, warp specialisation; the forward so far), built when the architectures include 90a.
+enum class KernelFamily { Auto, Sm80, Sm90 };
+// Whether this build and `device` can run the Hopper forward at this head dim.
+bool sm90_forward_available(int32_t head_dim, int32_t device);
+
+// Plan-time choices the planner otherwise makes itself (0 / Auto = choose); benchmarks and tests pin them.
 struct PlanTuning {
-  int32_t forward_tile_q = 0;  // rows per forward block: 0, 64 or (D <= 128) 128
+  int32_t forward_tile_q = 0;  // rows per forward block: 0, 64 or (D <= 128) 128; the Hopper forward: 0 or 128
+  KernelFamily forward_family = KernelFamily::Auto;  // Auto: Sm90 where available; a forced one must be
 };
 
 // Builds the work lists on the host and uploads them to `device` (synchronous; done once per mask and
@@ -60,7 +67,8 @@ int64_t workspace_bytes(const BackwardArgs& args, const Options& options);
 // What a plan holds, for tests and benchmarks.
 struct PlanStats {
   int32_t padded_head_dim = 0;
-  int32_t forward_tile_q = 0;
+  int32_t forward_tile_q = 0, forward_tile_k = 0;
+  KernelFamily forward_family = KernelFamily::Sm80;
   int64_t forward_items = 0, dkdv_items = 0, dq_items = 0;
   int64_t forward_tiles = 0, dkdv_tiles = 0, dq_tiles = 0;
   int64_t device_bytes = 0;

@@ -7,7 +7,7 @@
 
 #include <cfloat>
 
-#include "common/lse_merge.hpp"
+#include "cuda/forward_common.cuh"
 #include "cuda/kernel_common.cuh"
 
 namespace magi::cuda::detail {
@@ -23,16 +23,6 @@ struct FwdConfig {
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kSmemBytes = fwd_smem_bytes(kD, kTileQ);
 };
-
-// Softcapped logits of one m-tile, in log2 units. Without softcap the logits stay raw: the scale is folded
-// into the exp2 argument (one FFMA per element) and into the row maxima.
-template <int kNBlocks>
-__device__ __forceinline__ void softcap_logits(float (&s)[kNBlocks][4], const FwdParams& p) {
-#pragma unroll
-  for (int nb = 0; nb < kNBlocks; ++nb)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s[nb][e] = p.softcap_post * tanhf(s[nb][e] * p.softcap_pre);
-}
 
 // A q tile without work items and without a sink: its rows only take the previous partial result (the merge
 // with nothing is the identity: out = prev_out, lse = prev_lse; zero where prev_lse = -inf) or, with none,
@@ -227,16 +217,7 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
             }
             test_cells = !__all_sync(0xffffffffu, keeps_all(keys[0], k0, k_end) && keeps_all(keys[1], k0, k_end));
           }
-          if (test_cells) {
-#pragma unroll
-            for (int nb = 0; nb < kNBlocks; ++nb) {
-#pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                const int col = k0 + nb * 8 + (lane % 4) * 2 + (e % 2);
-                if (!keys[e / 2].contains(col)) s[mt][nb][e] = -INFINITY;
-              }
-            }
-          }
+          if (test_cells) mask_cells(s[mt], keys, k0, lane);
         }
         // Online softmax: new row maxima, rescale what was accumulated so far.
         float scale_old[2];
@@ -247,33 +228,10 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
             acc[mt][i][2 * r + 1] *= scale_old[r];
           }
         };
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float mx = row_max[mt][r];
-#pragma unroll
-          for (int nb = 0; nb < kNBlocks; ++nb) mx = fmaxf(mx, fmaxf(s[mt][nb][2 * r], s[mt][nb][2 * r + 1]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          // The new maximum only when it grows past the slack (-inf + slack stays -inf: a first key always counts).
-          if constexpr (kLazyRescale) {
-            if (mx <= row_max[mt][r] + max_slack) mx = row_max[mt][r];
-          }
-          const float mx_finite = mx == -INFINITY ? 0.0f : mx;
-          const float base = mx_finite * logit_scale;  // log2 units
-          // The difference first: exactly 1 while the maximum stands (a contracted x * s - round(x * s) is not
-          // 0), so an m-tile that an item leaves unchanged changes nothing and the warp tests' skips above are
-          // bitwise neutral.
-          scale_old[r] = fast_exp2((row_max[mt][r] - mx_finite) * logit_scale);
-          row_max[mt][r] = mx;
-          float sum = 0.0f;
-#pragma unroll
-          for (int nb = 0; nb < kNBlocks; ++nb) {
-            s[mt][nb][2 * r] = fast_exp2(fmaf(s[mt][nb][2 * r], logit_scale, -base));
-            s[mt][nb][2 * r + 1] = fast_exp2(fmaf(s[mt][nb][2 * r + 1], logit_scale, -base));
-            sum += s[mt][nb][2 * r] + s[mt][nb][2 * r + 1];
-          }
-          row_sum[mt][r] = row_sum[mt][r] * scale_old[r] + sum;
-          if constexpr (kD < 128) rescale(r);
+        online_softmax<kNBlocks, kLazyRescale>(s[mt], row_max[mt], row_sum[mt], scale_old, logit_scale, max_slack);
+        if constexpr (kD < 128) {
+          rescale(0);
+          rescale(1);
         }
         // Once the maxima settle (or stay within the slack), most items leave every row's scale at exactly 1; from
         // D 128 on the warp then skips the multiplies, bitwise neutral (H100, D 256: full +6%, varlen causal +1%);
@@ -330,74 +288,10 @@ __device__ __forceinline__ void forward_kernel_tile(const FwdParams& p, int line
   // Epilogue: normalise, fold in the sink, write out / lse, contribute to max_logits.
   float block_max = -INFINITY;
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float sum = row_sum[mt][r];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const int row = my_row0 + mt * Cfg::kMTileStride + r * 8;
-      const bool has_keys = sum > 0.0f;
-      const float row_max2 = row_max[mt][r] * logit_scale;  // log2 units
-      block_max = fmaxf(block_max, row_max2);
-      float lse2 = has_keys ? row_max2 + log2f(sum) : -INFINITY;
-      float factor = has_keys ? 1.0f / sum : 0.0f;
-      if (p.sink_kind != kSinkNone && row < p.tq) {
-        // lse~ = log(exp(lse) + sum_s exp(sink_s)), in log2 units here.
-        auto sink_at = [&](int si) {
-          const int64_t index = p.sink_kind == kSinkSH ? int64_t{si} * p.hq + head
-                                                        : (int64_t{row} * p.sink_len + si) * p.hq + head;
-          return p.sink[index] * kLog2e;
-        };
-        float hi = lse2;
-        for (int si = 0; si < p.sink_len; ++si) hi = fmaxf(hi, sink_at(si));
-        if (hi == -INFINITY) hi = 0.0f;  // no keys and every sink -inf: the row stays empty
-        float total = has_keys ? exp2f(lse2 - hi) : 0.0f;
-        for (int si = 0; si < p.sink_len; ++si) total += exp2f(sink_at(si) - hi);
-        const float merged = total > 0.0f ? hi + log2f(total) : -INFINITY;
-        if (has_keys) factor *= exp2f(lse2 - merged);
-        lse2 = merged;
-      }
-      float lse = lse2 * kLn2, w_prev = 0.0f;
-      if (p.prev_out != nullptr && row < p.tq) {
-        const MergeWeights<float> w = merge_weights(lse, p.prev_lse[int64_t{row} * p.hq + head]);
-        lse = w.lse;
-        factor *= w.w1;
-        w_prev = w.w2;
-      }
-      __syncwarp();  // the row's four lanes have read prev_lse before lane 0 overwrites it (it may be lse)
-      const bool row_valid = row < p.tq;
-      if (row_valid) {
-        const int64_t base = int64_t{row} * q_stride + int64_t{head} * p.d;
-        if (lane % 4 == 0) p.lse[int64_t{row} * p.hq + head] = lse;
-        // The row's whole partial result is loaded before the first store: out may alias prev_out, so the
-        // compiler may not move a load above an earlier store, and interleaving them costs one memory
-        // latency per element pair (measured: ~0.75 ms per merge stage at 16k rows x 64 heads).
-        if (w_prev != 0.0f) {
-          float2 prev[kDBlocks];
-#pragma unroll
-          for (int i = 0; i < kDBlocks; ++i) {
-            const int col = i * 8 + (lane % 4) * 2;
-            prev[i] = col < p.d ? *reinterpret_cast<const float2*>(p.prev_out + base + col) : make_float2(0.f, 0.f);
-          }
-#pragma unroll
-          for (int i = 0; i < kDBlocks; ++i) {
-            acc[mt][i][2 * r] = fmaf(w_prev, prev[i].x, acc[mt][i][2 * r] * factor);
-            acc[mt][i][2 * r + 1] = fmaf(w_prev, prev[i].y, acc[mt][i][2 * r + 1] * factor);
-          }
-          factor = 1.0f;
-        }
-      }
-      store_row_blocks<T, kDBlocks>(p.out, int64_t{row} * q_stride + int64_t{head} * p.d, acc[mt], r, factor, p.d,
-                                    p.out_fp32, row_valid, lane);
-    }
-  }
-  if (p.max_logits != nullptr) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2)
-      block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, offset));
-    if (lane == 0 && block_max > -INFINITY) atomic_max_float(p.max_logits + head, block_max * kLn2);
-  }
+  for (int mt = 0; mt < kMT; ++mt)
+    finish_forward_rows<T, kDBlocks>(p, acc[mt], row_max[mt], row_sum[mt], logit_scale, my_row0 + mt * Cfg::kMTileStride,
+                                     head, lane, block_max);
+  publish_max_logits(p, block_max, head, lane);
 }
 
 

@@ -206,6 +206,43 @@ __device__ __forceinline__ void for_active_set(unsigned active, F&& f) {
 
 // Keys [lo, hi) that a work item keeps for row q (kept_keys restricted to the item's rectangle); an empty
 // interval for rows outside it. Computed once per row so that the per-element test is two compares.
+// One online-softmax step for this lane's two rows (r = 0: row0, r = 1: row0 + 8) of a strip of kNBlocks 8-column
+// blocks of logits s (the mma fragment layout: s[i][2 r + c], column 8 i + 2 (lane % 4) + c), raw or in log2 units
+// (softcapped): new row maxima (with kLazy, a row keeps its stale maximum until a logit exceeds it by more than
+// max_slack: FA4's lazy rescale, which leaves most scales at exactly 1), s becomes the exp2 terms, this lane's
+// row_sum is rescaled and grows; scale_old is what the accumulator must be multiplied by. The quad holding a row
+// (lanes 4 i .. 4 i + 3) agrees on its maximum.
+template <int kNBlocks, bool kLazy>
+__device__ __forceinline__ void online_softmax(float (&s)[kNBlocks][4], float (&row_max)[2], float (&row_sum)[2],
+                                               float (&scale_old)[2], float logit_scale, float max_slack) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = row_max[r];
+#pragma unroll
+    for (int nb = 0; nb < kNBlocks; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * r], s[nb][2 * r + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    // The new maximum only when it grows past the slack (-inf + slack stays -inf: a first key always counts).
+    if constexpr (kLazy) {
+      if (mx <= row_max[r] + max_slack) mx = row_max[r];
+    }
+    const float mx_finite = mx == -INFINITY ? 0.0f : mx;
+    const float base = mx_finite * logit_scale;  // log2 units
+    // The difference first: exactly 1 while the maximum stands (a contracted x * s - round(x * s) is not 0), so
+    // an item that leaves a row unchanged changes nothing and skipping its rescale is bitwise neutral.
+    scale_old[r] = fast_exp2((row_max[r] - mx_finite) * logit_scale);
+    row_max[r] = mx;
+    float sum = 0.0f;
+#pragma unroll
+    for (int nb = 0; nb < kNBlocks; ++nb) {
+      s[nb][2 * r] = fast_exp2(fmaf(s[nb][2 * r], logit_scale, -base));
+      s[nb][2 * r + 1] = fast_exp2(fmaf(s[nb][2 * r + 1], logit_scale, -base));
+      sum += s[nb][2 * r] + s[nb][2 * r + 1];
+    }
+    row_sum[r] = row_sum[r] * scale_old[r] + sum;
+  }
+}
+
 struct KeyInterval {
   int lo, hi;
   __device__ __forceinline__ bool contains(int k) const { return k >= lo && k < hi; }

@@ -15,6 +15,10 @@ enum DtypeTag : int { kBf16 = 0, kFp16 = 1 };
 // list's order (tiles without work items; only without a sink) go to a copy kernel of their own.
 template <int kDtype, int kD>
 void launch_forward(const FwdParams& params, int tile_q, int itemless_tiles, int sm_margin, cudaStream_t stream);
+// Only the list's last `itemless_tiles` tiles (tile_q rows each, no work items): copies of the previous result or
+// empty rows. For the families whose attention kernel leaves them out.
+template <int kDtype, int kD>
+void launch_forward_itemless(const FwdParams& params, int tile_q, int itemless_tiles, cudaStream_t stream);
 template <int kDtype, int kD>
 void launch_backward(const BwdParams& dkdv, int dkdv_blocks, const BwdParams& dq, int dq_blocks, int sm_margin,
                      cudaStream_t stream);

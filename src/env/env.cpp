@@ -118,8 +118,15 @@ bool is_set(std::string_view name) { return set_value(registered(name)).has_valu
 KernelBackend kernel_backend() {
   const std::string engine = get_string("MAGI_ATTENTION_KERNEL_BACKEND");
   if (engine == "sdpa" || get_bool("MAGI_ATTENTION_SDPA_BACKEND")) return KernelBackend::Sdpa;
-  if (engine == "ffa") return KernelBackend::Ffa;
+  if (engine.starts_with("ffa")) return KernelBackend::Ffa;
   return KernelBackend::Auto;
+}
+
+KernelFamily kernel_family() {
+  const std::string engine = get_string("MAGI_ATTENTION_KERNEL_BACKEND");
+  if (engine == "ffa_sm80") return KernelFamily::Sm80;
+  if (engine == "ffa_sm90") return KernelFamily::Sm90;
+  return KernelFamily::Auto;
 }
 
 }  // namespace magi::env

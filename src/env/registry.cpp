@@ -186,9 +186,12 @@ std::vector<Variable> make_registry() {
       boolean("MAGI_ATTENTION_SDPA_BACKEND", "0", kDebug, kImplemented,
               "Run the exact reference engine (fp64 accumulation) instead of the fast one; same as "
               "MAGI_ATTENTION_KERNEL_BACKEND=sdpa. Slow: for tests and debugging."),
-      choice("MAGI_ATTENTION_KERNEL_BACKEND", "auto", {"auto", "ffa", "sdpa"}, kDebug, kImplemented,
-             "Attention engine: auto and ffa pick the fast engine for the tensors' device, sdpa the "
-             "exact reference engine (as MAGI_ATTENTION_SDPA_BACKEND=1)."),
+      choice("MAGI_ATTENTION_KERNEL_BACKEND", "auto", {"auto", "ffa", "ffa_sm80", "ffa_sm90", "sdpa"}, kDebug,
+             kImplemented,
+             "Attention engine: auto and ffa pick the fast engine for the tensors' device (on the GPU the "
+             "kernel family for its architecture), ffa_sm80 / ffa_sm90 force the portable (mma.sync) or the "
+             "Hopper (wgmma + TMA, forward) GPU kernels for A/B runs, sdpa the exact reference engine (as "
+             "MAGI_ATTENTION_SDPA_BACKEND=1)."),
       boolean("MAGI_ATTENTION_DETERMINISTIC_MODE", "0", kDebug, kImplemented,
               "Use only deterministic algorithms, so repeated runs give bitwise-identical results "
               "(the CPU engine always is)."),

@@ -67,7 +67,7 @@ void check_engine_choice(ScanResult& result) {
   const auto sdpa = result.values.find("MAGI_ATTENTION_SDPA_BACKEND");
   const auto engine = result.values.find("MAGI_ATTENTION_KERNEL_BACKEND");
   if (sdpa == result.values.end() || engine == result.values.end()) return;
-  if (sdpa->second.value == "1" && engine->second.value == "ffa") {
+  if (sdpa->second.value == "1" && engine->second.value.starts_with("ffa")) {
     result.errors.push_back(assignment(sdpa->second.set_as, sdpa->second.raw) +
                             " selects the sdpa engine but " +
                             assignment(engine->second.set_as, engine->second.raw) +

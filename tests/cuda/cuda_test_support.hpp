@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cuda/backend.hpp"
+#include "magi/env.hpp"
 #include "reference/attention_check.hpp"
 #include "reference/compare.hpp"
 
@@ -75,6 +76,26 @@ class DeviceTensor {
 };
 
 // deterministic: the two-kernel backward (bitwise reproducible); otherwise dq by fp32 atomics (default).
+// The forward kernel family under test: ctest runs the CUDA suites once per family (MAGI_ATTENTION_KERNEL_BACKEND
+// = ffa_sm80 / ffa_sm90); unset, the device's default.
+inline cuda::KernelFamily family_under_test() {
+  switch (env::kernel_family()) {
+    case env::KernelFamily::Sm80: return cuda::KernelFamily::Sm80;
+    case env::KernelFamily::Sm90: return cuda::KernelFamily::Sm90;
+    default: return cuda::KernelFamily::Auto;
+  }
+}
+inline bool testing_sm90() {
+  return family_under_test() == cuda::KernelFamily::Sm90 ||
+         (family_under_test() == cuda::KernelFamily::Auto && cuda::sm90_forward_available(128, 0));
+}
+// A plan of the family under test (tuning's other choices kept).
+inline std::shared_ptr<cuda::Plan> test_plan(const Mask& mask, int32_t hq, int32_t hkv, int32_t d,
+                                             cuda::PlanTuning tuning = {}) {
+  if (tuning.forward_family == cuda::KernelFamily::Auto) tuning.forward_family = family_under_test();
+  return cuda::make_plan(mask, hq, hkv, d, 0, tuning);
+}
+
 inline cuda::Options cuda_options(const CaseConfig& c, bool deterministic = false) {
   cuda::Options o;
   o.softmax_scale = c.softmax_scale.value_or(1.0 / std::sqrt(static_cast<double>(c.head_dim)));
@@ -157,7 +178,7 @@ inline testing::AssertionResult check_cuda_case(const Mask& mask, const CaseConf
   try {
     CaseData d = make_case(mask, c, seed);
     DeviceCase dev(d, c);
-    auto plan = cuda::make_plan(mask, c.heads_q, c.heads_kv, c.head_dim, 0, tuning);
+    auto plan = test_plan(mask, c.heads_q, c.heads_kv, c.head_dim, tuning);
     const cuda::Options o = cuda_options(c, deterministic);
     cudaStream_t stream = nullptr;
     cuda::forward(*plan, dev.forward_args(), o, stream);

@@ -18,6 +18,16 @@
 namespace magi::test {
 namespace {
 
+// The Hopper family's run of this suite on another GPU: nothing of it can run there.
+class FamilyRunsHere : public testing::Environment {
+ public:
+  void SetUp() override {
+    if (family_under_test() == cuda::KernelFamily::Sm90 && !cuda::sm90_forward_available(128, 0))
+      GTEST_SKIP() << "MAGI_ATTENTION_KERNEL_BACKEND=ffa_sm90: device 0 cannot run the sm_90a kernels";
+  }
+};
+[[maybe_unused]] testing::Environment* const family_check = testing::AddGlobalTestEnvironment(new FamilyRunsHere);
+
 CaseConfig config(DType dtype, int32_t hq, int32_t hkv, int32_t d) {
   CaseConfig c;
   c.dtype = dtype;
@@ -178,7 +188,7 @@ TEST(CudaBackend, DeterministicAcrossRuns) {
   CaseConfig c = config(DType::BF16, 8, 2, 128);
   CaseData d = make_case(mask, c, seed);
   DeviceCase dev(d, c);
-  auto plan = cuda::make_plan(mask, c.heads_q, c.heads_kv, c.head_dim, 0);
+  auto plan = test_plan(mask, c.heads_q, c.heads_kv, c.head_dim);
   std::vector<HostTensor> first;
   for (int run = 0; run < 2; ++run) {
     dev.poison();
@@ -222,7 +232,7 @@ TEST(CudaBackend, GraphCaptureAndReplay) {
   c.sink_layout = SinkLayout::SH;
   CaseData d = make_case(mask, c, seed);
   DeviceCase dev(d, c);
-  auto plan = cuda::make_plan(mask, c.heads_q, c.heads_kv, c.head_dim, 0);
+  auto plan = test_plan(mask, c.heads_q, c.heads_kv, c.head_dim);
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   for (bool deterministic : {true, false}) {
@@ -335,7 +345,7 @@ TEST(CudaBackend, SmMarginAndProfileModeKeepResults) {
   CaseConfig c = config(DType::BF16, 4, 2, 128);
   CaseData d = make_case(mask, c, seed);
   DeviceCase dev(d, c);
-  auto plan = cuda::make_plan(mask, c.heads_q, c.heads_kv, c.head_dim, 0);
+  auto plan = test_plan(mask, c.heads_q, c.heads_kv, c.head_dim);
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
   for (bool deterministic : {true, false}) {
@@ -377,7 +387,7 @@ TEST(CudaBackend, HundredThousandSlicesMatchCpuEngine) {
   run_backward(d, c, cpu);
 
   DeviceCase dev(d, c);
-  auto plan = cuda::make_plan(mask, c.heads_q, c.heads_kv, c.head_dim, 0);
+  auto plan = test_plan(mask, c.heads_q, c.heads_kv, c.head_dim);
   EXPECT_EQ(cuda::stats(*plan).forward_items, 100000);
   cuda::forward(*plan, dev.forward_args(), cuda_options(c), nullptr);
   cuda::backward(*plan, dev.backward_args(), cuda_options(c), nullptr);
@@ -400,8 +410,10 @@ TEST(CudaBackend, ForwardTileChoicesMatchReference) {
   while (cu.back() < 1500) cu.push_back(std::min(1500, cu.back() + 40 + static_cast<int32_t>(rng() % 200)));
   const Mask documents = masks::varlen_causal(cu);
   int index = 0;
+  const bool sm90 = testing_sm90();  // the Hopper forward has one tile shape (128 rows)
+  const std::vector<int32_t> tiles = sm90 ? std::vector<int32_t>{128} : std::vector<int32_t>{64, 128};
   for (const Mask* mask : {&rectangles, &documents}) {
-    for (int32_t tile : {64, 128}) {
+    for (int32_t tile : tiles) {
       for (int32_t d : {64, 128, 256}) {  // D 256: 8 warps x 128 x 64, or 4 warps x 64 x 32
         CaseConfig c = config(index % 2 ? DType::F16 : DType::BF16, 4, 2, d);
         if (index % 3 == 0) c.sink_layout = SinkLayout::SSH;
@@ -414,17 +426,17 @@ TEST(CudaBackend, ForwardTileChoicesMatchReference) {
       }
     }
   }
-  EXPECT_EQ(cuda::stats(*cuda::make_plan(documents, 1, 1, 128, 0)).forward_tile_q, 64) << "seed " << seed;
-  EXPECT_EQ(cuda::stats(*cuda::make_plan(masks::full(1024, 1024), 1, 1, 128, 0)).forward_tile_q, 128);
-  EXPECT_EQ(cuda::stats(*cuda::make_plan(masks::causal(1024, 1024), 1, 1, 128, 0)).forward_tile_q, 128);
+  EXPECT_EQ(cuda::stats(*test_plan(documents, 1, 1, 128)).forward_tile_q, sm90 ? 128 : 64) << "seed " << seed;
+  EXPECT_EQ(cuda::stats(*test_plan(masks::full(1024, 1024), 1, 1, 128)).forward_tile_q, 128);
+  EXPECT_EQ(cuda::stats(*test_plan(masks::causal(1024, 1024), 1, 1, 128)).forward_tile_q, 128);
   int smem_optin = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0), cudaSuccess);
   const bool large_d256_fits = smem_optin >= 128 * 1024;  // Q, K, V tiles of the 8-warp D 256 block
-  EXPECT_EQ(cuda::stats(*cuda::make_plan(masks::full(1024, 1024), 1, 1, 256, 0)).forward_tile_q,
-            large_d256_fits ? 128 : 64);
+  EXPECT_EQ(cuda::stats(*test_plan(masks::full(1024, 1024), 1, 1, 256)).forward_tile_q,
+            large_d256_fits || sm90 ? 128 : 64);
   cuda::PlanTuning bad;
   bad.forward_tile_q = 96;
-  EXPECT_THROW(cuda::make_plan(documents, 1, 1, 128, 0, bad), InvalidArgument);
+  EXPECT_THROW(test_plan(documents, 1, 1, 128, bad), InvalidArgument);
 }
 
 // Causal documents over the keys, then 150 query rows with no slice: split at a key, whole q tiles of the
@@ -576,7 +588,7 @@ TEST(CudaBackend, DefaultBackwardReusesItsPlanCleanly) {
     CaseData data = make_case(mask, c, seed + index++);
     const ReferenceGrads expected = reference_backward(data.problem, data.dout);
     DeviceCase dev(data, c);
-    auto plan = cuda::make_plan(mask, c.heads_q, c.heads_kv, d, 0);
+    auto plan = test_plan(mask, c.heads_q, c.heads_kv, d);
     const int64_t n = int64_t{mask.total_q} * c.heads_q * d;
     DeviceTensor storage(HostTensor::poisoned(DType::F32, {n + 2}));
     const TensorView fp32_dq(static_cast<float*>(storage.view().data) + 2, DType::F32, {mask.total_q, c.heads_q, d},
@@ -696,7 +708,28 @@ TEST(CudaBackend, PlanRejectsUncompiledHeadDim) {
   EXPECT_FALSE(cuda::head_dim_supported(0));
   EXPECT_FALSE(cuda::head_dim_supported(12));
   EXPECT_FALSE(cuda::head_dim_supported(264));
-  EXPECT_THROW(cuda::make_plan(cases::full(64), 1, 1, 264, 0), NotAvailable);
+  EXPECT_THROW(test_plan(cases::full(64), 1, 1, 264), NotAvailable);
+}
+
+// The family a plan runs is the one asked for (the suite runs once per family), and Auto picks the Hopper forward
+// exactly where it can run.
+TEST(CudaBackend, PlansRunTheFamilyAskedFor) {
+  const Mask mask = masks::causal(1024, 1024);
+  const cuda::PlanStats s = cuda::stats(*test_plan(mask, 2, 1, 128));
+  EXPECT_EQ(s.forward_family, testing_sm90() ? cuda::KernelFamily::Sm90 : cuda::KernelFamily::Sm80);
+  EXPECT_EQ(s.forward_tile_k, testing_sm90() ? 128 : 64);
+  const bool available = cuda::sm90_forward_available(128, 0);
+  EXPECT_EQ(cuda::stats(*cuda::make_plan(mask, 2, 1, 128, 0)).forward_family,
+            available ? cuda::KernelFamily::Sm90 : cuda::KernelFamily::Sm80);
+  cuda::PlanTuning forced;
+  forced.forward_family = cuda::KernelFamily::Sm90;
+  if (available) {
+    EXPECT_EQ(cuda::stats(*cuda::make_plan(mask, 2, 1, 128, 0, forced)).forward_family, cuda::KernelFamily::Sm90);
+    forced.forward_tile_q = 64;  // the Hopper forward has 128-row tiles only
+    EXPECT_THROW(cuda::make_plan(mask, 2, 1, 128, 0, forced), InvalidArgument);
+  } else {
+    EXPECT_THROW(cuda::make_plan(mask, 2, 1, 128, 0, forced), NotAvailable);
+  }
 }
 
 }  // namespace

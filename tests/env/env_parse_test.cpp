@@ -450,6 +450,15 @@ TEST_F(EnvParse, KernelBackendCombinesBothVariables) {
   set("MAGI_ATTENTION_SDPA_BACKEND", "0");
   set("MAGI_ATTENTION_KERNEL_BACKEND", "ffa");
   EXPECT_EQ(kernel_backend(), KernelBackend::Ffa);
+  EXPECT_EQ(kernel_family(), KernelFamily::Auto);
+  set("MAGI_ATTENTION_KERNEL_BACKEND", "ffa_sm80");
+  EXPECT_EQ(kernel_backend(), KernelBackend::Ffa);
+  EXPECT_EQ(kernel_family(), KernelFamily::Sm80);
+  set("MAGI_ATTENTION_KERNEL_BACKEND", "FFA_SM90");
+  EXPECT_EQ(kernel_backend(), KernelBackend::Ffa);
+  EXPECT_EQ(kernel_family(), KernelFamily::Sm90);
+  set("MAGI_ATTENTION_SDPA_BACKEND", "1");
+  EXPECT_THROW(ensure_validated(), InvalidArgument);
 }
 
 TEST_F(EnvParse, SdpaBackendWithKernelBackendFfaIsAnError) {

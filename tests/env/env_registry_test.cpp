@@ -198,7 +198,7 @@ TEST(EnvRegistry, SpecificEntries) {
   EXPECT_EQ(dsink.allowed, (std::vector<std::string_view>{"none", "sum", "avg"}));
   const Variable& backend = *find("MAGI_ATTENTION_KERNEL_BACKEND");
   EXPECT_EQ(backend.default_value, "auto");
-  EXPECT_EQ(backend.allowed, (std::vector<std::string_view>{"auto", "ffa", "sdpa"}));
+  EXPECT_EQ(backend.allowed, (std::vector<std::string_view>{"auto", "ffa", "ffa_sm80", "ffa_sm90", "sdpa"}));
   const Variable& level = *find("MAGI_ATTENTION_LOG_LEVEL");
   EXPECT_EQ(level.default_value, "warn");
   EXPECT_EQ(level.allowed, (std::vector<std::string_view>{"error", "warn", "info", "debug"}));

@@ -3,4 +3,5 @@
 
 namespace magi::cuda::detail {
 template void launch_forward<kFp16, 128>(const FwdParams&, int, int, int, cudaStream_t);
+template void launch_forward_itemless<kFp16, 128>(const FwdParams&, int, int, cudaStream_t);
 }  // namespace magi::cuda::detail

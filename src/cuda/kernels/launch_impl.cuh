@@ -41,6 +41,14 @@ void launch_forward_tiles(const FwdParams& params, int num_blocks, int sm_margin
   check_launch("forward_kernel");
 }
 
+template <class T, int kD, int kTileQ>
+void launch_itemless_tiles(const FwdParams& params, int itemless_tiles, cudaStream_t stream) {
+  if (itemless_tiles == 0) return;
+  forward_itemless_kernel<T, kD, kTileQ><<<itemless_tiles * params.hq, FwdConfig<kD, kTileQ>::kThreads, 0, stream>>>(
+      params, params.list.num_tiles - itemless_tiles);
+  check_launch("forward_itemless_kernel");
+}
+
 // The list's tiles with items on the attention kernel, the item-less ones (the last of its order) on the copy kernel.
 template <class T, int kD, int kTileQ>
 void launch_forward_list(const FwdParams& params, int itemless_tiles, int sm_margin, cudaStream_t stream) {
@@ -48,10 +56,14 @@ void launch_forward_list(const FwdParams& params, int itemless_tiles, int sm_mar
   with_items.list.num_tiles -= itemless_tiles;
   const int num_blocks = with_items.list.num_tiles * params.hq;
   if (num_blocks > 0) launch_forward_tiles<T, kD, kTileQ>(with_items, num_blocks, sm_margin, stream);
-  if (itemless_tiles == 0) return;
-  forward_itemless_kernel<T, kD, kTileQ><<<itemless_tiles * params.hq, FwdConfig<kD, kTileQ>::kThreads, 0, stream>>>(
-      params, params.list.num_tiles - itemless_tiles);
-  check_launch("forward_itemless_kernel");
+  launch_itemless_tiles<T, kD, kTileQ>(params, itemless_tiles, stream);
+}
+
+template <int kDtype, int kD>
+void launch_forward_itemless(const FwdParams& params, int tile_q, int itemless_tiles, cudaStream_t stream) {
+  using T = DtypeOf<kDtype>;
+  if (tile_q == kFwdSmallTileQ) return launch_itemless_tiles<T, kD, kFwdSmallTileQ>(params, itemless_tiles, stream);
+  launch_itemless_tiles<T, kD, kFwdTileQ>(params, itemless_tiles, stream);
 }
 
 template <int kDtype, int kD>

@@ -1,0 +1,326 @@
+// Hopper forward (sm_90a). A block is three warpgroups on one SM: a producer that brings Q and each work item's K
+// and V tiles into swizzled shared memory with TMA (K and V in mbarrier pipelines of kForwardStages stages), and
+// two consumers of 64 q rows each that run S = Q K^T (wgmma, both operands in shared memory) and O += P V (P from
+// registers). A consumer issues the next item's Q K^T before its P V of the current one and computes the softmax
+// while both run. The grid is persistent: block b takes works b, b + grid, ... of the plan's order (heavy tiles
+// first), so both roles know the sequence without talking. Masking, softcap, the online softmax and the epilogue
+// (sink, merge with a previous result, lse, max_logits) are the portable family's (src/cuda/forward_common.cuh).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "cuda/forward_common.cuh"
+#include "cuda/sm90/tiles.hpp"
+
+namespace magi::cuda::sm90 {
+
+using namespace cute;
+using detail::FwdParams;
+using detail::KeyInterval;
+using detail::TileInfo;
+using detail::WorkCoords;
+using detail::WorkItem;
+
+template <class T>
+struct CuteElement;
+template <>
+struct CuteElement<__nv_bfloat16> {
+  using type = cutlass::bfloat16_t;
+};
+template <>
+struct CuteElement<__half> {
+  using type = cutlass::half_t;
+};
+
+// The A-operand view of a 16-bit copy of an accumulator: ((2, 2, N / 8), M, N) -> ((2, 2, 2), M, N / 16), the
+// k-steps of P V along the accumulator's columns (the register order of the two layouts is the same).
+template <class Layout>
+__device__ __forceinline__ constexpr auto accumulator_as_a_operand(Layout acc) {
+  auto split = logical_divide(get<0>(acc), Shape<Underscore, Underscore, _2>{});
+  return make_layout(make_layout(get<0>(split), get<1>(split), get<2, 0>(split)), get<1>(acc),
+                     coalesce(make_layout(get<2, 1>(split), get<2>(acc))));
+}
+
+// Issues one warpgroup GEMM C (+)= A B over all k-steps (kZero: C = A B) and commits it; the caller waits.
+template <bool kZero, bool kRegistersA, class Mma, class TA, class TB, class TC>
+__device__ __forceinline__ void issue_gemm(Mma& mma, TA& a, const TB& b, TC& c) {
+  if constexpr (kRegistersA) warpgroup_fence_operand(a);
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  if constexpr (kZero) mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(a); ++k) {
+    cute::gemm(mma, a(_, _, k), b(_, _, k), c);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(c);
+  if constexpr (kRegistersA) warpgroup_fence_operand(a);
+}
+
+template <class T, int kD>
+struct ForwardKernel {
+  using Element = typename CuteElement<T>::type;
+  static constexpr int kM = kForwardTileQ, kN = forward_tile_k(kD), kStages = kForwardStages;
+  static constexpr int kConsumers = 2;  // warpgroups of kM / kConsumers rows
+  static constexpr int kThreads = 128 * (kConsumers + 1);
+  static constexpr int kNBlocks = kN / 8, kDBlocks = kD / 8;
+  // Registers per thread after the producer gives its share to the consumers (setmaxnreg).
+  static constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
+
+  using AtomLayout = Layout<Shape<Int<kConsumers>, _1, _1>>;
+  using MmaS = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kM / kConsumers>, Int<kN>, Int<kD>>>(), AtomLayout{}));
+  using MmaO = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<Int<kM / kConsumers>, Int<kD>, Int<kN>>, GMMA::Major::K,
+                           GMMA::Major::MN>(),
+      AtomLayout{}));
+  using LayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kM>, Int<kD>>{}));
+  using LayoutKV =
+      decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kN>, Int<kD>, Int<kStages>>{}));
+  // V read transposed (D x keys) as the B operand of P V.
+  using LayoutVt = decltype(composition(
+      LayoutKV{}, make_ordered_layout(Shape<Int<kD>, Int<kN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  // Global [rows, heads, D] as (rows, D, heads).
+  using GmemLayout = Layout<Shape<int32_t, int32_t, int32_t>, Stride<int64_t, _1, int64_t>>;
+  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)), GmemLayout{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, LayoutQ{}, Shape<Int<kM>, Int<kD>>{}, _1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(LayoutKV{}),
+                                       Shape<Int<kN>, Int<kD>>{}, _1{}));
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = cutlass::PipelineState<kStages>;
+
+  struct SharedStorage {
+    alignas(1024) Element q[cosize_v<LayoutQ>];
+    alignas(1024) Element k[cosize_v<LayoutKV>];
+    alignas(1024) Element v[cosize_v<LayoutKV>];
+    typename Pipeline::SharedStorage pipeline_k, pipeline_v;
+    cutlass::arch::ClusterTransactionBarrier q_full;
+    cutlass::arch::ClusterBarrier q_empty;
+  };
+  static constexpr int kSmemBytes = sizeof(SharedStorage);
+  static_assert(kSmemBytes <= forward_smem_bytes(kD), "tiles.hpp's shared-memory size is the planner's");
+
+  struct Params {
+    FwdParams p;
+    TmaQ tma_q;
+    TmaKV tma_k, tma_v;
+    int num_work;
+  };
+
+  static Params make_params(const FwdParams& p, int num_work) {
+    // Descriptors need a non-empty tensor; a call without keys loads nothing.
+    auto tensor = [&](const void* data, int rows, int heads) {
+      return make_tensor(make_gmem_ptr(static_cast<const Element*>(data)),
+                         make_layout(make_shape(max(rows, 1), p.d, heads),
+                                     make_stride(int64_t{heads} * p.d, _1{}, int64_t{p.d})));
+    };
+    return {p,
+            make_tma_copy(SM90_TMA_LOAD{}, tensor(p.q, p.tq, p.hq), LayoutQ{}, Shape<Int<kM>, Int<kD>>{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, tensor(p.k, p.tk, p.hkv), take<0, 2>(LayoutKV{}),
+                          Shape<Int<kN>, Int<kD>>{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, tensor(p.v, p.tk, p.hkv), take<0, 2>(LayoutKV{}),
+                          Shape<Int<kN>, Int<kD>>{}, _1{}),
+            num_work};
+  }
+
+  // One thread issues every load: Q once per work (after the consumers are done with the last one), then K and V of
+  // each item.
+  static __device__ __forceinline__ void produce(const Params& params, SharedStorage& shared, Pipeline& pipeline_k,
+                                                 Pipeline& pipeline_v) {
+    const FwdParams& p = params.p;
+    Tensor mQ = params.tma_q.get_tma_tensor(make_shape(max(p.tq, 1), p.d, p.hq));
+    Tensor mK = params.tma_k.get_tma_tensor(make_shape(max(p.tk, 1), p.d, p.hkv));
+    Tensor mV = params.tma_v.get_tma_tensor(make_shape(max(p.tk, 1), p.d, p.hkv));
+    Tensor sQ = make_tensor(make_smem_ptr(shared.q), LayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(shared.k), LayoutKV{});
+    Tensor sV = make_tensor(make_smem_ptr(shared.v), LayoutKV{});
+    PipelineState write_k = cutlass::make_producer_start_state<Pipeline>();
+    PipelineState write_v = cutlass::make_producer_start_state<Pipeline>();
+    int q_loads = 0;
+    for (int linear = blockIdx.x; linear < params.num_work; linear += gridDim.x) {
+      const WorkCoords at = detail::work_coords(linear, p.hq, p.list);
+      const TileInfo info = p.list.tiles[at.tile_index];
+      if (info.count == 0) continue;
+      const int kv_head = at.head / (p.hq / p.hkv);
+      Tensor gQ = local_tile(mQ(_, _, at.head), Shape<Int<kM>, Int<kD>>{}, make_coord(info.tile, 0));
+      Tensor gK = local_tile(mK(_, _, kv_head), Shape<Int<kN>, Int<kD>>{}, make_coord(_, 0));
+      Tensor gV = local_tile(mV(_, _, kv_head), Shape<Int<kN>, Int<kD>>{}, make_coord(_, 0));
+      auto [tQg, tQs] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      auto [tKg, tKs] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto [tVg, tVs] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+      if (q_loads > 0) shared.q_empty.wait((q_loads - 1) & 1);
+      shared.q_full.arrive_and_expect_tx(kM * kD * sizeof(Element));
+      copy(params.tma_q.with(reinterpret_cast<uint64_t&>(shared.q_full), 0), tQg, tQs);
+      ++q_loads;
+      for (int item = info.first; item < info.first + info.count; ++item) {
+        const int k_tile = p.list.items[item].k0 / kN;
+        pipeline_k.producer_acquire(write_k);
+        copy(params.tma_k.with(*pipeline_k.producer_get_barrier(write_k), 0), tKg(_, k_tile), tKs(_, write_k.index()));
+        ++write_k;
+        pipeline_v.producer_acquire(write_v);
+        copy(params.tma_v.with(*pipeline_v.producer_get_barrier(write_v), 0), tVg(_, k_tile), tVs(_, write_v.index()));
+        ++write_v;
+      }
+    }
+  }
+
+  static __device__ __forceinline__ void consume(const Params& params, SharedStorage& shared, Pipeline& pipeline_k,
+                                                 Pipeline& pipeline_v) {
+    const FwdParams& p = params.p;
+    const int thread = static_cast<int>(threadIdx.x) - 128;  // 0 .. 128 * kConsumers - 1
+    const int lane = thread % 32;
+    const int strip = thread / 32;  // this warp's 16 rows of the tile
+    MmaS mma_s;
+    MmaO mma_o;
+    auto thread_s = mma_s.get_thread_slice(thread);
+    auto thread_o = mma_o.get_thread_slice(thread);
+    Tensor tSrQ = thread_s.partition_fragment_A(make_tensor(make_smem_ptr(shared.q), LayoutQ{}));
+    Tensor tSrK = thread_s.partition_fragment_B(make_tensor(make_smem_ptr(shared.k), LayoutKV{}));
+    Tensor tOrV = thread_o.partition_fragment_B(make_tensor(make_smem_ptr(shared.v), LayoutVt{}));
+
+    const bool softcapped = p.softcap > 0.0f;
+    const float logit_scale = softcapped ? 1.0f : p.scale_log2;
+    // Lazy rescale (see online_softmax); max_logits needs the true maxima.
+    const float max_slack = p.max_logits == nullptr ? 8.0f / logit_scale : 0.0f;
+    PipelineState read_k, read_v;
+    int q_phase = 0;
+
+    for (int linear = blockIdx.x; linear < params.num_work; linear += gridDim.x) {
+      const WorkCoords at = detail::work_coords(linear, p.hq, p.list);
+      const TileInfo info = p.list.tiles[at.tile_index];
+      const int head = at.head;
+      const int row0 = info.tile * kM + strip * 16 + lane / 4;
+      Tensor tOrO = partition_fragment_C(mma_o, Shape<Int<kM>, Int<kD>>{});
+      clear(tOrO);
+      auto& acc = *reinterpret_cast<float(*)[kDBlocks][4]>(raw_pointer_cast(tOrO.data()));
+      float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+
+      // Softcap, mask and online softmax of one item's S; scale_old: how O must be rescaled.
+      auto softmax = [&](auto& tSrS, int item, float (&scale_old)[2]) {
+        auto& s = *reinterpret_cast<float(*)[kNBlocks][4]>(raw_pointer_cast(tSrS.data()));
+        if (softcapped) detail::softcap_logits(s, p);
+        const int flags = p.list.items[item].flags;
+        if (flags & detail::kWorkMasked) {
+          const WorkItem w = p.list.items[item];
+          const int k0 = w.k0 / kN * kN;
+          const KeyInterval keys[2] = {detail::item_keys(w, row0), detail::item_keys(w, row0 + 8)};
+          const bool all = detail::keeps_all(keys[0], k0, k0 + kN) && detail::keeps_all(keys[1], k0, k0 + kN);
+          if (!__all_sync(0xffffffffu, all)) detail::mask_cells(s, keys, k0, lane);
+        }
+        detail::online_softmax<kNBlocks, true>(s, row_max, row_sum, scale_old, logit_scale, max_slack);
+      };
+      auto rescale = [&](const float (&scale_old)[2]) {
+        if (!__any_sync(0xffffffffu, scale_old[0] != 1.0f || scale_old[1] != 1.0f)) return;
+#pragma unroll
+        for (int i = 0; i < kDBlocks; ++i) {
+          acc[i][0] *= scale_old[0];
+          acc[i][1] *= scale_old[0];
+          acc[i][2] *= scale_old[1];
+          acc[i][3] *= scale_old[1];
+        }
+      };
+
+      if (info.count > 0) {
+        shared.q_full.wait(q_phase);
+        q_phase ^= 1;
+        Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<kM>, Int<kN>>{});
+        Tensor rP = make_tensor<Element>(tSrS.layout());
+        Tensor tOrP = make_tensor(rP.data(), accumulator_as_a_operand(rP.layout()));
+        auto to_p = [&] {
+          CUTE_UNROLL
+          for (int i = 0; i < size(tSrS); ++i) rP(i) = static_cast<Element>(tSrS(i));
+        };
+        float scale_old[2];
+        pipeline_k.consumer_wait(read_k);
+        issue_gemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+        warpgroup_wait<0>();
+        pipeline_k.consumer_release(read_k);
+        ++read_k;
+        if (info.count == 1) shared.q_empty.arrive();
+        softmax(tSrS, info.first, scale_old);
+        to_p();
+        for (int item = info.first + 1; item < info.first + info.count; ++item) {
+          pipeline_k.consumer_wait(read_k);
+          issue_gemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+          pipeline_v.consumer_wait(read_v);
+          issue_gemm<false, true>(mma_o, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+          warpgroup_wait<1>();  // S of this item is ready; P V of the last one may still run
+          pipeline_k.consumer_release(read_k);
+          ++read_k;
+          if (item + 1 == info.first + info.count) shared.q_empty.arrive();
+          softmax(tSrS, item, scale_old);
+          warpgroup_wait<0>();
+          pipeline_v.consumer_release(read_v);
+          ++read_v;
+          rescale(scale_old);
+          to_p();
+        }
+        pipeline_v.consumer_wait(read_v);
+        issue_gemm<false, true>(mma_o, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+        warpgroup_wait<0>();
+        pipeline_v.consumer_release(read_v);
+        ++read_v;
+      }
+
+      float block_max = -INFINITY;
+      detail::finish_forward_rows<T, kDBlocks>(p, acc, row_max, row_sum, logit_scale, row0, head, lane, block_max);
+      detail::publish_max_logits(p, block_max, head, lane);
+    }
+  }
+};
+
+template <class Kernel>
+__global__ void __launch_bounds__(Kernel::kThreads, 1) forward_kernel(const __grid_constant__ typename Kernel::Params params) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  auto& shared = *reinterpret_cast<typename Kernel::SharedStorage*>(smem);
+  const int warp_group = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
+  if (threadIdx.x == 0) {
+    prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+    prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+    prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+    shared.q_full.init(1);
+    shared.q_empty.init(Kernel::kConsumers * 128);
+  }
+  typename Kernel::Pipeline::Params pipeline_params;
+  pipeline_params.transaction_bytes = Kernel::kN * Kernel::kDBlocks * 8 * sizeof(typename Kernel::Element);
+  pipeline_params.role = warp_group == 0 ? Kernel::Pipeline::ThreadCategory::Producer
+                                         : Kernel::Pipeline::ThreadCategory::Consumer;
+  pipeline_params.is_leader = threadIdx.x == 0;
+  pipeline_params.num_consumers = Kernel::kConsumers * 128;
+  typename Kernel::Pipeline pipeline_k(shared.pipeline_k, pipeline_params, Shape<_1, _1, _1>{});
+  typename Kernel::Pipeline pipeline_v(shared.pipeline_v, pipeline_params, Shape<_1, _1, _1>{});
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  if (warp_group == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Kernel::kProducerRegisters>();
+    if (threadIdx.x == 0) Kernel::produce(params, shared, pipeline_k, pipeline_v);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Kernel::kConsumerRegisters>();
+    Kernel::consume(params, shared, pipeline_k, pipeline_v);
+  }
+}
+
+template <class T, int kD>
+void launch_forward_kernel(const FwdParams& p, int sm_margin, cudaStream_t stream) {
+  using Kernel = ForwardKernel<T, kD>;
+  const int num_work = p.list.num_tiles * p.hq;
+  if (num_work == 0) return;
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const int usable = sms - sm_margin > 1 ? sms - sm_margin : 1;
+  const int grid = usable < num_work ? usable : num_work;
+  auto kernel = forward_kernel<Kernel>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);
+  kernel<<<grid, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(Kernel::make_params(p, num_work));
+  detail::check_launch("sm90 forward_kernel");
+}
+
+}  // namespace magi::cuda::sm90

@@ -1,0 +1,15 @@
+// Launchers of the Hopper kernel family (src/cuda/sm90/kernels/*.cu, built for sm_90a only). Host-only header.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda/params.hpp"
+
+namespace magi::cuda::sm90 {
+
+// The plan's forward list (tiles of kForwardTileQ x forward_tile_k(kD)) on a persistent grid of
+// (SMs - sm_margin) blocks. kDtype: detail::kBf16 / kFp16.
+template <int kDtype, int kD>
+void launch_forward(const detail::FwdParams& params, int sm_margin, cudaStream_t stream);
+
+}  // namespace magi::cuda::sm90
