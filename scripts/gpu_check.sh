@@ -8,7 +8,9 @@
 #                             [--skip-peers] [--quick]
 #   --quick: D=128 only in the benchmark, FlexAttention only on varlen causal.
 # Env: BUILD_DIR (default build-gpu), OUT (logs/CSV; default $BUILD_DIR/out), TESTS_REGEX (ctest -R) for the tests; not GTEST_FILTER,
-#   which the build's test discovery would obey too (an empty or narrow one lists no tests).
+#   which the build's test discovery would obey too (an empty or narrow one lists no tests); SANITIZE_FAMILIES
+#   (e.g. "ffa_sm90") for the sanitizers' kernel families (default: every family built), SANITIZE_FILTER their
+#   gtest filter.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=${BUILD_DIR:-$ROOT/build-gpu}
@@ -54,7 +56,7 @@ note "build ($ARCH): $(( $(date +%s) - t0 )) s"
 TEST_BIN="$BUILD/tests/cuda/flash_attention_test"
 if [ $RUN_TESTS = 1 ]; then
   t0=$(date +%s)
-  (cd "$BUILD" && ctest -L gpu -E "^(nccl_engine_gpu|dist_attn_gpu)$" -j"$(nproc)" --output-on-failure ${TESTS_REGEX:+-R "$TESTS_REGEX"}) > "$LOGS/tests.log" 2>&1  # multi-GPU tests: scripts/dist_gpu_check.sh
+  (cd "$BUILD" && ctest -L gpu -E "^(nccl_engine_gpu|dist_attn_gpu)$" -j"$(nproc)" --timeout 180 --output-on-failure ${TESTS_REGEX:+-R "$TESTS_REGEX"}) > "$LOGS/tests.log" 2>&1  # multi-GPU tests: scripts/dist_gpu_check.sh
   rc=$?
   grep -E "non-finite|must be exactly|\) > [0-9.e+-]+ |= [0-9.e+-]+ > [0-9.e+-]+|threw|differ" "$LOGS/tests.log" | cut -c1-420 | sort -u | head -30
   grep -E "\*\*\*Failed|Timeout" "$LOGS/tests.log" | head -30
@@ -68,15 +70,17 @@ if [ $RUN_SANITIZER = 1 ]; then
   # D 256 and both forward tiles: All/Features.MatchReference/d256_fp16, CudaBackend.ForwardTileChoicesMatchReference.
   small='CudaBackend.EmptyMaskGivesZerosAndMinusInf:CudaBackend.DeterministicModeSmallCase:All/Features.MatchReference/d40_bf16:All/Features.MatchReference/sink_sh'
   small+=':All/Features.MatchReference/d256_fp16:CudaBackend.ForwardTileChoicesMatchReference'
+  small=${SANITIZE_FILTER:-$small}
   # Once per forward kernel family (the suite's ctest runs are per family too); synccheck for the Hopper one's
   # mbarrier pipelines and named barriers.
   families=(ffa_sm80)
   grep -q "sm_90a kernels with CUTLASS" "$LOGS/configure.log" && families+=(ffa_sm90)
+  [ -n "${SANITIZE_FAMILIES:-}" ] && read -r -a families <<< "$SANITIZE_FAMILIES"
   for family in "${families[@]}"; do
     tools=(memcheck racecheck)
     [ $family = ffa_sm90 ] && tools+=(synccheck)
     for tool in "${tools[@]}"; do
-      MAGI_ATTENTION_KERNEL_BACKEND=$family compute-sanitizer --tool $tool --error-exitcode 9 "$TEST_BIN" \
+      MAGI_ATTENTION_KERNEL_BACKEND=$family timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 "$TEST_BIN" \
         --gtest_filter="$small" > "$LOGS/$tool.$family.log" 2>&1
       note "$tool ($family): rc $? ($(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$LOGS/$tool.$family.log" | tail -1))"
     done

@@ -2,9 +2,10 @@
 // and V tiles into swizzled shared memory with TMA (K and V in mbarrier pipelines of kForwardStages stages), and
 // two consumers of 64 q rows each that run S = Q K^T (wgmma, both operands in shared memory) and O += P V (P from
 // registers). A consumer issues the next item's Q K^T before its P V of the current one and computes the softmax
-// while both run. The grid is persistent: block b takes works b, b + grid, ... of the plan's order (heavy tiles
-// first), so both roles know the sequence without talking. Masking, softcap, the online softmax and the epilogue
-// (sink, merge with a previous result, lse, max_logits) are the portable family's (src/cuda/forward_common.cuh).
+// while both run; the two consumers take turns to issue (ping-pong), so the tensor cores serve one while the other
+// computes its softmax. The grid is persistent, fed by the producer (WorkRing). Masking, softcap, the online
+// softmax and the epilogue (sink, merge with a previous result, lse, max_logits) are the portable family's
+// (src/cuda/forward_common.cuh).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -63,15 +64,53 @@ __device__ __forceinline__ void issue_gemm(Mma& mma, TA& a, const TB& b, TC& c) 
   if constexpr (kRegistersA) warpgroup_fence_operand(a);
 }
 
+// The persistent schedule: the producer claims work indices from the launch's counter (block b starts with work b,
+// then takes the next unclaimed one, so the plan's order, heavy tiles first, is kept and a block that finishes early
+// takes more) and hands each to the consumers through a two-slot ring in shared memory. An index past the last
+// work ends the block. Every work is computed the same way whichever block takes it.
+struct WorkRing {
+  int slot[2];
+  cutlass::arch::ClusterBarrier full[2], empty[2];
+
+  __device__ void init(int consumer_threads) {
+    for (int s = 0; s < 2; ++s) {
+      full[s].init(1);
+      empty[s].init(consumer_threads);
+    }
+  }
+  // Producer: the n-th work of this block (n = 0, 1, ...), published for the consumers.
+  __device__ int publish(int n, int32_t* counter) {
+    const int s = n & 1;
+    if (n >= 2) empty[s].wait(((n >> 1) - 1) & 1);
+    const int linear = n == 0 ? static_cast<int>(blockIdx.x) : atomicAdd(counter, 1) + static_cast<int>(gridDim.x);
+    slot[s] = linear;
+    full[s].arrive();
+    return linear;
+  }
+  // Consumers: the n-th work of this block.
+  __device__ int take(int n) {
+    const int s = n & 1;
+    full[s].wait((n >> 1) & 1);
+    const int linear = slot[s];
+    empty[s].arrive();
+    return linear;
+  }
+};
+
 template <class T, int kD>
 struct ForwardKernel {
   using Element = typename CuteElement<T>::type;
-  static constexpr int kM = kForwardTileQ, kN = forward_tile_k(kD), kStages = kForwardStages;
+  static constexpr int kM = kForwardTileQ, kN = forward_tile_k(kD), kStages = forward_stages(kD);
   static constexpr int kConsumers = 2;  // warpgroups of kM / kConsumers rows
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kNBlocks = kN / 8, kDBlocks = kD / 8;
-  // Registers per thread after the producer gives its share to the consumers (setmaxnreg).
-  static constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
+  // Registers per thread after the producer gives its share to the consumers (setmaxnreg). The consumers' increase
+  // waits until the producer's decrease frees enough of the launch's 168 per thread, so the sum must fit (else the
+  // kernel hangs). The producer spills below 56 (D 128, nvcc 13); D 256's consumers spill least at 232.
+  static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
+  static constexpr int kProducerRegisters = kD > 128 ? 40 : 56, kConsumerRegisters = kD > 128 ? 232 : 224;
+  static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= (kConsumers + 1) * kLaunchRegisters,
+                "setmaxnreg: the consumers would wait for registers forever");
 
   using AtomLayout = Layout<Shape<Int<kConsumers>, _1, _1>>;
   using MmaS = decltype(make_tiled_mma(
@@ -102,6 +141,7 @@ struct ForwardKernel {
     typename Pipeline::SharedStorage pipeline_k, pipeline_v;
     cutlass::arch::ClusterTransactionBarrier q_full;
     cutlass::arch::ClusterBarrier q_empty;
+    WorkRing work;
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= forward_smem_bytes(kD), "tiles.hpp's shared-memory size is the planner's");
@@ -143,7 +183,9 @@ struct ForwardKernel {
     PipelineState write_k = cutlass::make_producer_start_state<Pipeline>();
     PipelineState write_v = cutlass::make_producer_start_state<Pipeline>();
     int q_loads = 0;
-    for (int linear = blockIdx.x; linear < params.num_work; linear += gridDim.x) {
+    for (int n = 0;; ++n) {
+      const int linear = shared.work.publish(n, p.work_counter);
+      if (linear >= params.num_work) break;
       const WorkCoords at = detail::work_coords(linear, p.hq, p.list);
       const TileInfo info = p.list.tiles[at.tile_index];
       if (info.count == 0) continue;
@@ -176,6 +218,13 @@ struct ForwardKernel {
     const int thread = static_cast<int>(threadIdx.x) - 128;  // 0 .. 128 * kConsumers - 1
     const int lane = thread % 32;
     const int strip = thread / 32;  // this warp's 16 rows of the tile
+    const int group = thread / 128;  // this consumer warpgroup
+    // Ping-pong: the consumers take turns to issue their GEMMs (named barrier `group` says it is this one's turn),
+    // so that one's softmax runs while the tensor cores serve the other. Both walk the same items, so their
+    // turns alternate for the whole kernel; group 0 starts.
+    auto wait_turn = [&] { cutlass::arch::NamedBarrier::sync(128 * kConsumers, group); };
+    auto pass_turn = [&] { cutlass::arch::NamedBarrier::arrive(128 * kConsumers, group ^ 1); };
+    if (group == 1) pass_turn();
     MmaS mma_s;
     MmaO mma_o;
     auto thread_s = mma_s.get_thread_slice(thread);
@@ -191,7 +240,9 @@ struct ForwardKernel {
     PipelineState read_k, read_v;
     int q_phase = 0;
 
-    for (int linear = blockIdx.x; linear < params.num_work; linear += gridDim.x) {
+    for (int n = 0;; ++n) {
+      const int linear = shared.work.take(n);
+      if (linear >= params.num_work) break;
       const WorkCoords at = detail::work_coords(linear, p.hq, p.list);
       const TileInfo info = p.list.tiles[at.tile_index];
       const int head = at.head;
@@ -238,7 +289,9 @@ struct ForwardKernel {
         };
         float scale_old[2];
         pipeline_k.consumer_wait(read_k);
+        wait_turn();
         issue_gemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+        pass_turn();
         warpgroup_wait<0>();
         pipeline_k.consumer_release(read_k);
         ++read_k;
@@ -247,9 +300,11 @@ struct ForwardKernel {
         to_p();
         for (int item = info.first + 1; item < info.first + info.count; ++item) {
           pipeline_k.consumer_wait(read_k);
-          issue_gemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
           pipeline_v.consumer_wait(read_v);
+          wait_turn();
+          issue_gemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
           issue_gemm<false, true>(mma_o, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+          pass_turn();
           warpgroup_wait<1>();  // S of this item is ready; P V of the last one may still run
           pipeline_k.consumer_release(read_k);
           ++read_k;
@@ -262,7 +317,9 @@ struct ForwardKernel {
           to_p();
         }
         pipeline_v.consumer_wait(read_v);
+        wait_turn();
         issue_gemm<false, true>(mma_o, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+        pass_turn();
         warpgroup_wait<0>();
         pipeline_v.consumer_release(read_v);
         ++read_v;
@@ -286,6 +343,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1) forward_kernel(const __gr
     prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
     shared.q_full.init(1);
     shared.q_empty.init(Kernel::kConsumers * 128);
+    shared.work.init(Kernel::kConsumers * 128);
   }
   typename Kernel::Pipeline::Params pipeline_params;
   pipeline_params.transaction_bytes = Kernel::kN * Kernel::kDBlocks * 8 * sizeof(typename Kernel::Element);
@@ -319,6 +377,7 @@ void launch_forward_kernel(const FwdParams& p, int sm_margin, cudaStream_t strea
   const int grid = usable < num_work ? usable : num_work;
   auto kernel = forward_kernel<Kernel>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);
+  cudaMemsetAsync(p.work_counter, 0, sizeof(int32_t), stream);
   kernel<<<grid, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(Kernel::make_params(p, num_work));
   detail::check_launch("sm90 forward_kernel");
 }
