@@ -153,7 +153,7 @@ TEST_F(EnvParse, EnumRejectsOtherValuesNamingTheAllowedOnes) {
   unset("MAGI_ATTENTION_DSINK_ALL_REDUCE_OP");
   set("MAGI_ATTENTION_KERNEL_BACKEND", "cuda");
   EXPECT_EQ(validation_error(),
-            "MAGI_ATTENTION_KERNEL_BACKEND=cuda is invalid: allowed values are auto, ffa, sdpa");
+            "MAGI_ATTENTION_KERNEL_BACKEND=cuda is invalid: allowed values are auto, ffa, ffa_sm80, ffa_sm90, sdpa");
   set("MAGI_ATTENTION_KERNEL_BACKEND", "auto");
   set("MAGI_ATTENTION_LOG_LEVEL", "verbose");
   EXPECT_EQ(validation_error(),
