@@ -24,7 +24,7 @@
 
 #include "comm/nccl_communicator.hpp"
 #include "comm/nccl_local_launch.hpp"
-#include "cuda/launch.hpp"
+#include "cuda/small_kernels.hpp"
 #include "distributed/comm_plan.hpp"
 #include "distributed/cost_model.hpp"
 #include "distributed/dispatch.hpp"

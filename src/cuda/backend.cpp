@@ -2,163 +2,26 @@
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
-#include <climits>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <map>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "cuda/check.hpp"
-#include "cuda/launch.hpp"
 #include "cuda/params.hpp"
+#include "cuda/plan/plan.hpp"
+#include "cuda/sm80/launch.hpp"
+#include "cuda/sm80/tiles.hpp"
 #include "cuda/sm90/launch.hpp"
-#include "cuda/sm90/tiles.hpp"
+#include "cuda/small_kernels.hpp"
 #include "magi/error.hpp"
-#include "mask/tiling.hpp"
 
 namespace magi::cuda {
 
-using detail::DeviceList;
-using detail::WorkItem;
-
 namespace {
 
-constexpr int kCompiledTiles[] = {
-#if MAGI_CUDA_HEAD_DIM_64
-    64,
-#endif
-#if MAGI_CUDA_HEAD_DIM_128
-    128,
-#endif
-#if MAGI_CUDA_HEAD_DIM_256
-    256,
-#endif
-    0};
-
-int padded_head_dim(int32_t d) {
-  for (int tile : kCompiledTiles)
-    if (tile != 0 && d <= tile) return tile;
-  return 0;
-}
-
-// Host form of one list before upload.
-struct HostList {
-  std::vector<detail::TileInfo> tiles;  // heaviest first, then grouped (group_tiles_sharing_data)
-  std::vector<WorkItem> items;
-};
-
-// The test groups of a masked item of a k-major list (WorkFlags; the dk/dv kernels read them): each 16-key
-// group of its k tile is tested against the item's q chunk [q_chunk0, q_chunk0 + chunk) with the mask's own
-// kept_queries; the bit is set unless the group keeps every cell of the chunk.
-int32_t test_groups(const Slice& s, const tiling::TileWork& w, int64_t k_tile0, int32_t tile, int64_t q_chunk0,
-                    int32_t chunk) {
-  int32_t bits = 0;
-  for (int32_t g = 0; g < tile / 16; ++g) {
-    for (int64_t k = k_tile0 + g * 16; k < k_tile0 + (g + 1) * 16; ++k) {
-      Range kept{0, 0};
-      if (k >= w.k.start && k < w.k.end) kept = kept_queries(s, static_cast<int32_t>(k));
-      if (std::max(kept.start, w.q.start) > q_chunk0 || std::min(kept.end, w.q.end) < q_chunk0 + chunk) {
-        bits |= 1 << g;
-        break;
-      }
-    }
-  }
-  return bits;
-}
-
-// Tiles whose items all start at one minor index (or all end at one) read that data from the same place on:
-// the q tiles of a causal document all read keys from the document's first one. Blocks running together share
-// it in L2 only if such tiles are taken together, which heaviest-first scatters (their item counts differ):
-// groups in the order of their heaviest tile, heaviest first inside a group. Whichever of the two endpoints
-// makes fewer groups is used; a tile whose ends are shared with no other stays where it was.
-void group_tiles_sharing_data(HostList& list, bool q_major) {
-  const size_t n = list.tiles.size();
-  std::vector<std::pair<int32_t, int32_t>> ends(n, {-1, -1});  // (smallest minor start, largest minor end)
-  for (size_t i = 0; i < n; ++i) {
-    const detail::TileInfo& t = list.tiles[i];
-    if (t.count == 0) continue;
-    int32_t lo = INT32_MAX, hi = INT32_MIN;
-    for (int32_t j = t.first; j < t.first + t.count; ++j) {
-      const WorkItem& w = list.items[static_cast<size_t>(j)];
-      lo = std::min(lo, q_major ? w.k0 : w.q0);
-      hi = std::max(hi, q_major ? w.k1 : w.q1);
-    }
-    ends[i] = {lo, hi};
-  }
-  auto group_order = [&](bool by_start) {
-    std::map<int32_t, size_t> first_of;  // endpoint -> position of its heaviest tile (the first in the list)
-    std::vector<size_t> key(n);
-    for (size_t i = 0; i < n; ++i) {
-      if (list.tiles[i].count == 0) { key[i] = i; continue; }
-      key[i] = first_of.try_emplace(by_start ? ends[i].first : ends[i].second, i).first->second;
-    }
-    return std::make_pair(first_of.size(), key);
-  };
-  auto [starts, by_start] = group_order(true);
-  auto [finishes, by_end] = group_order(false);
-  const std::vector<size_t>& key = starts <= finishes ? by_start : by_end;
-  std::vector<size_t> order(n);
-  for (size_t i = 0; i < n; ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return key[a] < key[b]; });
-  std::vector<detail::TileInfo> grouped;
-  grouped.reserve(n);
-  for (size_t i : order) grouped.push_back(list.tiles[i]);
-  list.tiles = std::move(grouped);
-}
-
-// Converts a tiling list; `q_major` says whether the major axis is q. A rectangle is unmasked only when
-// it covers its whole tile x tile block and every cell is kept.
-HostList convert(const Mask& mask, const tiling::TileLists& lists, bool q_major) {
-  if (!q_major && (lists.tile_major % 16 != 0 || lists.tile_major / 16 > 31 - detail::kWorkTestGroupShift))
-    throw Error("cuda plan: major tile " + std::to_string(lists.tile_major) + " is not whole 16-row groups");
-  HostList out;
-  const int64_t tiles = lists.num_tiles();
-  out.items.reserve(lists.items.size());
-  for (int64_t t = 0; t < tiles; ++t) {
-    for (int64_t i = lists.offsets[t]; i < lists.offsets[t + 1]; ++i) {
-      const tiling::TileWork& w = lists.items[static_cast<size_t>(i)];
-      const Slice& s = mask.slices[static_cast<size_t>(w.slice)];
-      WorkItem item{};
-      item.q0 = w.q.start;
-      item.q1 = w.q.end;
-      item.k0 = w.k.start;
-      item.k1 = w.k.end;
-      item.causal_offset = s.k.end - s.q.end;
-      item.inv_offset = s.k.start - s.q.start;
-      if (s.type == MaskType::Causal || s.type == MaskType::BiCausal) item.flags |= detail::kWorkCausal;
-      if (s.type == MaskType::InvCausal || s.type == MaskType::BiCausal) item.flags |= detail::kWorkInv;
-      const int32_t major = lists.tile_major;
-      const int32_t minor = lists.tile_minor;
-      const Range mj = q_major ? w.q : w.k;
-      const Range mn = q_major ? w.k : w.q;
-      const int64_t mj0 = t * major;
-      const int64_t mn0 = int64_t{mn.start} / minor * minor;
-      const bool covers = mj.start == mj0 && mj.end == mj0 + major && mn.start == mn0 && mn.end == mn0 + minor;
-      if (w.needs_mask || !covers) {
-        item.flags |= detail::kWorkMasked;
-        if (!q_major) item.flags |= test_groups(s, w, mj0, major, mn0, minor) << detail::kWorkTestGroupShift;
-      }
-      out.items.push_back(item);
-    }
-  }
-  for (int64_t t = 0; t < tiles; ++t) {
-    const auto first = static_cast<int32_t>(lists.offsets[t]);
-    const auto count = static_cast<int32_t>(lists.offsets[t + 1] - lists.offsets[t]);
-    const WorkItem* item = count > 0 ? &out.items[static_cast<size_t>(first)] : nullptr;
-    out.tiles.push_back({static_cast<int32_t>(t), first, count, item == nullptr ? 0 : q_major ? item->k0 : item->q0});
-  }
-  // Heaviest tiles first so that the long ones start early; ties keep index order (deterministic).
-  std::stable_sort(out.tiles.begin(), out.tiles.end(),
-                   [](const detail::TileInfo& a, const detail::TileInfo& b) { return a.count > b.count; });
-  group_tiles_sharing_data(out, q_major);
-  return out;
-}
-
-size_t align_up(size_t n) { return (n + 255) / 256 * 256; }
 
 // MAGI_ATTENTION_PROFILE_MODE: CUDA events around a stage of one call, printed after a sync of the stream.
 class StageTimer {
@@ -205,52 +68,7 @@ class StageTimer {
   std::vector<Stage> stages_;
 };
 
-// Passes for a list's blocks (work_coords): as many heads per pass as fit their `head_bytes` each in half the
-// L2 (a divisor of `heads`); heavy tiles first, those that could end after everything else if they started in
-// the last pass (more items than a pass gives each of the `slots` resident blocks), moved to the front in the
-// list's order.
-struct PassOrder {
-  int32_t heads_per_pass, heavy_tiles;
-};
-PassOrder order_in_passes(HostList& list, int32_t heads, double head_bytes, int64_t l2_bytes, int64_t slots) {
-  int32_t per_pass = 1;
-  for (int32_t h = 1; h <= heads; ++h)
-    if (heads % h == 0 && h * head_bytes <= 0.5 * static_cast<double>(l2_bytes)) per_pass = h;
-  int64_t items = 0;
-  for (const detail::TileInfo& t : list.tiles) items += t.count;
-  const double pass_share = static_cast<double>(items) * per_pass / static_cast<double>(slots);
-  const auto rest = std::stable_partition(list.tiles.begin(), list.tiles.end(),
-                                          [&](const detail::TileInfo& t) { return t.count > pass_share; });
-  return {per_pass, static_cast<int32_t>(rest - list.tiles.begin())};
-}
-
 }  // namespace
-
-struct Plan {
-  int32_t tq = 0, tk = 0, hq = 0, hkv = 0, d = 0, padded_d = 0, device = 0;
-  int32_t fwd_tile_q = 0;  // rows per forward block (the fwd list's major tile)
-  int32_t fwd_tile_k = 0;
-  KernelFamily fwd_family = KernelFamily::Sm80;
-  int32_t fwd_itemless_tiles = 0;  // q tiles without items: the last ones of the fwd order
-  int32_t smem_optin = 0;  // the device's per-block shared-memory limit (opt-in)
-  DeviceList fwd, dkdv, dq;
-  int64_t fwd_items = 0, dkdv_items = 0, dq_items = 0;
-  void* arena = nullptr;  // the lists, read-only after upload
-  size_t arena_bytes = 0;
-
-  Plan() = default;
-  Plan(const Plan&) = delete;
-  Plan& operator=(const Plan&) = delete;
-  ~Plan() {
-    if (arena != nullptr) {
-      int previous = 0;
-      cudaGetDevice(&previous);
-      cudaSetDevice(device);
-      cudaFree(arena);
-      cudaSetDevice(previous);
-    }
-  }
-};
 
 namespace {
 
@@ -337,166 +155,6 @@ int64_t workspace_bytes(const ForwardArgs&, const Options&) { return static_cast
 int64_t workspace_bytes(const BackwardArgs& a, const Options& o) {
   const int32_t padded = padded_head_dim(static_cast<int32_t>(a.q.shape[2]));
   return static_cast<int64_t>(backward_layout(a, padded, device_smem_optin(a.q.device.index), o.deterministic).total);
-}
-
-bool head_dim_supported(int32_t head_dim) {
-  return head_dim > 0 && head_dim % 8 == 0 && padded_head_dim(head_dim) != 0;
-}
-
-bool sm90_forward_available(int32_t head_dim, int32_t device) {
-#if MAGI_CUDA_SM90
-  if (!head_dim_supported(head_dim)) return false;
-  int major = 0, minor = 0, smem = 0;
-  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
-  check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute");
-  check(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), "cudaDeviceGetAttribute");
-  return major == 9 && minor == 0 && sm90::forward_smem_bytes(padded_head_dim(head_dim)) <= smem;
-#else
-  (void)head_dim;
-  (void)device;
-  return false;
-#endif
-}
-
-
-std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads_kv, int32_t head_dim,
-                                int32_t device, const PlanTuning& tuning) {
-  if (!head_dim_supported(head_dim)) {
-    std::string tiles;
-    for (int t : kCompiledTiles)
-      if (t != 0) tiles += (tiles.empty() ? "" : ", ") + std::to_string(t);
-    throw NotAvailable("cuda backend: head dim " + std::to_string(head_dim) +
-                       " has no compiled kernel (this build: multiples of 8 up to the tiles " + tiles +
-                       "; see MAGI_ATTN_CUDA_HEAD_DIMS)");
-  }
-  // The backward addresses a 64-row chunk of dq with 32-bit offsets.
-  constexpr int64_t kMaxRowElements = (int64_t{1} << 31) / detail::kDkdvTileQ;
-  if (int64_t{heads_q} * head_dim >= kMaxRowElements)
-    throw InvalidArgument("cuda plan: heads_q * head_dim = " + std::to_string(int64_t{heads_q} * head_dim) +
-                          " is too large (allowed: < " + std::to_string(kMaxRowElements) + ")");
-  auto plan = std::make_shared<Plan>();
-  plan->tq = mask.total_q;
-  plan->tk = mask.total_k;
-  plan->hq = heads_q;
-  plan->hkv = heads_kv;
-  plan->d = head_dim;
-  plan->padded_d = padded_head_dim(head_dim);
-  plan->device = device;
-
-  DeviceGuard guard(device);
-  check(cudaDeviceGetAttribute(&plan->smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
-        "cudaDeviceGetAttribute");
-  int l2_bytes = 0, sms = 0;
-  check(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device), "cudaDeviceGetAttribute");
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-
-  const bool sm90 = tuning.forward_family != KernelFamily::Sm80 && sm90_forward_available(head_dim, device);
-  if (tuning.forward_family == KernelFamily::Sm90 && !sm90)
-    throw NotAvailable("cuda plan: the Hopper (sm_90a) forward is not available here (it needs a build for 90a "
-                       "with the CUTLASS headers and a device of compute capability 9.0; allowed families "
-                       "here: auto, sm80)");
-  plan->fwd_family = sm90 ? KernelFamily::Sm90 : KernelFamily::Sm80;
-  const int small_q = sm90 ? sm90::kForwardTileQ : detail::kFwdSmallTileQ;
-  const int large_q = sm90 ? sm90::kForwardTileQ
-                      : detail::fwd_smem_bytes(plan->padded_d, detail::kFwdTileQ) <= plan->smem_optin
-                          ? detail::kFwdTileQ
-                          : small_q;
-  if (tuning.forward_tile_q != 0 && tuning.forward_tile_q != large_q && tuning.forward_tile_q != small_q)
-    throw InvalidArgument("cuda plan: forward_tile_q " + std::to_string(tuning.forward_tile_q) +
-                          " is not available at head dim " + std::to_string(head_dim) +
-                          " on this device (allowed: 0, " +
-                          std::to_string(small_q) + (large_q != small_q ? ", " + std::to_string(large_q) : "") +
-                          ")");
-  auto forward_tiles = [&](int q) {
-    return tiling::by_q_tile(mask, q, sm90 ? sm90::forward_tile_k(plan->padded_d) : detail::fwd_tile_k(plan->padded_d, q));
-  };
-  int fwd_q = tuning.forward_tile_q != 0 ? tuning.forward_tile_q : large_q;
-  tiling::TileLists fwd_tiles = forward_tiles(fwd_q);
-  if (tuning.forward_tile_q == 0 && large_q != small_q) {
-    tiling::TileLists small = forward_tiles(small_q);
-    if (detail::prefer_small_forward_tile(static_cast<double>(fwd_tiles.computed_cells()),
-                                          static_cast<double>(small.computed_cells()))) {
-      fwd_q = small_q;
-      fwd_tiles = std::move(small);
-    }
-  }
-  const int fwd_k = fwd_tiles.tile_minor;
-  plan->fwd_tile_q = fwd_q;
-  plan->fwd_tile_k = fwd_k;
-  const HostList fwd = convert(mask, fwd_tiles, true);
-  for (const detail::TileInfo& t : fwd.tiles) plan->fwd_itemless_tiles += t.count == 0;
-  HostList dkdv =
-      convert(mask, tiling::by_k_tile(mask, detail::dkdv_tile_k(plan->padded_d), detail::kDkdvTileQ), false);
-  // The dk/dv kernel (one block per SM) in passes of kv heads sharing their group's Q, dO and fp32 dq accumulator
-  // in L2: varlen causal backward +7% (H100). The forward lost 2-5% in passes (causal, sliding window, shared
-  // question) and keeps one.
-  const double group_bytes = 8.0 * (plan->hq / plan->hkv) * plan->tq * plan->padded_d;
-  const PassOrder dkdv_passes = order_in_passes(dkdv, plan->hkv, group_bytes, l2_bytes, sms);
-  const int dq_k = detail::dq_tile_k(plan->padded_d);
-  const int dq_q = detail::dq_tile_q(plan->padded_d);
-  const bool dq_shared = dq_k == fwd_k && dq_q == fwd_q;
-  HostList dq_own;
-  if (!dq_shared) dq_own = convert(mask, tiling::by_q_tile(mask, dq_q, dq_k), true);
-  const HostList& dq = dq_shared ? fwd : dq_own;
-
-  // One upload: [lists...].
-  std::vector<unsigned char> staging;
-  auto append = [&](const void* data, size_t bytes) {
-    const size_t at = align_up(staging.size());
-    staging.resize(at + bytes);
-    if (bytes) std::memcpy(staging.data() + at, data, bytes);
-    return at;
-  };
-  struct Offsets {
-    size_t tiles, items;
-  };
-  auto append_list = [&](const HostList& l) {
-    return Offsets{append(l.tiles.data(), l.tiles.size() * sizeof(detail::TileInfo)),
-                   append(l.items.data(), l.items.size() * sizeof(WorkItem))};
-  };
-  const Offsets o_fwd = append_list(fwd);
-  const Offsets o_dkdv = append_list(dkdv);
-  const Offsets o_dq = dq_shared ? o_fwd : append_list(dq_own);
-  const size_t total = std::max<size_t>(staging.size(), 1);
-
-  check(cudaMalloc(&plan->arena, total), "cudaMalloc (plan)");
-  plan->arena_bytes = total;
-  if (!staging.empty())
-    check(cudaMemcpy(plan->arena, staging.data(), staging.size(), cudaMemcpyHostToDevice), "cudaMemcpy (plan)");
-  auto* base = static_cast<unsigned char*>(plan->arena);
-  auto make_list = [&](const HostList& l, const Offsets& o, PassOrder passes) {
-    DeviceList d;
-    d.tiles = reinterpret_cast<const detail::TileInfo*>(base + o.tiles);
-    d.items = reinterpret_cast<const WorkItem*>(base + o.items);
-    d.num_tiles = static_cast<int32_t>(l.tiles.size());
-    d.heads_per_pass = passes.heads_per_pass;
-    d.heavy_tiles = passes.heavy_tiles;
-    return d;
-  };
-  // The forward and dq lists run as one pass: every head of a tile in turn, in the list's order.
-  plan->fwd = make_list(fwd, o_fwd, {plan->hq, 0});
-  plan->dkdv = make_list(dkdv, o_dkdv, dkdv_passes);
-  plan->dq = make_list(dq, o_dq, {plan->hq, 0});
-  plan->fwd_items = static_cast<int64_t>(fwd.items.size());
-  plan->dkdv_items = static_cast<int64_t>(dkdv.items.size());
-  plan->dq_items = static_cast<int64_t>(dq.items.size());
-  return plan;
-}
-
-PlanStats stats(const Plan& plan) {
-  PlanStats s;
-  s.padded_head_dim = plan.padded_d;
-  s.forward_tile_q = plan.fwd_tile_q;
-  s.forward_tile_k = plan.fwd_tile_k;
-  s.forward_family = plan.fwd_family;
-  s.forward_items = plan.fwd_items;
-  s.dkdv_items = plan.dkdv_items;
-  s.dq_items = plan.dq_items;
-  s.forward_tiles = plan.fwd.num_tiles;
-  s.dkdv_tiles = plan.dkdv.num_tiles;
-  s.dq_tiles = plan.dq.num_tiles;
-  s.device_bytes = static_cast<int64_t>(plan.arena_bytes);
-  return s;
 }
 
 namespace {

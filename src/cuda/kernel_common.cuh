@@ -1,5 +1,6 @@
-// Warp-level building blocks of the portable kernels: sm_80 tensor-core instructions (mma.sync
-// m16n8k16, ldmatrix, cp.async) and the swizzled shared-memory tile layout they read.
+// Device building blocks shared by the kernel families: exp2, the online softmax, a row's kept keys of a work item,
+// float atomics, and the stores of accumulator rows in the mma fragment layout (mma.sync and wgmma alike). The
+// portable family's sm_80 instructions are in src/cuda/sm80/mma.cuh.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -27,185 +28,50 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// 16-byte asynchronous copy; `valid` false writes zeros (src-size 0, nothing is read).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  const int bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 template <class T>
-struct Mma;
-
+__device__ __forceinline__ T from_float(float x);
 template <>
-struct Mma<__nv_bfloat16> {
-  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-  static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-  static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
-};
-
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 template <>
-struct Mma<__half> {
-  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-  static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-  static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
-};
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 
-// A tile of kRows x kCols 16-bit values, row-major, 16-byte chunks XOR-swizzled by (row % 8) so that the
-// 8 row addresses of one ldmatrix phase hit 8 different bank groups. kCols is a multiple of 64.
-template <int kCols>
-struct Swizzled {
-  static_assert(kCols % 64 == 0, "swizzle needs at least 8 chunks of 16 bytes per row");
-  static __device__ __forceinline__ uint32_t offset(int row, int col) {  // bytes; col multiple of 8
-    const int chunk = (col >> 3) ^ (row & 7);
-    return static_cast<uint32_t>(row * kCols * 2 + chunk * 16);
-  }
-  // Element offset (bytes) for any column.
-  static __device__ __forceinline__ uint32_t element(int row, int col) {
-    return offset(row, col & ~7) + (col & 7) * 2;
-  }
-};
+// Two floats as one 32-bit register of two 16-bit values (round to nearest), the first in the low half.
+template <class T>
+__device__ __forceinline__ uint32_t pack_pair(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack_pair<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack_pair<__half>(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
 
-// Per-thread ldmatrix addresses into a Swizzled<kCols> tile, with the XOR folded into 4 registers so that
-// every fragment address is base + compile-time immediate + sw[k % 4] (no per-fragment index math, few
-// registers). The thread supplies the tile row it addresses (row % 8 == lane % 8 in every ldmatrix
-// pattern used here) and its first 16-byte chunk (even chunk + the pattern's chunk bit).
-template <int kCols>
-struct FragAddr {
-  uint32_t base;
-  uint32_t sw[4];
-  __device__ __forceinline__ FragAddr(uint32_t tile, int thread_row, int chunk0) {
-    base = tile + static_cast<uint32_t>(thread_row * kCols * 2);
-    const int r = thread_row & 7;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) sw[j] = static_cast<uint32_t>(((chunk0 + 2 * j) ^ r) * 16);
-  }
-  // Fragment for tile rows + row_offset (a multiple of 8, compile-time) and columns [16k, 16k + 16).
-  __device__ __forceinline__ uint32_t at(int row_offset, int k) const {
-    return base + row_offset * kCols * 2 + (k / 4) * 128 + sw[k % 4];
-  }
-};
-
-// Copies rows [0, kRows) x cols [0, kCols) of a strided global tile into a swizzled shared tile.
-// Rows >= rows_valid and columns >= cols_valid become zeros. `fallback` is any valid global address.
-// When each pass of the threads covers a multiple of 8 whole rows, a thread keeps its column chunk and its
-// row's swizzle in every pass: its addresses are one base + a pass immediate (few live registers).
-template <int kRows, int kCols, int kThreads, class T>
-__device__ __forceinline__ void load_tile_async(uint32_t smem, const T* global, int64_t row_stride, int rows_valid,
-                                                int cols_valid, const T* fallback) {
-  constexpr int kChunksPerRow = kCols / 8;
-  constexpr int kTotal = kRows * kChunksPerRow;
-  static_assert(kTotal % kThreads == 0, "tile must divide evenly among threads");
-  if constexpr (kThreads % kChunksPerRow == 0 && (kThreads / kChunksPerRow) % 8 == 0) {
-    constexpr int kRowsPerPass = kThreads / kChunksPerRow;
-    const int row0 = static_cast<int>(threadIdx.x) / kChunksPerRow;
-    const int col = (static_cast<int>(threadIdx.x) % kChunksPerRow) * 8;
-    const uint32_t dst = smem + Swizzled<kCols>::offset(row0, col);
-    const T* src = global + row0 * row_stride + col;
-    const bool col_valid = col < cols_valid;
-#pragma unroll
-    for (int i = 0; i < kTotal / kThreads; ++i) {
-      const bool valid = col_valid && row0 + i * kRowsPerPass < rows_valid;
-      cp_async16(dst + i * kRowsPerPass * kCols * 2, valid ? src + i * kRowsPerPass * row_stride : fallback, valid);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < kTotal / kThreads; ++i) {
-      const int index = i * kThreads + static_cast<int>(threadIdx.x);
-      const int row = index / kChunksPerRow;
-      const int col = (index % kChunksPerRow) * 8;
-      const bool valid = row < rows_valid && col < cols_valid;
-      const T* src = valid ? global + row * row_stride + col : fallback;
-      cp_async16(smem + Swizzled<kCols>::offset(row, col), src, valid);
-    }
+// The persistent grids' schedule: block b starts with work b, then claims the next unclaimed index from the launch's
+// counter (zeroed before it), so the plan's order (heavy tiles first) is kept and blocks balance dynamically. Each
+// work is computed the same way whichever block takes it, so results do not depend on the schedule.
+__device__ __forceinline__ int first_work_index() { return static_cast<int>(blockIdx.x); }
+__device__ __forceinline__ int claim_work_index(int32_t* counter) {
+  return atomicAdd(counter, 1) + static_cast<int>(gridDim.x);
+}
+// The loop of a block whose threads all run each work (body(linear)); the next work may reuse shared memory.
+template <class Body>
+__device__ __forceinline__ void for_each_work(int num_work, int32_t* counter, Body&& body) {
+  __shared__ int next_work;
+  int linear = first_work_index();
+  while (linear < num_work) {
+    body(linear);
+    if (threadIdx.x == 0) next_work = claim_work_index(counter);
+    __syncthreads();
+    linear = next_work;
+    __syncthreads();
   }
 }
 
-// load_tile_async for a loop that loads many tiles of one tensor with one row stride: the thread's offsets
-// are computed once, so each tile costs one pointer add plus a compare and a 64-bit add per pass (the
-// backward's Q/dO loads were ~150 instructions per thread and chunk).
-template <int kRows, int kCols, int kThreads>
-struct TileLoader {
-  static constexpr int kChunksPerRow = kCols / 8;
-  static constexpr int kRowsPerPass = kThreads / kChunksPerRow;
-  static constexpr int kPasses = kRows / kRowsPerPass;
-  static_assert(kThreads % kChunksPerRow == 0 && kRowsPerPass % 8 == 0 && kRows % kRowsPerPass == 0,
-                "each pass must cover whole groups of 8 rows");
-  int64_t thread_offset;  // elements: this thread's row and column within any tile
-  uint32_t dst_offset;    // bytes into the swizzled shared tile
-  int row0;               // this thread's row in pass 0; rows beyond cols_valid are marked by row0 = kRows
-  __device__ __forceinline__ TileLoader(int64_t row_stride, int cols_valid) {
-    const int tid = static_cast<int>(threadIdx.x);
-    const int col = (tid % kChunksPerRow) * 8;
-    row0 = col < cols_valid ? tid / kChunksPerRow : kRows;
-    thread_offset = (tid / kChunksPerRow) * row_stride + col;
-    dst_offset = Swizzled<kCols>::offset(tid / kChunksPerRow, col);
-  }
-  // Rows >= rows_valid become zeros; `fallback` is any valid global address.
-  template <class T>
-  __device__ __forceinline__ void issue(uint32_t smem, const T* tile, int64_t row_stride, int rows_valid,
-                                        const T* fallback) const {
-    const T* src = tile + thread_offset;
-#pragma unroll
-    for (int i = 0; i < kPasses; ++i) {
-      const bool valid = row0 + i * kRowsPerPass < rows_valid;
-      cp_async16(smem + dst_offset + i * kRowsPerPass * kCols * 2, valid ? src : fallback, valid);
-      src += kRowsPerPass * row_stride;
-    }
-  }
-};
-
-// Calls f(std::integral_constant<unsigned, set>) for the run-time set `active` (bit i: m-tile i) of a warp's
-// kCount m-tiles, so that f's loops know at compile time which m-tiles run; the empty set calls nothing.
-template <int kCount, class F>
-__device__ __forceinline__ void for_active_set(unsigned active, F&& f) {
-  static_assert(kCount == 1 || kCount == 2, "one or two m-tiles per warp");
-  if constexpr (kCount == 1) {
-    if (active == 1u) f(std::integral_constant<unsigned, 1u>{});
-  } else {
-    if (active == 3u) f(std::integral_constant<unsigned, 3u>{});
-    else if (active == 1u) f(std::integral_constant<unsigned, 1u>{});
-    else if (active == 2u) f(std::integral_constant<unsigned, 2u>{});
-  }
-}
-
-// Keys [lo, hi) that a work item keeps for row q (kept_keys restricted to the item's rectangle); an empty
-// interval for rows outside it. Computed once per row so that the per-element test is two compares.
 // One online-softmax step for this lane's two rows (r = 0: row0, r = 1: row0 + 8) of a strip of kNBlocks 8-column
 // blocks of logits s (the mma fragment layout: s[i][2 r + c], column 8 i + 2 (lane % 4) + c), raw or in log2 units
 // (softcapped): new row maxima (with kLazy, a row keeps its stale maximum until a logit exceeds it by more than
@@ -332,7 +198,7 @@ __device__ __forceinline__ void store_row_blocks(void* base, int64_t index, cons
     } else {
       uint32_t e[4][1];
 #pragma unroll
-      for (int b = 0; b < 4; ++b) e[b][0] = Mma<T>::pack(acc[4 * g + b][2 * r] * scale, acc[4 * g + b][2 * r + 1] * scale);
+      for (int b = 0; b < 4; ++b) e[b][0] = pack_pair<T>(acc[4 * g + b][2 * r] * scale, acc[4 * g + b][2 * r + 1] * scale);
       quad_transpose<1>(e, lane);
       if (write)
         *reinterpret_cast<uint4*>(static_cast<T*>(base) + index + col) = make_uint4(e[0][0], e[1][0], e[2][0], e[3][0]);
@@ -345,7 +211,7 @@ __device__ __forceinline__ void store_pair(void* base, int64_t index, float a, f
   if (fp32) {
     *reinterpret_cast<float2*>(static_cast<float*>(base) + index) = make_float2(a, b);
   } else {
-    *reinterpret_cast<uint32_t*>(static_cast<T*>(base) + index) = Mma<T>::pack(a, b);
+    *reinterpret_cast<uint32_t*>(static_cast<T*>(base) + index) = pack_pair<T>(a, b);
   }
 }
 

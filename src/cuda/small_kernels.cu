@@ -5,7 +5,7 @@
 #include "cuda/check.hpp"
 #include "cuda/elementwise.hpp"
 #include "cuda/kernel_common.cuh"
-#include "cuda/launch.hpp"
+#include "cuda/small_kernels.hpp"
 #include "magi/error.hpp"
 
 namespace magi::cuda::detail {
@@ -25,7 +25,7 @@ __device__ __forceinline__ float4 load4_as_float(const void* base, int64_t i, bo
   if (fp32) return *reinterpret_cast<const float4*>(static_cast<const float*>(base) + i);
   const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const T*>(base) + i);
   const T* h = reinterpret_cast<const T*>(&raw);
-  return make_float4(Mma<T>::to_float(h[0]), Mma<T>::to_float(h[1]), Mma<T>::to_float(h[2]), Mma<T>::to_float(h[3]));
+  return make_float4(to_float(h[0]), to_float(h[1]), to_float(h[2]), to_float(h[3]));
 }
 
 // One warp per (row, head), four columns per lane and step (D is a multiple of 8; the API asks 16-byte aligned
@@ -53,7 +53,7 @@ __global__ void preprocess_kernel(const PreprocessArgs a) {
     const float4 o = load4_as_float<T>(a.out, base + c, a.out_fp32);
     dot += g.x * o.x + g.y * o.y + g.z * o.z + g.w * o.w;
     if (a.dout16 != nullptr) {
-      T h[4] = {Mma<T>::from_float(g.x), Mma<T>::from_float(g.y), Mma<T>::from_float(g.z), Mma<T>::from_float(g.w)};
+      T h[4] = {from_float<T>(g.x), from_float<T>(g.y), from_float<T>(g.z), from_float<T>(g.w)};
       *reinterpret_cast<uint2*>(static_cast<T*>(a.dout16) + base + c) = *reinterpret_cast<const uint2*>(h);
     }
     if (a.dq_zero != nullptr) *reinterpret_cast<float4*>(a.dq_zero + base + c) = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -105,15 +105,15 @@ __global__ void convert_kernel(const float4* src, uint32_t* dst, int64_t n4) {
   const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   if (i >= n4) return;
   const float4 v = src[i];
-  dst[2 * i] = Mma<T>::pack(v.x, v.y);
-  dst[2 * i + 1] = Mma<T>::pack(v.z, v.w);
+  dst[2 * i] = pack_pair<T>(v.x, v.y);
+  dst[2 * i + 1] = pack_pair<T>(v.z, v.w);
 }
 
 // Any length and alignment: one element per thread.
 template <class T>
 __global__ void convert_scalar_kernel(const float* src, T* dst, int64_t n) {
   const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
-  if (i < n) dst[i] = Mma<T>::from_float(src[i]);
+  if (i < n) dst[i] = from_float<T>(src[i]);
 }
 
 __global__ void add_kernel(float* dst, const float* src, int64_t n) {

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "comm/group_collective.hpp"
-#include "cuda/params.hpp"
+#include "cuda/sm80/tiles.hpp"
 #include "distributed/band.hpp"
 #include "distributed/comm_plan.hpp"
 #include "distributed/dispatch.hpp"

@@ -7,7 +7,7 @@
 #include <limits>
 #include <random>
 
-#include "cuda/params.hpp"
+#include "cuda/sm80/tiles.hpp"
 #include "distributed/cost_model.hpp"
 #include "magi/error.hpp"
 #include "magi/flops.hpp"

@@ -64,10 +64,9 @@ __device__ __forceinline__ void issue_gemm(Mma& mma, TA& a, const TB& b, TC& c) 
   if constexpr (kRegistersA) warpgroup_fence_operand(a);
 }
 
-// The persistent schedule: the producer claims work indices from the launch's counter (block b starts with work b,
-// then takes the next unclaimed one, so the plan's order, heavy tiles first, is kept and a block that finishes early
-// takes more) and hands each to the consumers through a two-slot ring in shared memory. An index past the last
-// work ends the block. Every work is computed the same way whichever block takes it.
+// The persistent schedule of both families (first_work_index, claim_work_index), fed by the producer: it claims
+// the work indices and hands each to the consumers through a two-slot ring in shared memory. An index past the
+// last work ends the block.
 struct WorkRing {
   int slot[2];
   cutlass::arch::ClusterBarrier full[2], empty[2];
@@ -82,7 +81,7 @@ struct WorkRing {
   __device__ int publish(int n, int32_t* counter) {
     const int s = n & 1;
     if (n >= 2) empty[s].wait(((n >> 1) - 1) & 1);
-    const int linear = n == 0 ? static_cast<int>(blockIdx.x) : atomicAdd(counter, 1) + static_cast<int>(gridDim.x);
+    const int linear = n == 0 ? detail::first_work_index() : detail::claim_work_index(counter);
     slot[s] = linear;
     full[s].arrive();
     return linear;

@@ -1,5 +1,5 @@
 // Hopper forward, bf16, head dims up to 128.
-#include "cuda/launch.hpp"
+#include "cuda/small_kernels.hpp"
 #include "cuda/sm90/forward_kernel.cuh"
 #include "cuda/sm90/launch.hpp"
 

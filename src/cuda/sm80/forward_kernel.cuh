@@ -9,6 +9,8 @@
 
 #include "cuda/forward_common.cuh"
 #include "cuda/kernel_common.cuh"
+#include "cuda/sm80/mma.cuh"
+#include "cuda/sm80/tiles.hpp"
 
 namespace magi::cuda::detail {
 
@@ -303,24 +305,16 @@ __global__ void __launch_bounds__(FwdConfig<kD, kTileQ>::kThreads) forward_kerne
       p, static_cast<int>(blockIdx.x), smem);
 }
 
-// Persistent grid: block b starts with work b, then takes the next unclaimed index from a counter, so the
-// plan's order (heavy first) is kept and blocks balance dynamically. Each work index is computed the
-// same way whichever block takes it, so results do not depend on the schedule.
+// Persistent grid (for_each_work).
 // The minimum blocks per SM steer ptxas (nvcc 13, D 128): with an explicit 1, the 128-row kernel spilled 16
 // bytes instead of 132 (none now); the 64-row one keeps 3 resident blocks (168 registers) instead of 2 (198).
 template <class T, int kD, int kTileQ>
 __global__ void __launch_bounds__(FwdConfig<kD, kTileQ>::kThreads, FwdConfig<kD, kTileQ>::kMTiles == 1 && kD <= 128 ? 3 : 1)
     forward_kernel_persistent(const FwdParams p, int num_work) {
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ int next_work;
-  int linear = static_cast<int>(blockIdx.x);
-  while (linear < num_work) {
+  for_each_work(num_work, p.work_counter, [&](int linear) {
     forward_kernel_tile<T, kD, kTileQ, kUseWarpTests<kD, kTileQ, true>>(p, linear, smem);
-    if (threadIdx.x == 0) next_work = atomicAdd(p.work_counter, 1) + static_cast<int>(gridDim.x);
-    __syncthreads();  // also: the next work item reuses shared memory
-    linear = next_work;
-    __syncthreads();
-  }
+  });
 }
 
 // The plan's item-less q tiles (the last of its order, from `first` on), one block per (tile, head).

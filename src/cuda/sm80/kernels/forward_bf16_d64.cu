@@ -1,5 +1,5 @@
 // forward kernels, bf16, head dims up to 64.
-#include "cuda/kernels/launch_impl.cuh"
+#include "cuda/sm80/kernels/launch_impl.cuh"
 
 namespace magi::cuda::detail {
 template void launch_forward<kBf16, 64>(const FwdParams&, int, int, int, cudaStream_t);

@@ -12,6 +12,8 @@
 #include <type_traits>
 
 #include "cuda/kernel_common.cuh"
+#include "cuda/sm80/mma.cuh"
+#include "cuda/sm80/tiles.hpp"
 
 namespace magi::cuda::detail {
 
@@ -870,21 +872,11 @@ __global__ void __launch_bounds__(DkdvConfig<kD, kDq>::kThreads) dkdv_kernel(con
   dkdv_kernel_tile<T, kD, kDq>(p, static_cast<int>(blockIdx.x), smem);
 }
 
-// Persistent grid: block b starts with work b, then takes the next unclaimed index from a counter, so the
-// plan's order (heavy first) is kept and blocks balance dynamically. Each work index is computed the
-// same way whichever block takes it, so results do not depend on the schedule.
+// Persistent grid (for_each_work).
 template <class T, int kD, bool kDq>
 __global__ void __launch_bounds__(DkdvConfig<kD, kDq>::kThreads) dkdv_kernel_persistent(const BwdParams p, int num_work) {
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ int next_work;
-  int linear = static_cast<int>(blockIdx.x);
-  while (linear < num_work) {
-    dkdv_kernel_tile<T, kD, kDq>(p, linear, smem);
-    if (threadIdx.x == 0) next_work = atomicAdd(p.work_counter, 1) + static_cast<int>(gridDim.x);
-    __syncthreads();  // also: the next work item reuses shared memory
-    linear = next_work;
-    __syncthreads();
-  }
+  for_each_work(num_work, p.work_counter, [&](int linear) { dkdv_kernel_tile<T, kD, kDq>(p, linear, smem); });
 }
 
 // Plain grid (one block per work index; the hardware balances best when no SM margin is asked for).
@@ -894,21 +886,11 @@ __global__ void __launch_bounds__(DqConfig<kD>::kThreads) dq_kernel(const BwdPar
   dq_kernel_tile<T, kD>(p, static_cast<int>(blockIdx.x), smem);
 }
 
-// Persistent grid: block b starts with work b, then takes the next unclaimed index from a counter, so the
-// plan's order (heavy first) is kept and blocks balance dynamically. Each work index is computed the
-// same way whichever block takes it, so results do not depend on the schedule.
+// Persistent grid (for_each_work).
 template <class T, int kD>
 __global__ void __launch_bounds__(DqConfig<kD>::kThreads) dq_kernel_persistent(const BwdParams p, int num_work) {
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ int next_work;
-  int linear = static_cast<int>(blockIdx.x);
-  while (linear < num_work) {
-    dq_kernel_tile<T, kD>(p, linear, smem);
-    if (threadIdx.x == 0) next_work = atomicAdd(p.work_counter, 1) + static_cast<int>(gridDim.x);
-    __syncthreads();  // also: the next work item reuses shared memory
-    linear = next_work;
-    __syncthreads();
-  }
+  for_each_work(num_work, p.work_counter, [&](int linear) { dq_kernel_tile<T, kD>(p, linear, smem); });
 }
 
 }  // namespace magi::cuda::detail

@@ -3,9 +3,9 @@
 
 #include <type_traits>
 
-#include "cuda/backward_kernel.cuh"
-#include "cuda/forward_kernel.cuh"
-#include "cuda/launch.hpp"
+#include "cuda/sm80/backward_kernel.cuh"
+#include "cuda/sm80/forward_kernel.cuh"
+#include "cuda/sm80/launch.hpp"
 
 namespace magi::cuda::detail {
 

@@ -1,29 +1,12 @@
-// Kernel launchers, one explicit instantiation per (dtype, head-dim tile) in src/cuda/kernels/*.cu.
-// Host-only header: dtypes are tags so that plain C++ translation units can dispatch.
+// Launchers of the small kernels every family uses (src/cuda/small_kernels.cu). Host-only header.
 #pragma once
 
 #include <cuda_runtime.h>
 
-#include "cuda/params.hpp"
+#include <cstdint>
 
 namespace magi::cuda::detail {
 
-enum DtypeTag : int { kBf16 = 0, kFp16 = 1 };
-
-// Persistent grids sized (SMs - sm_margin) x resident blocks per SM. tile_q: kFwdTileQ or
-// kFwdSmallTileQ (the rows per block of the plan's forward list). The last `itemless_tiles` tiles of the
-// list's order (tiles without work items; only without a sink) go to a copy kernel of their own.
-template <int kDtype, int kD>
-void launch_forward(const FwdParams& params, int tile_q, int itemless_tiles, int sm_margin, cudaStream_t stream);
-// Only the list's last `itemless_tiles` tiles (tile_q rows each, no work items): copies of the previous result or
-// empty rows. For the families whose attention kernel leaves them out.
-template <int kDtype, int kD>
-void launch_forward_itemless(const FwdParams& params, int tile_q, int itemless_tiles, cudaStream_t stream);
-template <int kDtype, int kD>
-void launch_backward(const BwdParams& dkdv, int dkdv_blocks, const BwdParams& dq, int dq_blocks, int sm_margin,
-                     cudaStream_t stream);
-
-// Small kernels (src/cuda/small_kernels.cu).
 void launch_fill(float* data, int64_t n, float value, cudaStream_t stream);
 void launch_add(float* dst, const float* src, int64_t n, cudaStream_t stream);  // dst += src
 // Delta = dout . out per (row, head); converts fp32 dout to 16-bit into dout16 when given; per-row dsink

@@ -1,0 +1,45 @@
+// The CUDA backend's planner, shared by the kernel families: a mask and shapes become the device work lists once
+// (tiling, item flags, tile order, heads in passes), with the tile shapes of the family the plan runs. Execution
+// (src/cuda/backend.cpp) reads a Plan and never changes it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/backend.hpp"
+#include "cuda/params.hpp"
+
+namespace magi::cuda {
+
+struct Plan {
+  int32_t tq = 0, tk = 0, hq = 0, hkv = 0, d = 0, padded_d = 0, device = 0;
+  int32_t fwd_tile_q = 0;  // rows per forward block (the fwd list's major tile)
+  int32_t fwd_tile_k = 0;
+  KernelFamily fwd_family = KernelFamily::Sm80;
+  int32_t fwd_itemless_tiles = 0;  // q tiles without items: the last ones of the fwd order
+  int32_t smem_optin = 0;  // the device's per-block shared-memory limit (opt-in)
+  detail::DeviceList fwd, dkdv, dq;
+  int64_t fwd_items = 0, dkdv_items = 0, dq_items = 0;
+  void* arena = nullptr;  // the lists, read-only after upload
+  size_t arena_bytes = 0;
+
+  Plan() = default;
+  Plan(const Plan&) = delete;
+  Plan& operator=(const Plan&) = delete;
+  ~Plan() {
+    if (arena != nullptr) {
+      int previous = 0;
+      cudaGetDevice(&previous);
+      cudaSetDevice(device);
+      cudaFree(arena);
+      cudaSetDevice(previous);
+    }
+  }
+};
+
+// The compiled head-dim tile that runs head dim d (the smallest that holds it), 0 if none.
+int32_t padded_head_dim(int32_t d);
+
+inline size_t align_up(size_t n) { return (n + 255) / 256 * 256; }
+
+}  // namespace magi::cuda

@@ -1,0 +1,26 @@
+// Launchers of the portable kernels, one explicit instantiation per (dtype, head-dim tile) in
+// src/cuda/sm80/kernels/*.cu.
+// Host-only header.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda/params.hpp"
+#include "cuda/small_kernels.hpp"
+
+namespace magi::cuda::detail {
+
+// Persistent grids sized (SMs - sm_margin) x resident blocks per SM. tile_q: kFwdTileQ or
+// kFwdSmallTileQ (the rows per block of the plan's forward list). The last `itemless_tiles` tiles of the
+// list's order (tiles without work items; only without a sink) go to a copy kernel of their own.
+template <int kDtype, int kD>
+void launch_forward(const FwdParams& params, int tile_q, int itemless_tiles, int sm_margin, cudaStream_t stream);
+// Only the list's last `itemless_tiles` tiles (tile_q rows each, no work items): copies of the previous result or
+// empty rows. For the families whose attention kernel leaves them out.
+template <int kDtype, int kD>
+void launch_forward_itemless(const FwdParams& params, int tile_q, int itemless_tiles, cudaStream_t stream);
+template <int kDtype, int kD>
+void launch_backward(const BwdParams& dkdv, int dkdv_blocks, const BwdParams& dq, int dq_blocks, int sm_margin,
+                     cudaStream_t stream);
+
+}  // namespace magi::cuda::detail

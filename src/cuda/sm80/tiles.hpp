@@ -1,0 +1,60 @@
+// Tile shapes of the portable kernels, shared by the planner (host) and the kernels (no CUDA types in here).
+#pragma once
+
+namespace magi::cuda::detail {
+
+// Forward: up to D 128, 4 warps and 128 x 64 tiles (two 16-row m-tiles per warp); above, 8 warps and 128 x 64
+// tiles (one m-tile per warp, one block per SM: FA2's shape), and 4 warps x 64 x 32 as the small tile. Measured
+// on the H200 at D 128: 128 x 64 beat 128 x 32 (277 vs 255 TFLOP/s) and 8 warps x one m-tile (225); on the H100
+// at D 256, the 8-warp 128 x 64 tile beat 4 warps x 64 x 32 (full 294 vs 261, varlen causal 218 vs 212).
+constexpr int kFwdTileQ = 128;
+constexpr int fwd_warps(int padded_head_dim, int tile_q) { return padded_head_dim > 128 && tile_q == 128 ? 8 : 4; }
+// Fragmented masks (short documents, many slice edges) waste part of every kFwdTileQ-row tile they cut: the plan
+// may pick 64-row q tiles (4 warps x one m-tile) instead when they compute clearly fewer cells.
+constexpr int kFwdSmallTileQ = 64;
+// The planner takes kFwdSmallTileQ rows when 128-row tiles compute more than kSmallForwardTileGain times
+// the cells (src/cuda/plan/plan.cpp; the distributed cost model mirrors it). On the H100 (D 128, bf16) a
+// 64-row block ran dense tiles at kSmallForwardTileRate of the 128-row rate, and the switch broke even near
+// a cell ratio of 1.14 (varlen causal: 213 vs 218 TFLOP/s), won at 1.18 (block-causal: 261 vs 244) and lost
+// at 1.08 (varlen full: 262 vs 281). Since 128-row tiles drop m-tiles that keep no key (forward_kernel.cuh),
+// block-causal (1.18) runs faster in 128-row tiles in the plain grid (281 vs 271) and slower in the persistent
+// one (258 vs 270): the rule stays.
+constexpr double kSmallForwardTileGain = 1.15;
+constexpr double kSmallForwardTileRate = 0.85;
+// The rule itself, on the cells each tile shape would compute.
+constexpr bool prefer_small_forward_tile(double large_tile_cells, double small_tile_cells) {
+  return large_tile_cells > kSmallForwardTileGain * small_tile_cells;
+}
+#ifndef MAGI_CUDA_FWD_TILE_K  // build-time override of the D <= 128 forward key tile, for experiments
+#define MAGI_CUDA_FWD_TILE_K 64
+#endif
+constexpr int fwd_tile_k(int padded_head_dim, int tile_q) {
+  return padded_head_dim <= 128 ? MAGI_CUDA_FWD_TILE_K : tile_q == 128 ? 64 : 32;
+}
+// Shared memory of a forward block: Q, K, V tiles. The 128-row D 256 tile needs 128 KB: parts with less per
+// block (sm_86 / sm_89: 99 KB) plan 64-row tiles.
+constexpr int fwd_smem_bytes(int padded_head_dim, int tile_q) {
+  return (tile_q + 2 * fwd_tile_k(padded_head_dim, tile_q)) * padded_head_dim * 2;
+}
+// Backward: dk/dv blocks of 128 keys x 64-row q chunks up to D 128 (4 warp pairs; each chunk's dQ atomics
+// cover 128 keys: half the atomic traffic of 64-key tiles, measured 271 vs 203 bwd TFLOP/s on the H100), 64 keys
+// at D 256 (register budget); dq blocks of 4 warps.
+constexpr int kDkdvTileQ = 64;
+constexpr int dkdv_tile_k(int padded_head_dim) { return padded_head_dim <= 128 ? 128 : 64; }
+// Shared memory of the dk/dv kernel: K, V; Q, dO (double-buffered up to D 128); lse2, Delta; P^T and dS^T
+// (with dq atomics up to D 128, two dS^T buffers); up to D 128 the stages' work items (32 bytes each). The
+// host checks it against the device's limit (the dq-atomics kernel needs ~177 KB at D 128; smaller parts
+// take the two-kernel path).
+constexpr int dkdv_smem_bytes(int padded_head_dim, bool dq_atomics) {
+  const int d = padded_head_dim, n = dkdv_tile_k(d), m = kDkdvTileQ;
+  const bool register_resident = d <= 128;
+  const int stages = register_resident ? 2 : 1;
+  const int pds_tiles = dq_atomics && register_resident ? 3 : 2;
+  return (2 * n * d + stages * 2 * m * d + pds_tiles * n * m) * 2 + stages * 2 * m * 4 +
+         (register_resident ? stages * 32 : 0);
+}
+// dq: 128 rows (two m-tiles per warp) x 32 keys up to D 128 beat 64 x 64 (165 vs 159 bwd TFLOP/s, H200).
+constexpr int dq_tile_q(int padded_head_dim) { return padded_head_dim <= 128 ? 128 : 64; }
+constexpr int dq_tile_k(int /*padded_head_dim*/) { return 32; }
+
+}  // namespace magi::cuda::detail
