@@ -146,7 +146,7 @@ std::string table_with_values() {
   for (const auto& [name, value] : environment) set.emplace(name, value);
 
   std::vector<std::vector<std::string>> rows;
-  rows.push_back({"VARIABLE", "VALUE", "STATUS", "DEFAULT"});
+  rows.push_back({"VARIABLE", "VALUE", "STATUS", "DEFAULT", "OLDER NAMES"});
   for (std::string_view category : kCategories) {
     rows.push_back({enclosed("[", category, "]")});
     for (const Variable& variable : registry()) {
@@ -168,7 +168,10 @@ std::string table_with_values() {
       } else if (default_text.empty()) {
         default_text = variable.default_rule.empty() ? "unset" : std::string(variable.default_rule);
       }
-      rows.push_back({std::string(variable.name), value, std::string(to_string(variable.status)), default_text});
+      std::string older = variable.aliases.empty() ? "-" : "";
+      for (std::string_view alias : variable.aliases) older += (older.empty() ? "" : ", ") + std::string(alias);
+      rows.push_back(
+          {std::string(variable.name), value, std::string(to_string(variable.status)), default_text, older});
     }
   }
   std::string out = aligned(rows);

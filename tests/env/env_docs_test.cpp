@@ -88,6 +88,16 @@ TEST_F(EnvViews, TableShowsCurrentValuesAndProblemsWithoutThrowing) {
             std::string::npos)
       << table;
   EXPECT_NE(line_of("MAGI_ATTENTION_DSINK_ALL_REDUCE_OP").find("max (invalid)"), std::string::npos) << table;
+  // Older names beside each variable (the last column), "-" where there are none.
+  for (const Variable& variable : registry()) {
+    const std::string line = line_of(std::string(variable.name));
+    if (variable.aliases.empty()) {
+      EXPECT_EQ(line.substr(line.size() - 2), " -") << line;
+    }
+    for (std::string_view alias : variable.aliases) EXPECT_NE(line.find(std::string(alias)), std::string::npos) << line;
+  }
+  EXPECT_NE(table.find("VARIABLE"), std::string::npos);
+  EXPECT_NE(table.find("OLDER NAMES"), std::string::npos);
   EXPECT_NE(line_of("MAGI_ATTENTION_DETERMINISTIC_MODE").find(" - "), std::string::npos) << "unset shows -";
   EXPECT_NE(line_of("MAGI_ATTENTION_FFA_FORWARD_SM_MARGIN").find("0 (4 if CUDA_DEVICE_MAX_CONNECTIONS > 1, else 0)"),
             std::string::npos)
