@@ -90,6 +90,10 @@ class RuntimeKey {
 // Collective: every rank calls it with the same mask, shapes and config, else InvalidArgument on every rank.
 RuntimeKey make_runtime_key(const Mask& mask, const HeadShape& heads, std::shared_ptr<comm::Communicator> comm,
                             const DistConfig& config = {});
+// Collective: a key for another mask over the same sequences (mask.total_q / total_k as `dispatched`'s) that keeps
+// `dispatched`'s partition, so tensors dispatched with it serve layers whose masks differ: the same heads, comm
+// and config, its own comm plan. InvalidArgument on every rank if the totals differ or the ranks disagree.
+RuntimeKey make_runtime_key_for_new_mask(const RuntimeKey& dispatched, const Mask& mask);
 
 enum class Axis : int32_t { Q, K };  // q/out/lse/dout/ssh-sink rows, or k/v rows
 
@@ -106,6 +110,13 @@ void undispatch(const RuntimeKey& key, Axis axis, const TensorView& local, const
                 StreamHandle stream = nullptr);
 // Global token index of each local row (>= the real length for padding), e.g. for RoPE.
 std::vector<int32_t> position_ids(const RuntimeKey& key, Axis axis = Axis::Q);
+
+// Collective: torch.roll of a dispatched tensor along the global sequence without undispatching it:
+// out[global g] = local[global (g - shift) mod T] (T = the axis's real length), e.g. labels for multi-token
+// prediction (shift -1, -2, ...); padding rows become zero. out may be local. The gradient of a roll by `shift`
+// is the roll of the output gradient by -shift. Host tensors (device tensors: NotAvailable for now).
+void roll(const RuntimeKey& key, Axis axis, const TensorView& local, const TensorView& out, int64_t shift,
+          StreamHandle stream = nullptr);
 
 // Collective. Local tensors: q [Lq, Hq, D], k/v [Lk, Hkv, D], out [Lq, Hq, D], lse [Lq, Hq],
 // sink sh [S, Hq] (the same on every rank) or ssh [Lq, S, Hq] (dispatched), max_logits [Hq] (global max).

@@ -146,9 +146,10 @@ def _communicator(group, device: torch.device, timeout: float):
 class DistAttnKey:
     """A planned distributed-attention problem on one process group (the runtime key of the C++ API)."""
 
-    def __init__(self, runtime, mask: Mask, group, device: torch.device, comm, config: dict):
+    def __init__(self, runtime, mask: Mask, group, device: torch.device, comm, config: dict, dispatched=None):
         self._runtime, self.mask, self.group, self.device, self._comm = runtime, mask, group, device, comm
         self._config = config  # make_runtime_key's options, for variants with other attention options
+        self._dispatched = dispatched  # the key whose dispatch this one keeps (a new mask after dispatch), or None
         self._variants: dict = {}
         self._position_ids: dict = {}
 
@@ -171,8 +172,13 @@ class DistAttnKey:
             return self._runtime
         runtime = self._variants.get(wanted)
         if runtime is None:
-            config = dict(self._config, softmax_scale=softmax_scale, softcap=float(softcap), sink_layout=sink_layout)
-            runtime = self._variants[wanted] = _C.make_runtime_key(self.mask._c, comm=self._comm, **config)
+            if self._dispatched is not None:  # the same options on the kept dispatch
+                runtime = _C.make_runtime_key_for_new_mask(self._dispatched._runtime_for(*wanted), self.mask._c)
+            else:
+                config = dict(self._config, softmax_scale=softmax_scale, softcap=float(softcap),
+                              sink_layout=sink_layout)
+                runtime = _C.make_runtime_key(self.mask._c, comm=self._comm, **config)
+            self._variants[wanted] = runtime
         return runtime
 
     def __repr__(self) -> str:
@@ -214,6 +220,19 @@ def magi_attn_flex_key(q_ranges, k_ranges, attn_type_map, total_seqlen_q: int, t
     key = DistAttnKey(runtime, mask, group, key_device, comm, config)
     _recent[group] = key
     return key
+
+
+def make_flex_key_for_new_mask_after_dispatch(q_ranges, k_ranges, attn_type_map, key: DistAttnKey) -> DistAttnKey:
+    """A key for another mask over the same sequences (key.mask's totals) that keeps `key`'s dispatch, so that the
+    tensors dispatched with `key` serve layers whose masks differ (calc_attn with the new key, dispatch / undispatch
+    with either). Same heads, group, device and options; its own communication plan. Collective."""
+    if not isinstance(key, DistAttnKey):
+        raise TypeError(f"key: expected a DistAttnKey, got {type(key).__name__}")
+    mask = Mask(q_ranges, k_ranges, attn_type_map, key.mask.total_q, key.mask.total_k)
+    runtime = _C.make_runtime_key_for_new_mask(key._runtime, mask._c)
+    new = DistAttnKey(runtime, mask, key.group, key.device, key._comm, key._config, dispatched=key)
+    _recent[key.group] = new
+    return new
 
 
 def magi_attn_varlen_key(cu_seqlens_q, cu_seqlens_k, num_heads_q: int, num_heads_kv: int, head_dim: int,
@@ -323,6 +342,23 @@ class _Undispatch(torch.autograd.Function):
         return _dispatch(grad.contiguous(), ctx.key, ctx.axis), None, None  # autograd's gradient: ours to copy
 
 
+def _roll(x: Tensor, key: DistAttnKey, axis: str, shift: int) -> Tensor:
+    out = torch.empty_like(x)
+    _C.roll(key._runtime, axis, x.detach(), out, shift, _stream(key))
+    return out
+
+
+class _Roll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, key, axis, shift):
+        ctx.key, ctx.axis, ctx.shift = key, axis, shift
+        return _roll(x, key, axis, shift)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _roll(grad.contiguous(), ctx.key, ctx.axis, -ctx.shift), None, None, None
+
+
 def _check_axis(axis: str) -> None:
     if axis not in ("q", "k"):
         raise ValueError(f"axis: {axis!r} (allowed: 'q' for q-like tensors, 'k' for k / v when they differ)")
@@ -354,6 +390,19 @@ def dispatch(x: Tensor, key: DistAttnKey, axis: str = "q") -> Tensor:
     if x.dtype not in _FLOATS:
         return _moved_as_floats(lambda rows: _dispatch(rows, key, axis), x)
     return _Dispatch.apply(x, key, axis)
+
+
+def roll(x: Tensor, shift: int, key: DistAttnKey, axis: str = "q") -> Tensor:
+    """torch.roll(global, shift, 0) of a dispatched tensor, without undispatching it: the local rows of the rolled
+    global tensor (e.g. labels for multi-token prediction: shift=-1), padding rows zero. Any dtype. Differentiable
+    (the gradient is rolled back). Collective. CPU tensors for now (CUDA: NotImplementedError)."""
+    _check_axis(axis)
+    _check_tensor(x, "x", key)
+    if isinstance(shift, bool) or not isinstance(shift, int):
+        raise TypeError(f"shift: expected an int, got {type(shift).__name__}")
+    if x.dtype not in _FLOATS:
+        return _moved_as_floats(lambda rows: _roll(rows, key, axis, shift), x)
+    return _Roll.apply(x, key, axis, shift)
 
 
 def undispatch(x: Tensor, key: DistAttnKey, axis: str = "q") -> Tensor:

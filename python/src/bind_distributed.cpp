@@ -257,6 +257,24 @@ void bind_distributed(nb::module_& m) {
       nb::arg("timeout"));
 
   m.def(
+      "roll",
+      [](const dist::RuntimeKey& key, const std::string& axis, nb::handle local, nb::handle out, int64_t shift,
+         uintptr_t stream) {
+        const TensorView l = view_of(local, "x", false), o = view_of(out, "out", true);
+        nb::gil_scoped_release release;
+        dist::roll(key, parse_axis(axis), l, o, shift, reinterpret_cast<StreamHandle>(stream));
+      },
+      nb::arg("key"), nb::arg("axis"), nb::arg("x"), nb::arg("out"), nb::arg("shift"), nb::arg("stream"));
+
+  m.def(
+      "make_runtime_key_for_new_mask",
+      [](const dist::RuntimeKey& key, const Mask& mask) {
+        nb::gil_scoped_release release;  // collective: host engines call back into Python
+        return dist::make_runtime_key_for_new_mask(key, mask);
+      },
+      nb::arg("key"), nb::arg("mask"));
+
+  m.def(
       "dispatch",
       [](const dist::RuntimeKey& key, const std::string& axis, nb::handle global, nb::handle local,
          uintptr_t stream) {

@@ -247,4 +247,16 @@ Dispatch make_dispatch(const Mask& mask, int32_t cp, int32_t chunk_size, Dispatc
   return d;
 }
 
+Dispatch redispatch(const Mask& mask, const Dispatch& fixed) {
+  if (mask.total_q != fixed.q.total || mask.total_k != fixed.k.total)
+    throw InvalidArgument("new mask after dispatch: its totals (q " + std::to_string(mask.total_q) + ", k " +
+                          std::to_string(mask.total_k) + ") must equal the dispatched sequences' (q " +
+                          std::to_string(fixed.q.total) + ", k " + std::to_string(fixed.k.total) + ")");
+  Dispatch d = fixed;
+  d.chunk_area = chunk_areas(mask, fixed.q.chunk_size, fixed.q.num_chunks);
+  d.rank_area.assign(static_cast<size_t>(fixed.q.cp()), 0);
+  for (int32_t c = 0; c < fixed.q.num_chunks; ++c) d.rank_area[d.q.owner[c]] += d.chunk_area[c];
+  return d;
+}
+
 }  // namespace magi::dist

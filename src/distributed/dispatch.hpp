@@ -60,4 +60,8 @@ std::vector<int32_t> balance(const std::vector<int64_t>& costs, int32_t cp, Disp
 // are dealt out in contiguous blocks (they carry no compute, only comm).
 Dispatch make_dispatch(const Mask& mask, int32_t cp, int32_t chunk_size, DispatchAlgorithm algorithm);
 
+// Another mask over the same sequences on an existing dispatch: the partitions stay (so tensors dispatched for
+// `fixed` serve), the per-chunk and per-rank areas are the new mask's. Totals must match (InvalidArgument).
+Dispatch redispatch(const Mask& mask, const Dispatch& fixed);
+
 }  // namespace magi::dist

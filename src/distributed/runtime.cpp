@@ -4,6 +4,7 @@
 // sources in rank order), so results are bitwise reproducible.
 #include "distributed/runtime.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -122,7 +123,7 @@ std::string_view to_string(DispatchAlgorithm algorithm) {
 
 DistAttnRuntime::DistAttnRuntime(const Mask& mask, const HeadShape& heads, std::shared_ptr<comm::Communicator> comm,
                                  const DistConfig& config, bool backward_high_precision, DsinkReduceOp dsink_op,
-                                 int32_t ranks_per_node)
+                                 int32_t ranks_per_node, const Dispatch* fixed)
     : heads_(heads),
       comm_(std::move(comm)),
       config_(config),
@@ -130,7 +131,8 @@ DistAttnRuntime::DistAttnRuntime(const Mask& mask, const HeadShape& heads, std::
       dsink_op_(dsink_op),
       ranks_per_node_(ranks_per_node),
       rank_(comm_->rank()),
-      dispatch_(make_dispatch(mask, comm_->size(), config.chunk_size, config.algorithm)),
+      dispatch_(fixed != nullptr ? redispatch(mask, *fixed)
+                                 : make_dispatch(mask, comm_->size(), config.chunk_size, config.algorithm)),
       plan_(make_comm_plan(mask, dispatch_, config.overlap_degree, ranks_per_node)) {}
 
 PlanSummary DistAttnRuntime::summary() const {
@@ -406,6 +408,7 @@ struct RuntimeId {
   int32_t ranks_per_node = 0;  // hierarchical comm; 0 = flat
   const comm::Communicator* comm = nullptr;
   int32_t cp = 0;
+  std::vector<int32_t> fixed_q_owner, fixed_k_owner;  // a kept dispatch's chunk owners; empty: the solver's
 
   bool operator==(const RuntimeId&) const = default;
 
@@ -417,6 +420,10 @@ struct RuntimeId {
                       ranks_per_node})
       h = mix(h, v);
     h = mix(mix(mix(mix(h, algorithm), softmax_scale), softcap), sink_layout);
+    for (const auto* owners : {&fixed_q_owner, &fixed_k_owner}) {
+      h = mix(h, static_cast<int64_t>(owners->size()));
+      for (int32_t o : *owners) h = mix(h, o);
+    }
     return mix(mix(mix(h, backend), backward_high_precision), dsink_op);
   }
 };
@@ -466,6 +473,11 @@ int32_t RuntimeKey::local_q_tokens() const { return runtime().dispatch().q.local
 int32_t RuntimeKey::local_k_tokens() const { return runtime().dispatch().k.local_tokens(); }
 PlanSummary RuntimeKey::summary() const { return runtime().summary(); }
 
+namespace {
+RuntimeKey runtime_key(const Mask& mask, const HeadShape& heads, std::shared_ptr<comm::Communicator> comm,
+                       const DistConfig& config, const Dispatch* fixed);
+}  // namespace
+
 RuntimeKey make_runtime_key(const Mask& mask, const HeadShape& heads, std::shared_ptr<comm::Communicator> comm,
                             const DistConfig& config) {
   env::ensure_validated();
@@ -482,6 +494,21 @@ RuntimeKey make_runtime_key(const Mask& mask, const HeadShape& heads, std::share
   if (config.attention.backend == Backend::Cuda)
     throw NotAvailable("distributed attention with backend cuda needs the NCCL engine (allowed here: cpu, reference, auto)");
 #endif
+  return runtime_key(mask, heads, std::move(comm), config, nullptr);
+}
+
+RuntimeKey make_runtime_key_for_new_mask(const RuntimeKey& dispatched, const Mask& mask) {
+  env::ensure_validated();
+  const DistAttnRuntime& base = dispatched.runtime();
+  return runtime_key(mask, base.heads(), base.comm_ptr(), base.config(), &base.dispatch());
+}
+
+namespace {
+
+// The key of (mask, heads, comm, config) on the solver's dispatch or on `fixed`: collective (every rank checks
+// that all agree), cached.
+RuntimeKey runtime_key(const Mask& mask, const HeadShape& heads, std::shared_ptr<comm::Communicator> comm,
+                       const DistConfig& config, const Dispatch* fixed) {
   comm->set_timeout(config.comm_timeout_seconds);
   validate_bounds(mask);
 
@@ -505,6 +532,10 @@ RuntimeKey make_runtime_key(const Mask& mask, const HeadShape& heads, std::share
   id.dsink_op = config.dsink_reduce_op.value_or(env_dsink_op());
   id.comm = comm.get();
   id.cp = comm->size();
+  if (fixed != nullptr) {
+    id.fixed_q_owner = fixed->q.owner;
+    id.fixed_k_owner = fixed->k.owner;
+  }
   if (config.hierarchical_comm.value_or(env::get_bool("MAGI_ATTENTION_HIERARCHICAL_COMM"))) {
     id.ranks_per_node = config.ranks_per_node > 0 ? config.ranks_per_node : comm->ranks_per_node();
   }
@@ -522,9 +553,11 @@ RuntimeKey make_runtime_key(const Mask& mask, const HeadShape& heads, std::share
   return RuntimeKey(runtime_cache().get(id, [&] {
     validate(mask);
     return std::make_shared<const DistAttnRuntime>(mask, heads, comm, config, id.backward_high_precision, id.dsink_op,
-                                                   id.ranks_per_node);
+                                                   id.ranks_per_node, fixed);
   }));
 }
+
+}  // namespace
 
 // Device tensors: a local one on the NCCL communicator's device (the global one on the device or host).
 static bool device_rows(const RuntimeKey& key, const Partition& p, const TensorView& global, const TensorView& local) {
@@ -594,6 +627,57 @@ void undispatch(const RuntimeKey& key, Axis axis, const TensorView& local, const
 
 std::vector<int32_t> position_ids(const RuntimeKey& key, Axis axis) {
   return partition(key, axis).global_rows(key.runtime().rank());
+}
+
+void roll(const RuntimeKey& key, Axis axis, const TensorView& local, const TensorView& out, int64_t shift,
+          [[maybe_unused]] StreamHandle stream) {
+  const Partition& p = partition(key, axis);
+  if (local.device.type == DeviceType::CUDA || out.device.type == DeviceType::CUDA)
+    throw NotAvailable("roll: device tensors are not supported yet (allowed: host tensors; on the GPU, undispatch, "
+                       "torch.roll and dispatch again)");
+  require_same_row_shape(local, out);
+  const int64_t row = row_bytes_of(local, "local", p.local_tokens());
+  row_bytes_of(out, "out", p.local_tokens());
+  comm::Communicator& comm = key.runtime().comm();
+  const int32_t cp = comm.size();
+  const int64_t total = p.total;
+  // out[global g] = local[global (g - shift) mod total]: this rank sends each real row to the owner of its position
+  // plus the shift, in the receiver's row order; it receives, from each rank, its own rows in ascending order.
+  const int64_t s = total == 0 ? 0 : ((shift % total) + total) % total;
+  const std::vector<int32_t> mine = p.global_rows(comm.rank());
+  std::vector<std::vector<std::pair<int32_t, int32_t>>> to(static_cast<size_t>(cp));  // (their row, my row)
+  std::vector<std::vector<int32_t>> from(static_cast<size_t>(cp));                    // my rows, by source rank
+  for (int32_t i = 0; i < static_cast<int32_t>(mine.size()); ++i) {
+    if (mine[i] >= total) continue;
+    const auto there = static_cast<int32_t>((mine[i] + s) % total);
+    to[p.owner_of(there)].push_back({p.local_row(there), i});
+    from[p.owner_of(static_cast<int32_t>((mine[i] - s + total) % total))].push_back(i);
+  }
+  std::vector<int64_t> send_counts(cp), send_displs(cp), recv_counts(cp), recv_displs(cp);
+  int64_t sent = 0, received = 0;
+  for (int32_t r = 0; r < cp; ++r) {
+    std::sort(to[r].begin(), to[r].end());
+    send_displs[r] = sent;
+    send_counts[r] = static_cast<int64_t>(to[r].size()) * row;
+    sent += send_counts[r];
+    recv_displs[r] = received;
+    recv_counts[r] = static_cast<int64_t>(from[r].size()) * row;
+    received += recv_counts[r];
+  }
+  std::vector<std::byte> send(static_cast<size_t>(sent)), recv(static_cast<size_t>(received));
+  const auto* src = static_cast<const std::byte*>(local.data);
+  std::byte* at = send.data();
+  for (const auto& rows : to)
+    for (const auto& [theirs, i] : rows) at = std::copy_n(src + i * row, row, at);
+  comm.all_to_all_v(send.data(), send_counts, send_displs, recv.data(), recv_counts, recv_displs);
+  auto* dst = static_cast<std::byte*>(out.data);  // may be `local`: everything it holds was copied out above
+  std::memset(dst, 0, static_cast<size_t>(row * p.local_tokens()));  // padding rows hold zeros
+  const std::byte* got = recv.data();
+  for (const auto& rows : from)
+    for (int32_t i : rows) {
+      std::copy_n(got, row, dst + int64_t{i} * row);
+      got += row;
+    }
 }
 
 void calc_attn(const RuntimeKey& key, const ForwardArgs& local, StreamHandle stream) {

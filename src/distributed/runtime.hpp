@@ -19,9 +19,10 @@ struct State;  // device streams, events and staging buffers (gpu_runtime.cpp)
 
 class DistAttnRuntime {
  public:
+  // `fixed`: the dispatch to keep (a new mask on dispatched tensors), else the solver's for this mask.
   DistAttnRuntime(const Mask& mask, const HeadShape& heads, std::shared_ptr<comm::Communicator> comm,
                   const DistConfig& config, bool backward_high_precision, DsinkReduceOp dsink_op,
-                  int32_t ranks_per_node);
+                  int32_t ranks_per_node, const Dispatch* fixed = nullptr);
 
   void forward(const ForwardArgs& local, StreamHandle stream) const;
   void backward(const BackwardArgs& local, StreamHandle stream) const;
@@ -31,6 +32,7 @@ class DistAttnRuntime {
   const CommPlan& plan() const { return plan_; }
   const RankPlan& mine() const { return plan_.ranks[static_cast<size_t>(rank_)]; }
   comm::Communicator& comm() const { return *comm_; }
+  const std::shared_ptr<comm::Communicator>& comm_ptr() const { return comm_; }
   const HeadShape& heads() const { return heads_; }
   const DistConfig& config() const { return config_; }
   PlanSummary summary() const;

@@ -418,5 +418,82 @@ TEST(DistAttn, PositionIdsAndDispatchRoundTrip) {
   if (world().rank() == 0) std::printf("%s", summary.to_text().c_str());
 }
 
+// A second mask on an existing dispatch (layers whose masks differ share one dispatch of q/k/v): the new key keeps
+// the partition, so the tensors dispatched with the first key give the single-device result of the second mask.
+TEST(DistAttn, NewMaskAfterDispatchKeepsThePartition) {
+  const uint64_t seed = test::shared_seed();
+  SCOPED_TRACE("cp " + std::to_string(world().size()) + ", seed " + std::to_string(seed));
+  const Mask first = varlen_block_causal_15();  // 1200 x 1200
+  Case c{"second mask", masks::varlen_causal(test::cu_seqlens_of({500, 64, 300, 336}))};
+  c.chunk_size = 48;
+  const RuntimeKey key = make_runtime_key(first, c.heads, test::world_ptr(), config_of(c));
+  const RuntimeKey second = make_runtime_key_for_new_mask(key, c.mask);
+  for (Axis axis : {Axis::Q, Axis::K}) EXPECT_EQ(position_ids(second, axis), position_ids(key, axis));
+  int64_t area = 0;
+  for (int64_t a : second.summary().rank_area) area += a;
+  EXPECT_EQ(area, c.mask.area()) << "the per-rank areas are the new mask's";
+
+  Global g = make_inputs(c, seed);
+  const Outputs ref = single_device(c, g);
+  const int64_t lq = key.local_q_tokens(), hq = c.heads.heads_q, d = c.heads.head_dim;
+  HostTensor q = local_of(key, Axis::Q, g.q), k = local_of(key, Axis::K, g.k), v = local_of(key, Axis::K, g.v);
+  HostTensor dout = local_of(key, Axis::Q, g.dout);
+  HostTensor out = HostTensor::poisoned(c.dtype, {lq, hq, d}), lse = HostTensor::poisoned(DType::F64, {lq, hq});
+  calc_attn(second, ForwardArgs{q.view(), k.view(), v.view(), {}, out.view(), lse.view(), {}, {}, {}});
+  HostTensor dq = HostTensor::poisoned(c.dtype, q.shape()), dk = HostTensor::poisoned(c.dtype, k.shape()),
+             dv = HostTensor::poisoned(c.dtype, v.shape());
+  calc_attn_backward(second, BackwardArgs{q.view(), k.view(), v.view(), out.view(), lse.view(), dout.view(), {},
+                                          dq.view(), dk.view(), dv.view(), {}});
+  const double tol = tolerance_of(c.dtype);
+  expect_close(global_of(key, Axis::Q, out, 1200), ref.out, tol, "out");
+  expect_close(global_of(key, Axis::Q, lse, 1200), ref.lse, 1e-10, "lse");
+  expect_close(global_of(key, Axis::Q, dq, 1200), ref.dq, tol, "dq");
+  expect_close(global_of(key, Axis::K, dk, 1200), ref.dk, tol, "dk");
+  expect_close(global_of(key, Axis::K, dv, 1200), ref.dv, tol, "dv");
+
+  // The same request again is the cached runtime; other totals are refused on every rank.
+  EXPECT_EQ(&make_runtime_key_for_new_mask(key, c.mask).runtime(), &second.runtime());
+  EXPECT_THROW(make_runtime_key_for_new_mask(key, masks::causal(1300, 1300)), InvalidArgument);
+  EXPECT_THROW(make_runtime_key_for_new_mask(RuntimeKey{}, c.mask), InvalidArgument);
+}
+
+// roll of dispatched tensors equals torch.roll of the global one, for either axis, any shift (negative, past the
+// length), in place too; padding rows are zero.
+TEST(DistAttn, RollMatchesRollingTheGlobalTensor) {
+  const Mask mask = masks::varlen_causal(test::cu_seqlens_of({140, 37, 200}));  // 377 rows
+  Case c{"", Mask{{test::make_slice(0, 377, 0, 150, MaskType::Full)}, 377, 150}};  // q and k of other lengths
+  c.chunk_size = 16;
+  for (const Mask* m : {&mask, static_cast<const Mask*>(&c.mask)}) {
+    const RuntimeKey key = make_runtime_key(*m, {2, 2, 32}, test::world_ptr(), config_of(c));
+    for (Axis axis : {Axis::Q, Axis::K}) {
+      const int32_t total = axis == Axis::Q ? m->total_q : m->total_k;
+      std::vector<double> values(static_cast<size_t>(total) * 3);
+      for (size_t i = 0; i < values.size(); ++i) values[i] = 1.0 + static_cast<double>(i);
+      HostTensor global = HostTensor::from_values(values, DType::F32, {total, 3});
+      for (int64_t shift : {int64_t{1}, int64_t{-1}, int64_t{-3}, int64_t{0}, int64_t{total} + 5}) {
+        HostTensor local = local_of(key, axis, global);
+        HostTensor rolled = HostTensor::poisoned(DType::F32, local.shape());
+        roll(key, axis, local.view(), rolled.view(), shift);
+        const auto got = global_of(key, axis, rolled, total).values();
+        for (int64_t g = 0; g < total; ++g) {
+          const int64_t from = (((g - shift) % total) + total) % total;
+          for (int j = 0; j < 3; ++j)
+            ASSERT_EQ(got[g * 3 + j], values[from * 3 + j]) << "axis " << static_cast<int>(axis) << " shift " << shift
+                                                            << " row " << g;
+        }
+        const auto ids = position_ids(key, axis);
+        const auto local_rolled = rolled.values();
+        for (size_t i = 0; i < ids.size(); ++i)
+          if (ids[i] >= total) EXPECT_EQ(local_rolled[i * 3], 0.0) << "padding row " << i;
+        roll(key, axis, local.view(), local.view(), shift);  // in place
+        EXPECT_EQ(local.values(), local_rolled) << "in place, shift " << shift;
+      }
+    }
+  }
+  const RuntimeKey key = make_runtime_key(mask, {2, 2, 32}, test::world_ptr(), config_of(c));
+  HostTensor local = HostTensor::poisoned(DType::F32, {key.local_q_tokens() + 1, 3});
+  EXPECT_THROW(roll(key, Axis::Q, local.view(), local.view(), 1), InvalidArgument);
+}
+
 }  // namespace
 }  // namespace magi::dist

@@ -128,6 +128,70 @@ def varlen_helpers(device):
         print("ok varlen helpers", flush=True)
 
 
+def new_mask_after_dispatch(device, dtype):
+    """Two layers with different masks on one dispatch: the second key keeps the first's partition, so the tensors
+    dispatched once give the second mask's single-device result (forward and gradients)."""
+    g = torch.Generator().manual_seed(99)
+    first = ma.masks.varlen_causal([0, 300, 420, 800])
+    second = ma.masks.varlen_full([0, 128, 700, 800])
+    q, k, v, do = (torch.randn(800, 2, 32, generator=g, dtype=torch.float64).to(dtype) for _ in range(4))
+    key = ma.magi_attn_flex_key(first.q_ranges, first.k_ranges, first.attn_type_map, 800, 800, 2, 2, 32,
+                                chunk_size=40, device=device)
+    key2 = ma.make_flex_key_for_new_mask_after_dispatch(second.q_ranges, second.k_ranges, second.attn_type_map, key)
+    assert ma.get_most_recent_key() is key2 and key2.mask == second
+    assert torch.equal(ma.get_position_ids(key2), ma.get_position_ids(key))
+    to = lambda x: x.to(device)  # noqa: E731
+    local = {n: ma.dispatch(to(x), key).requires_grad_(n != "do") for n, x in (("q", q), ("k", k), ("v", v), ("do", do))}
+    out, lse = ma.calc_attn(local["q"], local["k"], local["v"], key2)
+    out.backward(local["do"])
+    kind = "fp64" if dtype == torch.float64 else "bf16"
+    keep = ref.keep_matrix(second.q_ranges, second.k_ranges, second.attn_type_map, 800, 800)
+    host = lambda x: x.detach().double().cpu().numpy()  # noqa: E731
+    out_ref, lse_ref, _ = ref.forward(host(q), host(k), host(v), keep, None, 0.0, None, "sh")
+    grads_ref = ref.backward(host(q), host(k), host(v), host(do), keep, None, 0.0, None, "sh")
+    ref.assert_close("out", host(ma.undispatch(out.detach(), key)), out_ref, kind)
+    ref.assert_lse(host(ma.undispatch(lse, key2)), lse_ref, kind)
+    for n, got, want in zip(("dq", "dk", "dv"), (local["q"].grad, local["k"].grad, local["v"].grad), grads_ref[:3]):
+        ref.assert_close(n, host(ma.undispatch(got, key, "q" if n == "dq" else "k")), want, kind, grad=True)
+    try:  # the new mask lives on the dispatched sequences: ranges past them are refused
+        ma.make_flex_key_for_new_mask_after_dispatch([[0, 900]], [[0, 900]], [0], key)
+    except ValueError as e:
+        assert "900" in str(e), str(e)
+    else:
+        raise AssertionError("no error for ranges past the dispatched sequences")
+    if dist.get_rank() == 0:
+        print("ok new mask after dispatch", flush=True)
+
+
+def roll(device):
+    """ma.roll on dispatched tensors equals torch.roll of the global one (labels for multi-token prediction: int
+    token ids, shift -1; float rows with a gradient, shift 3); the gradient is rolled back."""
+    key = ma.magi_attn_varlen_key([0, 90, 333], [0, 90, 333], 2, 1, 32, causal=True, chunk_size=20, device=device)
+    if device != "cpu":  # host tensors only for now: a clear error on the GPU
+        try:
+            ma.roll(torch.zeros(key.local_q_tokens, 4, device=device), 1, key)
+        except NotImplementedError as e:
+            assert "roll: device tensors" in str(e), str(e)
+        else:
+            raise AssertionError("roll of CUDA tensors did not raise NotImplementedError")
+        if dist.get_rank() == 0:
+            print("ok roll (CUDA tensors: NotImplementedError)", flush=True)
+        return
+    ids = torch.arange(333, dtype=torch.int64) * 3 + 1
+    local_ids = ma.dispatch(ids, key)
+    assert torch.equal(ma.undispatch(ma.roll(local_ids, -1, key), key), torch.roll(ids, -1, 0))
+    x = torch.randn(333, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    local = ma.dispatch(x, key).requires_grad_()
+    rolled = ma.roll(local, 3, key)
+    assert torch.equal(ma.undispatch(rolled.detach(), key), torch.roll(x, 3, 0))
+    w = torch.randn(333, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    (rolled * ma.dispatch(w, key)).sum().backward()
+    grad = ma.undispatch(local.grad, key)
+    assert torch.equal(grad, torch.roll(w, -3, 0)), "the gradient of roll by 3 is roll by -3"
+    if dist.get_rank() == 0:
+        print("ok roll", flush=True)
+
+
 def bad_inputs(device):
     key = ma.magi_attn_flex_key([[0, 256]], [[0, 256]], [1], 256, 256, 2, 1, 32, chunk_size=32, device=device)
     q = torch.zeros(key.local_q_tokens + 1, 2, 32, device=device)
@@ -155,6 +219,8 @@ def main():
     for name, mask, heads, d, chunk, kw in cases(device, dtype):
         run_case(name, mask, heads, d if device == "cpu" else 128, chunk, device, dtype, **kw)
     varlen_helpers(device)
+    new_mask_after_dispatch(device, dtype)
+    roll(device)
     bad_inputs(device)
     ma.clear_cache()
     dist.barrier()
