@@ -11,6 +11,7 @@ int run_command(std::span<const std::string> args);
 int mask_command(std::span<const std::string> args);
 int demo_command(std::span<const std::string> args);
 int env_command(std::span<const std::string> args);
+int trace_command(std::span<const std::string> args);  // merges MAGI_ATTENTION_PROFILE_DIR timelines
 // Distributed (under mpirun); available when the program was built with MPI.
 int dist_run_command(std::span<const std::string> args);
 int dist_demo_command(std::span<const std::string> args);

@@ -21,6 +21,7 @@ constexpr const char* kUsage =
     "  run    forward (and backward with --do) on .npy inputs and a mask JSON; writes .npy outputs\n"
     "  mask   validate and describe a mask (JSON file or preset): slices, area, density, picture, PNG\n"
     "  env    the MAGI_ATTENTION_* configuration variables with their current values\n"
+    "  trace  merge the per-rank timelines of MAGI_ATTENTION_PROFILE_DIR into one trace; report the overlap\n"
     "\n"
     "distributed (context parallel; run under mpirun -np CP):\n"
     "  dist-demo   the packed-documents demo over CP ranks, checked against one device, with the plan\n"
@@ -42,7 +43,7 @@ void print_error(const std::string& message) {
 int dispatch(const std::vector<std::string>& args) {
   if (args.empty())
     throw magi::InvalidArgument(
-        "missing command (allowed: demo, run, mask, env, dist-demo, dist-run; see magi-attn --help)");
+        "missing command (allowed: demo, run, mask, env, trace, dist-demo, dist-run; see magi-attn --help)");
   const std::string& command = args[0];
   if (command == "--help" || command == "-h" || command == "help") {
     std::cout << kUsage;
@@ -59,6 +60,7 @@ int dispatch(const std::vector<std::string>& args) {
   else if (command == "mask") run = magi::cli::mask_command;
   else if (command == "demo") run = magi::cli::demo_command;
   else if (command == "env") run = magi::cli::env_command;
+  else if (command == "trace") run = magi::cli::trace_command;
   else if (command == "dist-run" || command == "dist-demo") {
 #ifdef MAGI_CLI_WITH_MPI
     run = command == "dist-run" ? magi::cli::dist_run_command : magi::cli::dist_demo_command;
@@ -68,7 +70,7 @@ int dispatch(const std::vector<std::string>& args) {
 #endif
   } else {
     throw magi::InvalidArgument("unknown command '" + command +
-                                "' (allowed: demo, run, mask, env, dist-demo, dist-run, --help, --version)");
+                                "' (allowed: demo, run, mask, env, trace, dist-demo, dist-run, --help, --version)");
   }
 
   bool help_only = false;

@@ -17,6 +17,7 @@
 #include "comm/group_collective.hpp"
 #include "common/lru_cache.hpp"
 #include "common/lse_merge.hpp"
+#include "distributed/timeline.hpp"
 #include "magi/env.hpp"
 
 #if MAGI_ATTN_WITH_NCCL
@@ -67,6 +68,7 @@ struct StageFetch {
   Buffer k, v;              // the stage buffers: [buffer_rows, Hkv, D]
   Buffer relay_k, relay_v;  // hop-1 receive buffers (hierarchical only)
   std::optional<comm::GroupCast> k_cast, v_cast;
+  double started_us = Timeline::now_us();
 
   StageFetch(const DistAttnRuntime& runtime, int32_t stage_index, const TensorView& k_local, const TensorView& v_local)
       : rt(runtime),
@@ -206,8 +208,11 @@ void DistAttnRuntime::forward(const ForwardArgs& a, [[maybe_unused]] StreamHandl
   std::vector<float> max_logits(static_cast<size_t>(hq), -std::numeric_limits<float>::infinity());
   Buffer stage_out(part, lq * hq * d), stage_lse(part, lq * hq), stage_max(DType::F32, hq);
 
-  const auto compute = [&](const Mask& mask, const TensorView& k, const TensorView& v, bool with_sink) {
+  Timeline* const timeline = Timeline::of(rank_);
+  const auto compute = [&](const Mask& mask, const TensorView& k, const TensorView& v, bool with_sink,
+                           const std::string& what) {
     if (mask.slices.empty() && !with_sink) return;
+    const double start = Timeline::now_us();
     ForwardArgs s;
     s.q = a.q;
     s.k = k;
@@ -222,22 +227,38 @@ void DistAttnRuntime::forward(const ForwardArgs& a, [[maybe_unused]] StreamHandl
     merge_into(stage_out, stage_lse, d, acc_out, acc_lse);
     if (want_max)
       for (int32_t h = 0; h < hq; ++h) max_logits[h] = std::max(max_logits[h], static_cast<float>(stage_max.at(h)));
+    if (timeline != nullptr) timeline->add("forward " + what + " attention + merge", "compute", start, Timeline::now_us());
+  };
+  const auto fetched = [&](const StageFetch& f) {
+    if (timeline != nullptr)
+      timeline->add("forward stage " + std::to_string(f.stage) + " k/v exchange", "comm", f.started_us,
+                    Timeline::now_us());
   };
 
   auto next = std::make_unique<StageFetch>(*this, 0, a.k, a.v);
-  if (config_.overlap_degree == 0) next->wait();
-  compute(mine().host_mask, a.k, a.v, config_.attention.sink_layout != SinkLayout::None);
+  bool first_waited = false;
+  if (config_.overlap_degree == 0) {
+    next->wait();
+    fetched(*next);
+    first_waited = true;
+  }
+  compute(mine().host_mask, a.k, a.v, config_.attention.sink_layout != SinkLayout::None, "local");
   for (int32_t stage = 0; stage < num_stages; ++stage) {
     const auto current = std::move(next);
     current->wait();
+    if (stage > 0 || !first_waited) fetched(*current);
     if (stage + 1 < num_stages) next = std::make_unique<StageFetch>(*this, stage + 1, a.k, a.v);
     const int64_t rows = mine().stages[stage].buffer_rows;
-    compute(mine().stages[stage].mask, current->k.view({rows, hkv, d}), current->v.view({rows, hkv, d}), false);
+    compute(mine().stages[stage].mask, current->k.view({rows, hkv, d}), current->v.view({rows, hkv, d}), false,
+            "stage " + std::to_string(stage));
   }
 
+  const double store_start = Timeline::now_us();
   store_all(acc_out, a.out);
   store_all(acc_lse, a.lse);
+  if (timeline != nullptr) timeline->add("forward store out / lse", "compute", store_start, Timeline::now_us());
   if (want_max) {
+    const double gather_start = Timeline::now_us();
     std::vector<float> all(static_cast<size_t>(hq) * comm_->size());
     comm_->allgather(max_logits.data(), hq * int64_t{4}, all.data());
     for (int32_t h = 0; h < hq; ++h) {
@@ -245,7 +266,9 @@ void DistAttnRuntime::forward(const ForwardArgs& a, [[maybe_unused]] StreamHandl
       for (int32_t r = 0; r < comm_->size(); ++r) m = std::max(m, all[static_cast<size_t>(r) * hq + h]);
       a.max_logits.as<float>()[h] = m;
     }
+    if (timeline != nullptr) timeline->add("forward max_logits allgather", "comm", gather_start, Timeline::now_us());
   }
+  if (timeline != nullptr) timeline->write();
 }
 
 void DistAttnRuntime::backward(const BackwardArgs& a, [[maybe_unused]] StreamHandle stream) const {
@@ -276,10 +299,20 @@ void DistAttnRuntime::backward(const BackwardArgs& a, [[maybe_unused]] StreamHan
   std::vector<double> acc_dk(static_cast<size_t>(lk * kv_row), 0.0), acc_dv(acc_dk.size(), 0.0);
   Buffer stage_dq(part, lq * hq * d);
 
+  Timeline* const timeline = Timeline::of(rank_);
+  const auto span = [&](std::string name, std::string_view lane, double start) {
+    if (timeline != nullptr) timeline->add(std::move(name), lane, start, Timeline::now_us());
+  };
   // The first fetch runs while the host stage computes (after it, with overlap degree 0).
   auto next = std::make_unique<StageFetch>(*this, 0, a.k, a.v);
-  if (config_.overlap_degree == 0) next->wait();
+  bool first_waited = false;
+  if (config_.overlap_degree == 0) {
+    next->wait();
+    span("backward stage 0 k/v exchange", "comm", next->started_us);
+    first_waited = true;
+  }
   // Host stage: own kv, and the sink (whose gradient is computed exactly once, here).
+  const double host_start = Timeline::now_us();
   if (!mine().host_mask.slices.empty() || with_sink) {
     Buffer host_dk(part, lk * kv_row), host_dv(part, lk * kv_row);
     BackwardArgs s = a;
@@ -290,6 +323,7 @@ void DistAttnRuntime::backward(const BackwardArgs& a, [[maybe_unused]] StreamHan
     add_all(stage_dq, acc_dq);
     add_all(host_dk, acc_dk);
     add_all(host_dv, acc_dv);
+    span("backward local attention", "compute", host_start);
   }
   AttentionOptions remote_options = config_.attention;
   remote_options.sink_layout = SinkLayout::None;
@@ -302,11 +336,13 @@ void DistAttnRuntime::backward(const BackwardArgs& a, [[maybe_unused]] StreamHan
     Buffer dk, dv;
     std::optional<comm::GroupReduce> k_reduce, v_reduce;
     int32_t stage = 0;
+    double started_us = 0;
   };
   const bool relayed = plan_.hierarchical();
   std::list<Reduce> first_hop, second_hop;  // second_hop: hierarchical only (relay -> owner)
   const auto start_reduce = [&](std::list<Reduce>& queue, const comm::RowRoutes& routes, Reduce r) {
     Reduce& started = queue.emplace_back(std::move(r));
+    started.started_us = Timeline::now_us();
     started.k_reduce.emplace(*comm_, routes, started.dk.bytes.data(), kv_row * dtype_size(wire));
     started.v_reduce.emplace(*comm_, routes, started.dv.bytes.data(), kv_row * dtype_size(wire));
   };
@@ -314,6 +350,7 @@ void DistAttnRuntime::backward(const BackwardArgs& a, [[maybe_unused]] StreamHan
     std::list<Reduce>& queue = relayed ? second_hop : first_hop;
     queue.front().k_reduce->finish_sum(wire, kv_row, acc_dk.data());
     queue.front().v_reduce->finish_sum(wire, kv_row, acc_dv.data());
+    span("backward stage " + std::to_string(queue.front().stage) + " dk/dv reduce", "comm", queue.front().started_us);
     queue.pop_front();
   };
   const auto finish_at_relay = [&] {  // sum the node's partials, then send them across nodes
@@ -323,6 +360,8 @@ void DistAttnRuntime::backward(const BackwardArgs& a, [[maybe_unused]] StreamHan
     std::vector<double> sum_k(static_cast<size_t>(rows * kv_row), 0.0), sum_v(sum_k.size(), 0.0);
     done.k_reduce->finish_sum(wire, kv_row, sum_k.data());
     done.v_reduce->finish_sum(wire, kv_row, sum_v.data());
+    span("backward stage " + std::to_string(done.stage) + " dk/dv reduce (to the node's relay)", "comm",
+         done.started_us);
     Reduce relay{Buffer(wire, rows * kv_row), Buffer(wire, rows * kv_row), {}, {}, done.stage};
     store_all(sum_k, relay.dk.view({rows * kv_row}));
     store_all(sum_v, relay.dv.view({rows * kv_row}));
@@ -332,8 +371,11 @@ void DistAttnRuntime::backward(const BackwardArgs& a, [[maybe_unused]] StreamHan
   for (int32_t stage = 0; stage < num_stages; ++stage) {
     const auto current = std::move(next);
     current->wait();
+    if (stage > 0 || !first_waited) span("backward stage " + std::to_string(stage) + " k/v exchange", "comm",
+                                         current->started_us);
     if (stage + 1 < num_stages) next = std::make_unique<StageFetch>(*this, stage + 1, a.k, a.v);
     const StagePlan& sp = mine().stages[stage];
+    const double stage_start = Timeline::now_us();
     const int64_t rows = sp.buffer_rows;
     Reduce partial{Buffer(wire, rows * kv_row), Buffer(wire, rows * kv_row), {}, {}, stage};
     if (!sp.mask.slices.empty()) {
@@ -347,6 +389,7 @@ void DistAttnRuntime::backward(const BackwardArgs& a, [[maybe_unused]] StreamHan
       s.dv = partial.dv.view({rows, hkv, d});
       magi::backward(sp.mask, s, remote_options);
       add_all(stage_dq, acc_dq);
+      span("backward stage " + std::to_string(stage) + " attention", "compute", stage_start);
     }
     start_reduce(first_hop, relayed ? plan_.relay_routes[rank_][stage] : plan_.routes[rank_][stage], std::move(partial));
     if (relayed) {
@@ -360,9 +403,11 @@ void DistAttnRuntime::backward(const BackwardArgs& a, [[maybe_unused]] StreamHan
     while (!first_hop.empty()) finish_at_relay();
   while (!(relayed ? second_hop : first_hop).empty()) finish_to_owner();
 
+  const double store_start = Timeline::now_us();
   store_all(acc_dq, a.dq);
   store_all(acc_dk, a.dk);
   store_all(acc_dv, a.dv);
+  span("backward store dq / dk / dv", "compute", store_start);
 
   // A shared (sh) sink is replicated on every rank, so its gradient is partial per rank.
   if (with_sink && config_.attention.sink_layout == SinkLayout::SH && dsink_op_ != DsinkReduceOp::None) {
@@ -376,6 +421,7 @@ void DistAttnRuntime::backward(const BackwardArgs& a, [[maybe_unused]] StreamHan
       a.dsink.as<float>()[i] = static_cast<float>(sum);
     }
   }
+  if (timeline != nullptr) timeline->write();
 }
 
 // ---- public API ----
@@ -551,9 +597,14 @@ RuntimeKey runtime_key(const Mask& mask, const HeadShape& heads, std::shared_ptr
 
   runtime_cache().set_capacity(static_cast<size_t>(env::get_int("MAGI_ATTENTION_DIST_ATTN_RUNTIME_DICT_SIZE")));
   return RuntimeKey(runtime_cache().get(id, [&] {
+    const double start = Timeline::now_us();
     validate(mask);
-    return std::make_shared<const DistAttnRuntime>(mask, heads, comm, config, id.backward_high_precision, id.dsink_op,
-                                                   id.ranks_per_node, fixed);
+    auto runtime = std::make_shared<const DistAttnRuntime>(mask, heads, comm, config, id.backward_high_precision,
+                                                           id.dsink_op, id.ranks_per_node, fixed);
+    if (Timeline* timeline = Timeline::of(comm->rank()))
+      timeline->add(fixed != nullptr ? "plan (new mask on a kept dispatch)" : "plan (dispatch + comm plan)", "host",
+                    start, Timeline::now_us());
+    return runtime;
   }));
 }
 

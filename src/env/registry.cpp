@@ -1,6 +1,7 @@
 // The one table of environment variables. Sources: the upstream user guide (seed 001, newer, wins),
 // its older edition (seed 000: old names kept as aliases, variables only there kept) and the install
-// guide (seed 004); plus MAGI_ATTENTION_LOG_LEVEL and MAGI_ATTENTION_KERNEL_BACKEND of our own.
+// guide (seed 004); plus MAGI_ATTENTION_LOG_LEVEL, MAGI_ATTENTION_KERNEL_BACKEND and MAGI_ATTENTION_PROFILE_DIR of
+// our own.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -198,6 +199,11 @@ std::vector<Variable> make_registry() {
       boolean("MAGI_ATTENTION_PROFILE_MODE", "0", kDebug,
               kImplemented,
               "Print per-kernel GPU timings (CUDA events; synchronises) for every call; for development only."),
+      path("MAGI_ATTENTION_PROFILE_DIR", "unset (no timelines)", kDebug, kImplemented,
+           "Directory where every rank of distributed attention writes a Chrome-trace timeline of its calls "
+           "(rank_N.json: planning, each k/v exchange, each stage's attention, the reductions; wall times of "
+           "the host runtime; the device runtime's stages are not traced yet); `magi-attn trace DIR` merges "
+           "the ranks and reports how much communication computation hid."),
       choice("MAGI_ATTENTION_LOG_LEVEL", "warn", {"error", "warn", "info", "debug"}, kDebug,
              kImplemented,
              "Which diagnostics reach stderr: error silences warnings, info and debug add detail."),

@@ -1,6 +1,8 @@
 // `magi-attn` help, version, env and the demo (the main job) end to end.
 #include <gtest/gtest.h>
 
+#include <fstream>
+
 #include "cli/npy.hpp"
 #include "cli_test_helpers.hpp"
 #include "magi/env.hpp"
@@ -9,7 +11,7 @@ namespace magi::cli::test {
 namespace {
 
 TEST(CliMisc, EveryCommandHasHelp) {
-  for (const std::string command : {"run", "mask", "demo", "env"}) {
+  for (const std::string command : {"run", "mask", "demo", "env", "trace"}) {
     const CliResult r = run_cli({command, "--help"});
     EXPECT_EQ(r.exit_code, 0) << command << describe(r);
     EXPECT_EQ(r.out.rfind("usage: magi-attn " + command, 0), 0u) << command << describe(r);
@@ -18,7 +20,7 @@ TEST(CliMisc, EveryCommandHasHelp) {
   }
   const CliResult top = run_cli({"--help"});
   EXPECT_EQ(top.exit_code, 0) << describe(top);
-  for (const char* command : {"demo", "run", "mask", "env"}) EXPECT_NE(top.out.find(command), std::string::npos);
+  for (const char* command : {"demo", "run", "mask", "env", "trace"}) EXPECT_NE(top.out.find(command), std::string::npos);
 }
 
 TEST(CliMisc, HelpWinsOverBadOptionsAndBadEnvironment) {
@@ -82,6 +84,41 @@ TEST(CliMisc, EnvReportsABadValueInsteadOfStopping) {
   const std::string all = r.out + r.err;
   EXPECT_NE(all.find("MAGI_ATTENTION_DSINK_ALL_REDUCE_OP=max"), std::string::npos) << all;
   EXPECT_NE(all.find("none, sum, avg"), std::string::npos) << all;
+}
+
+// `magi-attn trace DIR` merges rank timelines and reports how much communication ran during computation.
+TEST(CliMisc, TraceMergesRankTimelinesAndReportsTheOverlap) {
+  auto write_text = [](const std::string& path, const std::string& text) { std::ofstream(path) << text; };
+  TempDir dir;
+  auto rank_file = [&](int rank, const std::string& events) {
+    write_text(dir / ("rank_" + std::to_string(rank) + ".json"),
+               "{\"magi_rank\": " + std::to_string(rank) + ", \"traceEvents\": [" + events + "]}");
+  };
+  auto span = [](const char* name, const char* lane, double ts, double dur) {
+    return std::string("{\"name\": \"") + name + "\", \"cat\": \"" + lane + "\", \"ph\": \"X\", \"ts\": " +
+           std::to_string(ts) + ", \"dur\": " + std::to_string(dur) + "}";
+  };
+  // rank 0: comm [5, 25) ms against compute [0, 10) and [20, 30): half hidden. rank 1: comm inside compute.
+  rank_file(0, span("a", "compute", 0, 10000) + "," + span("x", "comm", 5000, 20000) + "," +
+                   span("b", "compute", 20000, 10000));
+  rank_file(1, span("a", "compute", 0, 30000) + "," + span("x", "comm", 5000, 10000));
+  const CliResult r = run_cli({"trace", dir.path().string(), "--out", dir / "merged.json"});
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_NE(r.out.find("50.0%"), std::string::npos) << r.out;   // rank 0
+  EXPECT_NE(r.out.find("100.0%"), std::string::npos) << r.out;  // rank 1
+  EXPECT_NE(r.out.find("66.7%"), std::string::npos) << r.out;   // all: 20 of 30 ms hidden
+  const std::string merged = slurp(dir / "merged.json");
+  EXPECT_NE(merged.find("traceEvents"), std::string::npos);
+  size_t spans = 0;
+  for (size_t at = merged.find("\"ph\":\"X\""); at != std::string::npos; at = merged.find("\"ph\":\"X\"", at + 1)) ++spans;
+  EXPECT_EQ(spans, 5u) << merged;
+
+  expect_one_line_error(run_cli({"trace", (dir / "missing")}), {"trace:", "is not a directory"});
+  TempDir empty;
+  expect_one_line_error(run_cli({"trace", empty.path().string()}), {"no rank_N.json"});
+  write_text(empty / "rank_3.json", "{not json");
+  expect_one_line_error(run_cli({"trace", empty.path().string()}), {"rank_3.json", "not JSON"});
+  expect_one_line_error(run_cli({"trace"}), {"missing DIR"});
 }
 
 }  // namespace

@@ -5,10 +5,12 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <random>
 #include <string>
 
 #include "comm/mpi_test_main.hpp"
+#include "distributed/timeline.hpp"
 #include "magi/dist.hpp"
 #include "magi/env.hpp"
 #include "reference/random_inputs.hpp"
@@ -493,6 +495,45 @@ TEST(DistAttn, RollMatchesRollingTheGlobalTensor) {
   const RuntimeKey key = make_runtime_key(mask, {2, 2, 32}, test::world_ptr(), config_of(c));
   HostTensor local = HostTensor::poisoned(DType::F32, {key.local_q_tokens() + 1, 3});
   EXPECT_THROW(roll(key, Axis::Q, local.view(), local.view(), 1), InvalidArgument);
+}
+
+// MAGI_ATTENTION_PROFILE_DIR: every rank writes its timeline (planning, exchanges, stages, reductions), readable
+// back, with the communication it overlapped.
+TEST(DistAttn, ProfileDirWritesEveryRanksTimeline) {
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("magi_profile_" + std::to_string(test::shared_seed()));
+  setenv("MAGI_ATTENTION_PROFILE_DIR", dir.c_str(), 1);
+  env::reset_for_testing();
+  Case c{"profiled", varlen_full_12()};
+  Global g = make_inputs(c, test::shared_seed());
+  distributed(c, g);
+  world().barrier();
+  const int32_t cp = world().size();
+  for (int32_t r = 0; r < cp; ++r) {
+    int32_t rank = -1;
+    const std::vector<Span> spans = read_spans((dir / ("rank_" + std::to_string(r) + ".json")).string(), &rank);
+    EXPECT_EQ(rank, r);
+    auto has = [&](const std::string& name, const std::string& lane) {
+      for (const Span& s : spans)
+        if (s.name == name && s.lane == lane && s.end_us >= s.start_us) return true;
+      return false;
+    };
+    EXPECT_TRUE(has("plan (dispatch + comm plan)", "host")) << "rank " << r;
+    EXPECT_TRUE(has("forward local attention + merge", "compute")) << "rank " << r;
+    EXPECT_TRUE(has("backward store dq / dk / dv", "compute")) << "rank " << r;
+    if (cp > 1) {
+      EXPECT_TRUE(has("forward stage 0 k/v exchange", "comm")) << "rank " << r;
+      EXPECT_TRUE(has("backward stage 0 dk/dv reduce", "comm")) << "rank " << r;
+    }
+    const Overlap o = overlap_of(spans);
+    EXPECT_GT(o.compute_us, 0.0);
+    EXPECT_GE(o.hidden_fraction(), 0.0);
+    EXPECT_LE(o.hidden_fraction(), 1.0);
+  }
+  world().barrier();
+  if (world().rank() == 0) std::filesystem::remove_all(dir);
+  unsetenv("MAGI_ATTENTION_PROFILE_DIR");
+  env::reset_for_testing();
 }
 
 }  // namespace

@@ -169,6 +169,7 @@ TEST(EnvRegistry, ImplementedAreExactlyWhatThisBuildHonours) {
                                                      "MAGI_ATTENTION_DSINK_ALL_REDUCE_OP",
                                                      "MAGI_ATTENTION_HIERARCHICAL_COMM",
                                                      "MAGI_ATTENTION_DIST_ATTN_RUNTIME_DICT_SIZE",
+                                                     "MAGI_ATTENTION_PROFILE_DIR",
                                                      // GPU kernels
                                                      "MAGI_ATTENTION_FFA_FORWARD_SM_MARGIN",
                                                      "MAGI_ATTENTION_FFA_BACKWARD_SM_MARGIN",
