@@ -6,6 +6,7 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 
@@ -70,6 +71,27 @@ class Communicator {
 // Throws InvalidArgument on every rank when ranks disagree on `fingerprint` (e.g. a hash of mask and
 // config); `what` names the thing compared. One allgather, so it cannot hang on a mismatch.
 void require_same_on_all_ranks(Communicator& comm, uint64_t fingerprint, std::string_view what);
+
+// ---- Launch without MPI: the launcher's variables and a TCP engine (host memory). ----
+
+// Where this process sits in a job started by a launcher other than mpirun: torchrun's RANK, WORLD_SIZE,
+// LOCAL_RANK, MASTER_ADDR, MASTER_PORT, or ATOM's ATOM_DP_RANK, ATOM_DP_SIZE, ATOM_DP_RANK_LOCAL,
+// ATOM_DP_MASTER_IP (default 127.0.0.1), ATOM_DP_MASTER_PORT (default 29500).
+struct LaunchInfo {
+  int32_t rank = 0, size = 1, local_rank = 0;
+  std::string master_addr;
+  int32_t master_port = 0;
+  std::string convention;  // "torchrun" or "ATOM"
+};
+// The launch of this process, if either convention's variables are set (RANK / ATOM_DP_RANK decide); a set but
+// bad or incomplete convention is InvalidArgument naming the variable and what it allows.
+std::optional<LaunchInfo> launch_from_env();
+
+// A host communicator over TCP for a launcher's ranks: rank 0 listens on master_port, the others connect to
+// master_addr:master_port (retrying until it listens); collectives pass through rank 0. Collective: a rank that
+// never joins, or an unreachable master, is CommError on every rank after `timeout_seconds`.
+std::shared_ptr<Communicator> tcp_communicator(const LaunchInfo& launch,
+                                               double timeout_seconds = Communicator::kDefaultTimeoutSeconds);
 
 // ---- MPI engine (host memory). Available when the library was built with MPI. ----
 

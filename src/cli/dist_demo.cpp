@@ -595,9 +595,35 @@ int dist_demo_gpu(DistWorld& world, Settings s) {
 }
 #endif
 
-// One rank per GPU (mpirun's, or forked here), each ending as main would: one error line, exit 2.
+#if MAGI_ATTN_WITH_NCCL
+// This process is one GPU rank of a torchrun / ATOM launch: the NCCL id travels over the TCP bootstrap.
+int run_launched_gpu_rank(const comm::LaunchInfo& launch, const Settings& s) {
+  try {
+    const double timeout = s.config.comm_timeout_seconds;
+    std::shared_ptr<comm::Communicator> bootstrap = comm::tcp_communicator(launch, timeout);
+    comm::NcclUniqueId id{};
+    if (launch.rank == 0) id = comm::nccl_unique_id();
+    std::vector<comm::NcclUniqueId> ids(static_cast<size_t>(launch.size));
+    bootstrap->allgather(&id, sizeof id, ids.data());
+    const int32_t gpus = std::max(1, visible_gpu_count());
+    DistWorld world(comm::nccl_communicator(ids[0], launch.rank, launch.size, launch.local_rank % gpus, timeout));
+    return run_on_every_rank(world, [&] { return dist_demo_gpu(world, s); });
+  } catch (const QuietExit& quiet) {
+    return quiet.exit_code;
+  } catch (const std::exception& e) {
+    print_error_line(e.what());
+    return 2;
+  }
+}
+#endif
+
+// One rank per GPU (mpirun's, a torchrun / ATOM launch's, or forked here), each ending as main would: one error
+// line, exit 2.
 int run_gpu_ranks(const Settings& s) {
 #if MAGI_ATTN_WITH_NCCL
+  if (!under_mpirun())
+    if (const std::optional<comm::LaunchInfo> launch = comm::launch_from_env())
+      return run_launched_gpu_rank(*launch, s);
   if (!under_mpirun() && std::getenv("MAGI_LOCAL_RANKS") == nullptr)  // the launcher's count ignores CUDA_VISIBLE_DEVICES
     ::setenv("MAGI_LOCAL_RANKS", std::to_string(visible_gpu_count()).c_str(), 1);
   return comm::run_on_local_gpus([&](auto nccl) {  // the world's NCCL communicator
@@ -636,7 +662,7 @@ int dist_demo_command(std::span<const std::string> args) {
     return 0;
   }
   if (settings.site == Site::Cuda) return run_gpu_ranks(settings);
-  DistWorld world;
+  DistWorld world(settings.config.comm_timeout_seconds);
   return run_on_every_rank(world, [&] { return dist_demo_cpu(world, settings); });
 }
 

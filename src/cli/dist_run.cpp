@@ -222,7 +222,7 @@ int dist_run(DistWorld& world, std::span<const std::string> args) {
 }  // namespace
 
 int dist_run_command(std::span<const std::string> args) {
-  DistWorld world;
+  DistWorld world(bootstrap_timeout(args));
   return run_on_every_rank(world, [&] { return dist_run(world, args); });
 }
 

@@ -16,7 +16,13 @@
 
 namespace magi::cli {
 
-DistWorld::DistWorld() {
+DistWorld::DistWorld(double timeout_seconds) {
+  if (!launched_by_mpi()) {
+    if (const std::optional<comm::LaunchInfo> launch = comm::launch_from_env()) {
+      comm_ = comm::tcp_communicator(*launch, timeout_seconds);
+      return;
+    }
+  }
   mpi_.emplace(nullptr, nullptr);
   comm_ = comm::mpi_world();
 }
@@ -115,7 +121,29 @@ int32_t env_int(std::initializer_list<const char*> names) {
 
 }  // namespace
 
-int32_t launcher_rank() { return std::max(0, env_int({"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"})); }
+bool launched_by_mpi() {
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"})
+    if (std::getenv(name) != nullptr) return true;
+  return false;
+}
+
+int32_t launcher_rank() {
+  if (launched_by_mpi()) return std::max(0, env_int({"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"}));
+  return std::max(0, env_int({"RANK", "ATOM_DP_RANK"}));
+}
+
+double bootstrap_timeout(std::span<const std::string> args) {
+  for (size_t i = 0; i < args.size(); ++i) {
+    std::string text;
+    if (args[i] == "--comm-timeout" && i + 1 < args.size()) text = args[i + 1];
+    else if (args[i].starts_with("--comm-timeout=")) text = args[i].substr(15);
+    else continue;
+    char* end = nullptr;
+    const double value = std::strtod(text.c_str(), &end);
+    if (end != text.c_str() && *end == '\0' && value > 0) return value;  // a bad value is the parser's error
+  }
+  return comm::Communicator::kDefaultTimeoutSeconds;
+}
 
 int32_t launcher_local_ranks() { return std::max(0, env_int({"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"})); }
 

@@ -23,7 +23,10 @@ namespace magi::cli {
 
 class DistWorld {
  public:
-  DistWorld();  // initialises MPI unless already done; the world communicator (host memory)
+  // The world of this process's launch (host memory): mpirun's ranks through MPI (initialised unless already
+  // done), or, without mpirun, a torchrun / ATOM launch (comm::launch_from_env) through the TCP engine, whose
+  // bootstrap waits at most `timeout_seconds` for every rank; neither: MPI's (a single rank).
+  explicit DistWorld(double timeout_seconds = comm::Communicator::kDefaultTimeoutSeconds);
   // Over `comm` (e.g. a GPU rank's NCCL communicator); MPI, if any, is the caller's. Control traffic
   // (agree, broadcast, ...) goes through its allgather, which takes host buffers on every engine.
   explicit DistWorld(std::shared_ptr<comm::Communicator> comm);
@@ -87,9 +90,14 @@ dist::DistConfig parse_dist_config(const Options& options, const AttentionOption
 // PlanSummary::to_text plus the kv bytes moved against ring attention's, at the dtype's size.
 std::string plan_text(const dist::PlanSummary& plan, DType dtype);
 
-// This process's rank as the MPI launcher announces it (OMPI_COMM_WORLD_RANK, PMI_RANK, PMIX_RANK), else 0:
-// lets a command that fails before any communicator exists report from rank 0 alone.
+// This process's rank as the launcher announces it (mpirun: OMPI_COMM_WORLD_RANK, PMI_RANK, PMIX_RANK; else
+// torchrun's RANK or ATOM's ATOM_DP_RANK), else 0: lets a command that fails before any communicator exists report
+// from rank 0 alone.
 int32_t launcher_rank();
+// Whether mpirun (or another MPI launcher) started this process.
+bool launched_by_mpi();
+// The value of --comm-timeout among `args` (the bootstrap's bound before the options are parsed), else the default.
+double bootstrap_timeout(std::span<const std::string> args);
 // Ranks the MPI launcher put on this node (OMPI_COMM_WORLD_LOCAL_SIZE, MPI_LOCALNRANKS), else 0 (not
 // launched by mpirun, or a launcher that does not say).
 int32_t launcher_local_ranks();

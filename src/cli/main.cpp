@@ -23,7 +23,7 @@ constexpr const char* kUsage =
     "  env    the MAGI_ATTENTION_* configuration variables with their current values\n"
     "  trace  merge the per-rank timelines of MAGI_ATTENTION_PROFILE_DIR into one trace; report the overlap\n"
     "\n"
-    "distributed (context parallel; run under mpirun -np CP):\n"
+    "distributed (context parallel; under mpirun -np CP, or CP processes launched torchrun- or ATOM-style):\n"
     "  dist-demo   the packed-documents demo over CP ranks, checked against one device, with the plan\n"
     "  dist-run    `run` over CP ranks: rank 0 reads the inputs and writes the outputs\n"
     "\n"
