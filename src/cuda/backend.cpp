@@ -297,7 +297,9 @@ void forward(const Plan& plan, const ForwardArgs& a, const Options& o, cudaStrea
   if (p.max_logits != nullptr) detail::launch_fill(p.max_logits, plan.hq, -INFINITY, stream);
   // Item-less tiles take their own copy kernel unless a sink joins their (otherwise empty) rows.
   const int itemless = p.sink_kind == detail::kSinkNone ? plan.fwd_itemless_tiles : 0;
-  if (plan.fwd_family == KernelFamily::Sm90) {
+  // A plan without any work item (no keys at all; its rows only take a sink or a previous result) needs no Hopper
+  // kernel: the portable one writes those rows without reading K or V, which may then be empty.
+  if (plan.fwd_family == KernelFamily::Sm90 && plan.fwd_items > 0) {
     // The Hopper kernel walks the tiles with items; the item-less ones (the last of the order) take the copy kernel.
     detail::FwdParams with_items = p;
     with_items.list.num_tiles -= itemless;

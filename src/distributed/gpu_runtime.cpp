@@ -18,6 +18,8 @@
 #include <vector>
 
 #include "comm/nccl_communicator.hpp"
+#include "env/log.hpp"
+#include "magi/env.hpp"
 #include "cuda/check.hpp"
 #include "cuda/elementwise.hpp"
 #include "distributed/gpu_kernels.hpp"
@@ -359,6 +361,13 @@ void forward(const DistAttnRuntime& rt, State& st, const ForwardArgs& a, cudaStr
 }
 
 void backward(const DistAttnRuntime& rt, State& st, const BackwardArgs& a, cudaStream_t caller) {
+  if (env::get_bool("MAGI_ATTENTION_BWD_HIDE_TAIL_REDUCE")) {
+    static std::once_flag once;
+    std::call_once(once, [] {
+      log::warn("MAGI_ATTENTION_BWD_HIDE_TAIL_REDUCE=1: the device runtime keeps its stage order (the host runtime "
+                "reorders)");
+    });
+  }
   check_inputs(rt, st, a.q, a.k, a.v);
   const HeadShape& h = rt.heads();
   const int64_t lq = rt.dispatch().q.local_tokens(), lk = rt.dispatch().k.local_tokens();

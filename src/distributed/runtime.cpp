@@ -311,9 +311,12 @@ void DistAttnRuntime::backward(const BackwardArgs& a, [[maybe_unused]] StreamHan
     span("backward stage 0 k/v exchange", "comm", next->started_us);
     first_waited = true;
   }
-  // Host stage: own kv, and the sink (whose gradient is computed exactly once, here).
-  const double host_start = Timeline::now_us();
-  if (!mine().host_mask.slices.empty() || with_sink) {
+  // Host stage: own kv, and the sink (whose gradient is computed exactly once, here). First, where it hides the
+  // first fetch; with MAGI_ATTENTION_BWD_HIDE_TAIL_REDUCE last, where it hides the last remote reduction instead.
+  const bool hide_tail = env::get_bool("MAGI_ATTENTION_BWD_HIDE_TAIL_REDUCE") && num_stages > 0;
+  const auto host_stage = [&] {
+    const double host_start = Timeline::now_us();
+    if (mine().host_mask.slices.empty() && !with_sink) return;
     Buffer host_dk(part, lk * kv_row), host_dv(part, lk * kv_row);
     BackwardArgs s = a;
     s.dq = stage_dq.view({lq, hq, d});
@@ -324,7 +327,8 @@ void DistAttnRuntime::backward(const BackwardArgs& a, [[maybe_unused]] StreamHan
     add_all(host_dk, acc_dk);
     add_all(host_dv, acc_dv);
     span("backward local attention", "compute", host_start);
-  }
+  };
+  if (!hide_tail) host_stage();
   AttentionOptions remote_options = config_.attention;
   remote_options.sink_layout = SinkLayout::None;
 
@@ -399,6 +403,7 @@ void DistAttnRuntime::backward(const BackwardArgs& a, [[maybe_unused]] StreamHan
       finish_to_owner();
     }
   }
+  if (hide_tail) host_stage();
   if (relayed)
     while (!first_hop.empty()) finish_at_relay();
   while (!(relayed ? second_hop : first_hop).empty()) finish_to_owner();

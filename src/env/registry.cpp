@@ -145,10 +145,11 @@ std::vector<Variable> make_registry() {
               not_yet("planned: GPU flex-attention backward kernel (concatenated GQA heads)"),
               "In the GPU backward kernel, process the query heads that share one kv head together "
               "(GQA/MQA); experimental."),
-      boolean("MAGI_ATTENTION_BWD_HIDE_TAIL_REDUCE", "0", kPerformance,
-              not_yet("planned: distributed attention (backward overlap-stage reordering)"),
+      boolean("MAGI_ATTENTION_BWD_HIDE_TAIL_REDUCE", "0", kPerformance, kImplemented,
               "Reorder the backward overlap stages so that the last remote gradient reduction "
-              "overlaps local compute, at the cost of keeping the last remote k/v; experimental."),
+              "overlaps local compute (the local stage runs last instead of first, so the first k/v "
+              "exchange is no longer hidden behind it); host runtime: the device runtime keeps its order "
+              "and says so once."),
       integer("MAGI_ATTENTION_FFA_FORWARD_SM_MARGIN",
               {.rule = kSmMarginRule, .compute = sm_margin_default}, "0", "", kPerformance,
               kImplemented,

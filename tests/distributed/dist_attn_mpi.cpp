@@ -536,5 +536,38 @@ TEST(DistAttn, ProfileDirWritesEveryRanksTimeline) {
   env::reset_for_testing();
 }
 
+// MAGI_ATTENTION_BWD_HIDE_TAIL_REDUCE: the local stage runs last, while the last remote dk/dv reduction is in
+// flight; the gradients still match the single device.
+TEST(DistAttn, HideTailReduceRunsTheLocalStageLastWithTheSameGradients) {
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("magi_tail_" + std::to_string(test::shared_seed()));
+  setenv("MAGI_ATTENTION_BWD_HIDE_TAIL_REDUCE", "1", 1);
+  setenv("MAGI_ATTENTION_PROFILE_DIR", dir.c_str(), 1);
+  env::reset_for_testing();
+  for (int32_t degree : {1, 2}) {
+    Case c{"hide tail reduce", q_overlap_12()};
+    c.overlap_degree = degree;
+    check_case(c);
+  }
+  world().barrier();
+  const std::vector<Span> spans = read_spans((dir / ("rank_" + std::to_string(world().rank()) + ".json")).string());
+  double local_start = -1, last_reduce_end = -1, first_reduce_start = -1;
+  for (const Span& s : spans) {  // the last call's spans win
+    if (s.name == "backward local attention") local_start = s.start_us;
+    if (s.name.find("dk/dv reduce") != std::string::npos) last_reduce_end = s.end_us;
+    if (s.name.starts_with("backward stage 0 dk/dv reduce")) first_reduce_start = s.start_us;
+  }
+  ASSERT_GE(local_start, 0.0);
+  if (world().size() > 1) {
+    EXPECT_GT(local_start, first_reduce_start) << "the local stage runs after the remote stages started reducing";
+    EXPECT_LE(local_start, last_reduce_end) << "the last reduction finishes after the local stage starts";
+  }
+  world().barrier();
+  if (world().rank() == 0) std::filesystem::remove_all(dir);
+  unsetenv("MAGI_ATTENTION_BWD_HIDE_TAIL_REDUCE");
+  unsetenv("MAGI_ATTENTION_PROFILE_DIR");
+  env::reset_for_testing();
+}
+
 }  // namespace
 }  // namespace magi::dist

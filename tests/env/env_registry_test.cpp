@@ -170,6 +170,7 @@ TEST(EnvRegistry, ImplementedAreExactlyWhatThisBuildHonours) {
                                                      "MAGI_ATTENTION_HIERARCHICAL_COMM",
                                                      "MAGI_ATTENTION_DIST_ATTN_RUNTIME_DICT_SIZE",
                                                      "MAGI_ATTENTION_PROFILE_DIR",
+                                                     "MAGI_ATTENTION_BWD_HIDE_TAIL_REDUCE",
                                                      // GPU kernels
                                                      "MAGI_ATTENTION_FFA_FORWARD_SM_MARGIN",
                                                      "MAGI_ATTENTION_FFA_BACKWARD_SM_MARGIN",
