@@ -5,8 +5,10 @@
 # same run; a short table is printed last.
 #
 # usage: scripts/gpu_check.sh [--arch "80;90a"] [--skip-tests] [--skip-sanitizer] [--skip-python] [--skip-bench]
-#                             [--skip-peers] [--quick]
+#                             [--skip-peers] [--quick] [--profile]
 #   --quick: D=128 only in the benchmark, FlexAttention only on varlen causal.
+#   --profile: Nsight Compute counters of the default forward kernel (D 128: full, causal, varlen causal): tensor
+#              pipe and issue utilisation, the leading stall reasons (ncu_*.csv, profile.txt).
 # Env: BUILD_DIR (default build-gpu), OUT (logs/CSV; default $BUILD_DIR/out), TESTS_REGEX (ctest -R) for the tests; not GTEST_FILTER,
 #   which the build's test discovery would obey too (an empty or narrow one lists no tests); SANITIZE_FAMILIES
 #   (e.g. "ffa_sm90") for the sanitizers' kernel families (default: every family built), SANITIZE_FILTER their
@@ -16,7 +18,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=${BUILD_DIR:-$ROOT/build-gpu}
 LOGS=${OUT:-$BUILD/out}
 ARCH="80;90a"
-RUN_TESTS=1 RUN_SANITIZER=1 RUN_PYTHON=1 RUN_BENCH=1 RUN_PEERS=1 QUICK=0
+RUN_TESTS=1 RUN_SANITIZER=1 RUN_PYTHON=1 RUN_BENCH=1 RUN_PEERS=1 QUICK=0 RUN_PROFILE=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --arch) ARCH="$2"; shift ;;
@@ -26,7 +28,8 @@ while [ $# -gt 0 ]; do
     --skip-bench) RUN_BENCH=0 ;;
     --skip-peers) RUN_PEERS=0 ;;
     --quick) QUICK=1 ;;
-    *) echo "gpu_check.sh: unknown argument '$1' (allowed: --arch A, --skip-tests, --skip-sanitizer, --skip-python, --skip-bench, --skip-peers, --quick)" >&2; exit 2 ;;
+    --profile) RUN_PROFILE=1 ;;
+    *) echo "gpu_check.sh: unknown argument '$1' (allowed: --arch A, --skip-tests, --skip-sanitizer, --skip-python, --skip-bench, --skip-peers, --quick, --profile)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -149,6 +152,42 @@ for key in order:
     print(f"{key[0]:26s} {key[1]:4d} " + " ".join(cells))
 PY
 fi
+if [ $RUN_PROFILE = 1 ]; then
+  # One forward launch per mask after flash_bench's warm-up (launches 1-3); clocks left alone.
+  t0=$(date +%s)
+  metrics=gpu__time_duration.sum,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active
+  metrics+=,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active
+  metrics+=,dram__throughput.avg.pct_of_peak_sustained_elapsed,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum
+  metrics+=,launch__registers_per_thread,regex:smsp__warp_issue_stalled_.*_per_warp_active\.pct
+  for mask in full causal varlen_causal; do
+    timeout 300 ncu --clock-control none -k 'regex:^forward_kernel$' --launch-skip 3 --launch-count 1 \
+      --metrics "$metrics" --csv --page raw "$BUILD/bench/cuda/flash_bench" --only $mask --dims 128 --reps 1 \
+      > "$LOGS/ncu_$mask.csv" 2> "$LOGS/ncu_$mask.err"
+    note "ncu $mask: rc $?"
+  done
+  python3 - "$LOGS"/ncu_full.csv "$LOGS"/ncu_causal.csv "$LOGS"/ncu_varlen_causal.csv <<'PY' | tee "$LOGS/profile.txt"
+import csv, sys
+for path in sys.argv[1:]:
+    lines = [l for l in open(path) if l.startswith('"')]
+    if len(lines) < 3:
+        print(path, ": no profile rows"); continue
+    rows = list(csv.reader(lines))
+    head, vals = rows[0], rows[2]
+    m = {h: v for h, v in zip(head, vals)}
+    f = lambda k: float(m[k].replace(",", "")) if k in m and m[k] not in ("", "n/a") else float("nan")
+    print(f"{path.split('ncu_')[-1][:-4]}: {f('gpu__time_duration.sum') / 1e3:.1f} us, regs {m.get('launch__registers_per_thread')}, "
+          f"tensor pipe {f('sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active'):.1f}%, "
+          f"issue active {f('smsp__issue_active.avg.pct_of_peak_sustained_active'):.1f}%, "
+          f"warps active {f('sm__warps_active.avg.pct_of_peak_sustained_active'):.1f}%, "
+          f"dram {f('dram__throughput.avg.pct_of_peak_sustained_elapsed'):.1f}%, "
+          f"smem bank conflicts {m.get('l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum')}")
+    stalls = sorted(((f(k), k[len('smsp__warp_issue_stalled_'):-len('_per_warp_active.pct')]) for k in head
+                     if k.startswith('smsp__warp_issue_stalled_')), reverse=True)
+    print("  stalls (% of active warp cycles): " + ", ".join(f"{n} {v:.1f}" for v, n in stalls[:8]))
+PY
+  note "profile: $(( $(date +%s) - t0 )) s"
+fi
+
 echo
 [ -f "$LOGS/overhead.txt" ] && tail -7 "$LOGS/overhead.txt"
 for s in "${SUMMARY[@]}"; do echo "$s"; done

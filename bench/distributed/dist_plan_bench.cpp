@@ -2,14 +2,20 @@
 // cases at full size (no MPI needed: plans are pure host code).
 // Counters: max_area_over_bound (max per-rank area / max(total / cp, largest chunk)) for the greedy
 // baseline and the greedy + swap solver, the latter also over Dispatch::count_aware_lower_bound, and kv_rows_over_ring (rows fetched / rows ring attention moves).
+// dist_routes/*: the route solver (qo_plan.hpp) on document masks at cp 4-32, 16 heads of D 128 (MHA, and GQA 16/4):
+// bytes moved forward + backward (2-byte inputs) by kv-only plans, ring attention, and the q/out route per rank pair
+// and per kv head group, and the largest rank area against kv-only's.
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "../common/long_tailed_documents.hpp"
 #include "distributed/comm_plan.hpp"
 #include "distributed/dispatch.hpp"
+#include "distributed/qo_plan.hpp"
 #include "magi/mask.hpp"
 
 namespace {
@@ -111,7 +117,41 @@ void plan_case(benchmark::State& state, const Case& c) {
   state.counters["locality_kv_rows_over_ring"] = ring > 0 ? local_fetched / ring : 0.0;
 }
 
+void routes_case(benchmark::State& state, const Mask& mask, magi::dist::HeadShape heads) {
+  using magi::dist::RouteOptions;
+  const auto cp = static_cast<int32_t>(state.range(0));
+  const auto d = magi::dist::make_dispatch(mask, cp, 512, magi::dist::DispatchAlgorithm::Locality);
+  magi::dist::RouteSolution whole, flat;
+  for (auto _ : state) {
+    whole = magi::dist::solve_routes(mask, d, heads, RouteOptions{.qo_comm = true});
+    flat = magi::dist::solve_routes(mask, d, heads, RouteOptions{.qo_comm = true, .flatten_head_groups = true});
+  }
+  const auto max_of = [](const std::vector<int64_t>& v) { return static_cast<double>(*std::max_element(v.begin(), v.end())); };
+  // Ring attention moves every rank's k/v to every other rank forward, again backward, and partial dk/dv back.
+  const double ring = static_cast<double>(cp) * (cp - 1) * d.k.local_tokens() * heads.heads_kv * heads.head_dim * 2 * 6;
+  state.counters["kv_only_MiB"] = whole.kv_only_bytes / 1048576.0;
+  state.counters["kv_only_over_ring"] = whole.kv_only_bytes / ring;
+  state.counters["qo_over_kv_only"] = static_cast<double>(whole.bytes) / whole.kv_only_bytes;
+  state.counters["qo_flat_over_kv_only"] = static_cast<double>(flat.bytes) / flat.kv_only_bytes;
+  state.counters["qo_flat_max_area_over_kv_only"] = max_of(flat.rank_area) / max_of(d.rank_area);
+}
+
 const bool registered = [] {
+  for (const auto& [name, mask] : {std::pair{std::string("varlen_causal_64k"),
+                                             magi::masks::varlen_causal(magi::bench::long_tailed_cu_seqlens(65536, 7))},
+                                   std::pair{std::string("varlen_full_64k"),
+                                             magi::masks::varlen_full(magi::bench::long_tailed_cu_seqlens(65536, 7))},
+                                   std::pair{std::string("one_document_causal_64k"), magi::masks::causal(65536, 65536)}})
+    for (const auto& [heads_name, heads] : {std::pair{"mha16", magi::dist::HeadShape{16, 16, 128}},
+                                            std::pair{"gqa16_4", magi::dist::HeadShape{16, 4, 128}}})
+      benchmark::RegisterBenchmark(("dist_routes/" + name + "/" + heads_name).c_str(),
+                                   [mask, heads](benchmark::State& s) { routes_case(s, mask, heads); })
+          ->Arg(4)
+          ->Arg(8)
+          ->Arg(16)
+          ->Arg(32)
+          ->Iterations(1)
+          ->Unit(benchmark::kMillisecond);
   for (const Case& c : cases())
     benchmark::RegisterBenchmark(("dist_plan/" + c.name).c_str(), [c](benchmark::State& s) { plan_case(s, c); })
         ->Arg(2)

@@ -47,6 +47,16 @@ struct DistConfig {
   // and fans out there; partial dk/dv are summed there before crossing back.
   std::optional<bool> hierarchical_comm;
   int32_t ranks_per_node = 0;  // 0 = Communicator::ranks_per_node()
+  // Query/output routes (unset = MAGI_ATTENTION_QO_COMM): where it moves fewer bytes, a rank hands the attention
+  // of its q rows against another rank's kv to that rank (q travels, partial out / lse come back; backward: q,
+  // out, dout, lse travel, partial dq comes back) instead of fetching the kv, while the busiest rank's compute grows
+  // by 2% at most. Host tensors (the device runtime moves k/v only).
+  std::optional<bool> qo_comm;
+  // Unset = MAGI_ATTENTION_FLATTEN_HEAD_GROUPS: routes are chosen per (rank pair, kv head group), and head-group
+  // units of the busiest rank's work move to the kv owner while that lowers the busiest rank's compute.
+  std::optional<bool> flatten_head_groups;
+  // Unset = MAGI_ATTENTION_FORWARD_HIGH_PRECISION_REDUCE: the q/out route's partial out in fp32 on the wire.
+  std::optional<bool> forward_high_precision_reduce;
 };
 
 struct HeadShape {
@@ -68,6 +78,13 @@ struct PlanSummary {
   int64_t kv_row_elements = 0;          // heads_kv * head_dim: one row of k (or v); bytes = this * dtype size
   int32_t ranks_per_node = 0;           // hierarchical comm: ranks per node (0 = flat)
   int64_t inter_node_kv_rows = 0;       // hierarchical comm: kv rows that cross nodes (each once per node)
+  // Routes (qo_comm / flatten_head_groups): units of (rank pair x kv head group, or rank pair when not
+  // flattened) that take the q/out route, of route_units per pair; bytes moved by this plan and by the kv-only
+  // one, forward and forward + backward, as the planner estimates them for 2-byte inputs.
+  bool qo_comm = false, flatten_head_groups = false;
+  int64_t qo_units = 0;
+  int32_t route_units = 1;
+  int64_t forward_bytes = 0, bytes = 0, kv_only_forward_bytes = 0, kv_only_bytes = 0;
   double imbalance() const;             // max rank area / mean rank area (1 = perfect)
   std::string to_text() const;
 };

@@ -96,20 +96,18 @@ void GroupReduce::finish_sum(DType dtype, int64_t elems_per_row, double* accum) 
     }
 }
 
-void GroupReduce::finish_lse_merge(DType out_dtype, int32_t heads, int32_t head_dim, double* out_accum,
-                                   double* lse_accum) {
+void GroupReduce::finish_lse_merge(DType out_dtype, DType lse_dtype, int32_t heads, int32_t head_dim,
+                                   double* out_accum, double* lse_accum) {
   const int64_t out_bytes = int64_t{heads} * head_dim * dtype_size(out_dtype);
-  if (out_bytes + int64_t{heads} * 4 != row_bytes_)
-    throw InvalidArgument("group_reduce: heads x head_dim out values + heads fp32 lse do not match row_bytes");
+  if (out_bytes + int64_t{heads} * dtype_size(lse_dtype) != row_bytes_)
+    throw InvalidArgument("group_reduce: heads x head_dim out values + heads lse values do not match row_bytes");
   wait();
   const std::byte* in = received_.data();
   for (const auto& rows : routes_.send_rows)
     for (int32_t row : rows) {
       for (int32_t h = 0; h < heads; ++h) {
-        float part_lse;
-        std::memcpy(&part_lse, in + out_bytes + int64_t{h} * 4, 4);
         double& lse = lse_accum[int64_t{row} * heads + h];
-        const auto w = merge_weights<double>(lse, part_lse);
+        const auto w = merge_weights<double>(lse, load_element(lse_dtype, in + out_bytes, h));
         double* out = out_accum + (int64_t{row} * heads + h) * head_dim;
         for (int32_t d = 0; d < head_dim; ++d) {
           const double part = load_element(out_dtype, in, int64_t{h} * head_dim + d);

@@ -41,7 +41,7 @@ class GroupCast {
 
 enum class ReduceOp {
   Sum,       // rows are elements of one dtype; added to a double accumulator
-  LseMerge,  // rows are [out: heads x head_dim in out dtype][lse: heads x fp32]; merged per head
+  LseMerge,  // rows are [out: heads x head_dim in out dtype][lse: heads in lse dtype]; merged per head
 };
 
 // Sends partial rows back to their owners: `partials` ([total_recv_rows, row_bytes]) is laid out like the
@@ -54,7 +54,8 @@ class GroupReduce {
   // Sum: accum[row * elems_per_row + e] += element e of each partial row of `row` (elements in `dtype`).
   void finish_sum(DType dtype, int64_t elems_per_row, double* accum);
   // LseMerge: merges each partial (out, lse) into (out_accum [rows, heads, head_dim], lse_accum [rows, heads]).
-  void finish_lse_merge(DType out_dtype, int32_t heads, int32_t head_dim, double* out_accum, double* lse_accum);
+  void finish_lse_merge(DType out_dtype, DType lse_dtype, int32_t heads, int32_t head_dim, double* out_accum,
+                        double* lse_accum);
 
  private:
   void wait();

@@ -89,4 +89,11 @@ Range kept_cols(const Band& band) {
   return {clamp32(first.start, band.cols.start, band.cols.end), clamp32(last.end, band.cols.start, band.cols.end)};
 }
 
+Range kept_rows(const Band& band) {
+  std::vector<Slice> slices;
+  append_slices(band, slices);
+  if (slices.empty()) return {0, 0};
+  return {slices.front().q.start, slices.back().q.end};
+}
+
 }  // namespace magi::dist

@@ -37,5 +37,7 @@ void append_slices(const Band& band, std::vector<Slice>& out);
 int64_t area(const Band& band);
 // The union of the kept keys over all rows: one contiguous range (empty if the band keeps nothing).
 Range kept_cols(const Band& band);
+// The rows that keep at least one key: one contiguous range (empty if the band keeps nothing).
+Range kept_rows(const Band& band);
 
 }  // namespace magi::dist

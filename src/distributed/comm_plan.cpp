@@ -27,24 +27,6 @@ std::vector<Range> merged(std::vector<Range> ranges) {
   return out;
 }
 
-struct Work {
-  int32_t q_chunk;
-  Band band;  // global coordinates, columns tightened to the kept keys
-};
-
-// The non-empty (q chunk x slice) bands of `rank`, in chunk then slice order.
-std::vector<Work> work_of(const Mask& mask, const Dispatch& d, const std::vector<std::vector<int32_t>>& slices_of_chunk,
-                          int32_t rank) {
-  std::vector<Work> work;
-  for (int32_t c : d.q.chunks[rank])
-    for (int32_t s : slices_of_chunk[c]) {
-      const Band band = clip_rows(band_of(mask.slices[s]), d.q.chunk_range(c));
-      const Range cols = kept_cols(band);
-      if (!cols.empty()) work.push_back({c, clip_cols(band, cols)});
-    }
-  return work;
-}
-
 void append_rows(std::vector<int32_t>& out, const std::vector<Range>& ranges, const Partition& k) {
   for (Range r : ranges)
     for (int32_t row = r.start; row < r.end; ++row) out.push_back(k.local_row(row));
@@ -124,6 +106,19 @@ void add_hierarchical_routes(CommPlan& plan, const Dispatch& d, int32_t ranks_pe
 
 }  // namespace
 
+std::vector<WorkBand> work_bands(const Mask& mask, const Dispatch& d, int32_t rank) {
+  const int32_t cs = d.q.chunk_size;
+  std::vector<WorkBand> work;
+  for (int32_t c : d.q.chunks[rank])
+    for (const Slice& slice : mask.slices) {
+      if (slice.q.empty() || slice.k.empty() || slice.q.end <= c * cs || slice.q.start >= (c + 1) * cs) continue;
+      const Band band = clip_rows(band_of(slice), d.q.chunk_range(c));
+      const Range cols = kept_cols(band);
+      if (!cols.empty()) work.push_back({c, clip_cols(band, cols)});
+    }
+  return work;
+}
+
 int32_t relay_of(int32_t rank, int32_t owner, int32_t ranks_per_node) {
   return rank / ranks_per_node * ranks_per_node + owner % ranks_per_node;
 }
@@ -134,34 +129,31 @@ int64_t RankPlan::fetched_rows() const {
   return n;
 }
 
-CommPlan make_comm_plan(const Mask& mask, const Dispatch& d, int32_t overlap_degree, int32_t ranks_per_node) {
+CommPlan make_comm_plan(const Mask& mask, const Dispatch& d, int32_t overlap_degree, int32_t ranks_per_node,
+                        const std::vector<std::vector<bool>>* qo) {
   if (overlap_degree < 0) throw InvalidArgument("overlap_degree must be >= 0, got " + std::to_string(overlap_degree));
   if (ranks_per_node < 0 || (ranks_per_node > 0 && d.q.cp() % ranks_per_node != 0))
     throw InvalidArgument("hierarchical comm: ranks_per_node (" + std::to_string(ranks_per_node) +
                           ") must divide the cp size (" + std::to_string(d.q.cp()) + ")");
   const int32_t cp = d.q.cp(), num_stages = std::max(1, overlap_degree);
   const int32_t cs = d.q.chunk_size;
-  std::vector<std::vector<int32_t>> slices_of_chunk(static_cast<size_t>(d.q.num_chunks));
-  for (int32_t s = 0; s < static_cast<int32_t>(mask.slices.size()); ++s) {
-    const Slice& slice = mask.slices[s];
-    if (slice.q.empty() || slice.k.empty()) continue;
-    for (int32_t c = slice.q.start / cs; c * cs < slice.q.end; ++c) slices_of_chunk[c].push_back(s);
-  }
 
   CommPlan plan;
   plan.ranks.resize(static_cast<size_t>(cp));
   for (int32_t rank = 0; rank < cp; ++rank) {
     RankPlan& rp = plan.ranks[rank];
-    const std::vector<Work> work = work_of(mask, d, slices_of_chunk, rank);
+    const std::vector<WorkBand> work = work_bands(mask, d, rank);
+    const auto routed_away = [&](int32_t owner) { return qo != nullptr && (*qo)[rank][owner]; };
 
-    // Remote rows needed: the union of kept keys, cut at kv chunk boundaries, minus own chunks.
+    // Remote rows needed: the union of kept keys, cut at kv chunk boundaries, minus own chunks and the chunks of
+    // owners that compute this rank's work themselves (q/out route).
     std::vector<Range> needed;
-    for (const Work& w : work) needed.push_back(w.band.cols);
+    for (const WorkBand& w : work) needed.push_back(w.band.cols);
     std::vector<Range> remote;  // global order
     for (Range r : merged(std::move(needed)))
       for (int32_t start = r.start; start < r.end;) {
         const int32_t end = std::min(r.end, (start / d.k.chunk_size + 1) * d.k.chunk_size);
-        if (d.k.owner_of(start) != rank) {
+        if (d.k.owner_of(start) != rank && !routed_away(d.k.owner_of(start))) {
           if (!remote.empty() && remote.back().end == start && d.k.owner_of(remote.back().start) == d.k.owner_of(start))
             remote.back().end = end;
           else remote.push_back({start, end});
@@ -211,7 +203,7 @@ CommPlan make_comm_plan(const Mask& mask, const Dispatch& d, int32_t overlap_deg
     rp.host_mask.total_q = d.q.local_tokens();
     rp.host_mask.total_k = d.k.local_tokens();
 
-    for (const Work& w : work) {
+    for (const WorkBand& w : work) {  // parts on rows of routed-away owners have no piece: they are dropped
       const int32_t dq = d.q.local_row(w.q_chunk * cs) - w.q_chunk * cs;
       auto it = std::upper_bound(pieces.begin(), pieces.end(), w.band.cols.start,
                                  [](int32_t col, const Piece& p) { return col < p.cols.start; });

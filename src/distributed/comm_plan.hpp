@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "comm/group_collective.hpp"
+#include "distributed/band.hpp"
 #include "distributed/dispatch.hpp"
 #include "magi/mask.hpp"
 
@@ -41,8 +42,18 @@ struct CommPlan {
   int32_t num_stages() const { return ranks.empty() ? 0 : static_cast<int32_t>(ranks[0].stages.size()); }
 };
 
-// ranks_per_node > 0 plans hierarchical comm over cp / ranks_per_node nodes of consecutive ranks.
-CommPlan make_comm_plan(const Mask& mask, const Dispatch& dispatch, int32_t overlap_degree, int32_t ranks_per_node = 0);
+// ranks_per_node > 0 plans hierarchical comm over cp / ranks_per_node nodes of consecutive ranks. `qo` ([r][o],
+// optional): pairs whose work takes the q/out route (qo_plan.hpp): r fetches nothing of o's for it.
+CommPlan make_comm_plan(const Mask& mask, const Dispatch& dispatch, int32_t overlap_degree, int32_t ranks_per_node = 0,
+                        const std::vector<std::vector<bool>>* qo = nullptr);
+
+// The non-empty (q chunk x slice) bands of `rank`'s q rows, in chunk then slice order: global coordinates,
+// columns tightened to the kept keys.
+struct WorkBand {
+  int32_t q_chunk;
+  Band band;
+};
+std::vector<WorkBand> work_bands(const Mask& mask, const Dispatch& dispatch, int32_t rank);
 // The rank in `rank`'s node that relays rows of `owner` (same intra-node index as the owner).
 int32_t relay_of(int32_t rank, int32_t owner, int32_t ranks_per_node);
 

@@ -12,6 +12,7 @@
 #include <mutex>
 #include <optional>
 #include <sstream>
+#include <tuple>
 
 #include "comm/elements.hpp"
 #include "comm/group_collective.hpp"
@@ -55,55 +56,104 @@ void store_all(const std::vector<double>& values, const TensorView& dst) {
   for (int64_t i = 0; i < static_cast<int64_t>(values.size()); ++i) comm::store_element(dst.dtype, dst.data, i, values[i]);
 }
 
-void add_all(const Buffer& part, std::vector<double>& accum) {
-  for (int64_t i = 0; i < static_cast<int64_t>(accum.size()); ++i) accum[i] += part.at(i);
+void add_all(const Buffer& part, double* accum, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) accum[i] += part.at(i);
 }
+
+// Heads [h0, h1) of a [rows, heads, inner] tensor (inner 1 for [rows, heads]) as a contiguous host copy.
+Buffer copy_heads(const TensorView& t, int32_t h0, int32_t h1) {
+  const int64_t rows = t.shape[0], heads = t.shape[1], inner = t.ndim == 3 ? t.shape[2] : 1;
+  const int64_t width = (h1 - h0) * inner, esize = dtype_size(t.dtype);
+  Buffer b(t.dtype, rows * width);
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(b.bytes.data() + r * width * esize, static_cast<const std::byte*>(t.data) + (r * heads + h0) * inner * esize,
+                static_cast<size_t>(width * esize));
+  return b;
+}
+
+// The accumulators of one head class: the whole arrays when it holds every head, else a copy of its heads that
+// goes back (or is added back) when the class is done.
+class HeadSlice {
+ public:
+  HeadSlice(std::vector<double>& all, int64_t rows, int32_t heads, int32_t inner, int32_t h0, int32_t h1, bool copy_in)
+      : all_(all), rows_(rows), heads_(heads), inner_(inner), h0_(h0), h1_(h1) {
+    if (whole()) return;
+    part_.assign(static_cast<size_t>(rows * (h1 - h0) * inner), 0.0);
+    if (copy_in)
+      for (int64_t r = 0; r < rows; ++r)
+        std::copy_n(all.data() + (r * heads + h0) * inner, (h1 - h0) * inner, part_.data() + r * (h1 - h0) * inner);
+  }
+  double* data() { return whole() ? all_.data() : part_.data(); }
+  void store_back(bool add) {
+    if (whole()) return;
+    const int64_t width = int64_t{h1_ - h0_} * inner_;
+    for (int64_t r = 0; r < rows_; ++r)
+      for (int64_t i = 0; i < width; ++i) {
+        double& dst = all_[static_cast<size_t>((r * heads_ + h0_) * inner_ + i)];
+        dst = add ? dst + part_[static_cast<size_t>(r * width + i)] : part_[static_cast<size_t>(r * width + i)];
+      }
+  }
+
+ private:
+  bool whole() const { return h0_ == 0 && h1_ == heads_; }
+  std::vector<double>& all_;
+  std::vector<double> part_;
+  int64_t rows_;
+  int32_t heads_, inner_, h0_, h1_;
+};
 
 // The kv fetch of one stage: k and v travel as two group-casts. With hierarchical comm, hop 1 (across
 // nodes, overlapped with compute) fills the relay buffers and wait() fans them out inside the node.
 struct StageFetch {
   const DistAttnRuntime& rt;
+  const CommPlan& plan;
   int32_t stage;
+  int32_t heads_kv;  // of the head class: k_local's heads
   int64_t row_bytes;
-  Buffer k, v;              // the stage buffers: [buffer_rows, Hkv, D]
+  Buffer k, v;              // the stage buffers: [buffer_rows, heads_kv, D]
   Buffer relay_k, relay_v;  // hop-1 receive buffers (hierarchical only)
   std::optional<comm::GroupCast> k_cast, v_cast;
   double started_us = Timeline::now_us();
 
-  StageFetch(const DistAttnRuntime& runtime, int32_t stage_index, const TensorView& k_local, const TensorView& v_local)
+  StageFetch(const DistAttnRuntime& runtime, const CommPlan& class_plan, int32_t stage_index, const TensorView& k_local,
+             const TensorView& v_local)
       : rt(runtime),
+        plan(class_plan),
         stage(stage_index),
-        row_bytes(int64_t{rt.heads().heads_kv} * rt.heads().head_dim * dtype_size(k_local.dtype)),
-        k(k_local.dtype, rows_of(rt.mine().stages[stage].buffer_rows)),
-        v(k_local.dtype, rows_of(rt.mine().stages[stage].buffer_rows)),
-        relay_k(k_local.dtype, rt.plan().hierarchical() ? rows_of(hop1().total_recv_rows()) : 0),
-        relay_v(k_local.dtype, rt.plan().hierarchical() ? rows_of(hop1().total_recv_rows()) : 0) {
-    const bool relayed = rt.plan().hierarchical();
+        heads_kv(static_cast<int32_t>(k_local.shape[1])),
+        row_bytes(int64_t{heads_kv} * rt.heads().head_dim * dtype_size(k_local.dtype)),
+        k(k_local.dtype, rows_of(mine().stages[stage].buffer_rows)),
+        v(k_local.dtype, rows_of(mine().stages[stage].buffer_rows)),
+        relay_k(k_local.dtype, plan.hierarchical() ? rows_of(hop1().total_recv_rows()) : 0),
+        relay_v(k_local.dtype, plan.hierarchical() ? rows_of(hop1().total_recv_rows()) : 0) {
+    const bool relayed = plan.hierarchical();
     k_cast.emplace(rt.comm(), hop1(), k_local.data, row_bytes, relayed ? relay_k.bytes.data() : k.bytes.data());
     v_cast.emplace(rt.comm(), hop1(), v_local.data, row_bytes, relayed ? relay_v.bytes.data() : v.bytes.data());
   }
   void wait() {
     k_cast->wait();
     v_cast->wait();
-    if (!rt.plan().hierarchical()) return;
-    const auto& hop2 = rt.plan().relay_routes[rt.rank()][stage];
+    if (!plan.hierarchical()) return;
+    const auto& hop2 = plan.relay_routes[rt.rank()][stage];
     k_cast.emplace(rt.comm(), hop2, relay_k.bytes.data(), row_bytes, k.bytes.data());
     v_cast.emplace(rt.comm(), hop2, relay_v.bytes.data(), row_bytes, v.bytes.data());
     k_cast->wait();
     v_cast->wait();
   }
+  const RankPlan& mine() const { return plan.ranks[static_cast<size_t>(rt.rank())]; }
+  int64_t rows() const { return mine().stages[stage].buffer_rows; }
 
  private:
-  const comm::RowRoutes& hop1() const { return rt.plan().routes[rt.rank()][stage]; }
-  int64_t rows_of(int64_t rows) const { return rows * rt.heads().heads_kv * rt.heads().head_dim; }
+  const comm::RowRoutes& hop1() const { return plan.routes[rt.rank()][stage]; }
+  int64_t rows_of(int64_t rows) const { return rows * heads_kv * rt.heads().head_dim; }
 };
 
 // Folds one stage's (out, lse) into the running result with the SPEC lse merge.
-void merge_into(const Buffer& out, const Buffer& lse, int32_t head_dim, std::vector<double>& acc_out,
-                std::vector<double>& acc_lse) {
-  for (int64_t row_head = 0; row_head < static_cast<int64_t>(acc_lse.size()); ++row_head) {
+void merge_into(const Buffer& out, const Buffer& lse, int64_t row_heads, int32_t head_dim, double* acc_out,
+                double* acc_lse) {
+  for (int64_t row_head = 0; row_head < row_heads; ++row_head) {
     const auto w = merge_weights<double>(acc_lse[row_head], lse.at(row_head));
-    double* o = acc_out.data() + row_head * head_dim;
+    double* o = acc_out + row_head * head_dim;
     for (int32_t d = 0; d < head_dim; ++d) {
       const double part = out.at(row_head * head_dim + d);
       o[d] = (w.w1 == 0 ? 0.0 : w.w1 * o[d]) + (w.w2 == 0 ? 0.0 : w.w2 * part);
@@ -111,6 +161,16 @@ void merge_into(const Buffer& out, const Buffer& lse, int32_t head_dim, std::vec
     acc_lse[row_head] = w.lse;
   }
 }
+
+// Rows of the q/out route's buffers ([rows, heads, inner] of `dtype`) cast from their owners to the executor.
+struct QoCast {
+  Buffer buffer;
+  std::optional<comm::GroupCast> cast;
+  QoCast(comm::Communicator& comm, const comm::RowRoutes& routes, const TensorView& table, int64_t row_elements)
+      : buffer(table.dtype, routes.total_recv_rows() * row_elements) {
+    cast.emplace(comm, routes, table.data, row_elements * dtype_size(table.dtype), buffer.bytes.data());
+  }
+};
 
 }  // namespace
 
@@ -125,7 +185,7 @@ std::string_view to_string(DispatchAlgorithm algorithm) {
 
 DistAttnRuntime::DistAttnRuntime(const Mask& mask, const HeadShape& heads, std::shared_ptr<comm::Communicator> comm,
                                  const DistConfig& config, bool backward_high_precision, DsinkReduceOp dsink_op,
-                                 int32_t ranks_per_node, const Dispatch* fixed)
+                                 int32_t ranks_per_node, const RouteOptions& routes, const Dispatch* fixed)
     : heads_(heads),
       comm_(std::move(comm)),
       config_(config),
@@ -133,9 +193,21 @@ DistAttnRuntime::DistAttnRuntime(const Mask& mask, const HeadShape& heads, std::
       dsink_op_(dsink_op),
       ranks_per_node_(ranks_per_node),
       rank_(comm_->rank()),
+      route_options_(routes),
       dispatch_(fixed != nullptr ? redispatch(mask, *fixed)
                                  : make_dispatch(mask, comm_->size(), config.chunk_size, config.algorithm)),
-      plan_(make_comm_plan(mask, dispatch_, config.overlap_degree, ranks_per_node)) {}
+      routes_(solve_routes(mask, dispatch_, heads, routes)) {
+  for (HeadClass& c : head_classes(routes_, heads.heads_kv)) {
+    const bool any = std::any_of(c.qo.begin(), c.qo.end(), [](const auto& row) {
+      return std::find(row.begin(), row.end(), true) != row.end();
+    });
+    ClassPlan& plan = classes_.emplace_back();
+    plan.kv_head_begin = c.kv_head_begin;
+    plan.kv_head_end = c.kv_head_end;
+    plan.plan = make_comm_plan(mask, dispatch_, config.overlap_degree, ranks_per_node, any ? &c.qo : nullptr);
+    if (any) plan.qo = make_qo_plan(mask, dispatch_, c.qo);
+  }
+}
 
 PlanSummary DistAttnRuntime::summary() const {
   PlanSummary s;
@@ -143,20 +215,32 @@ PlanSummary DistAttnRuntime::summary() const {
   s.chunk_size = dispatch_.q.chunk_size;
   s.local_q_tokens = dispatch_.q.local_tokens();
   s.local_k_tokens = dispatch_.k.local_tokens();
-  s.rank_area = dispatch_.rank_area;
+  s.rank_area = routes_.rank_area;
   s.area_lower_bound = dispatch_.lower_bound();
   s.area_count_aware_bound = dispatch_.count_aware_lower_bound();
-  for (const auto& rp : plan_.ranks) s.fetched_kv_rows.push_back(rp.fetched_rows());
+  // Rows per head class, weighted by its share of the kv heads: kv rows of every head.
+  s.fetched_kv_rows.assign(static_cast<size_t>(s.cp), 0);
+  for (const ClassPlan& c : classes_)
+    for (int32_t r = 0; r < s.cp; ++r)
+      s.fetched_kv_rows[r] += c.plan.ranks[r].fetched_rows() * (c.kv_head_end - c.kv_head_begin) / heads_.heads_kv;
   s.ring_kv_rows = int64_t{s.cp} * (s.cp - 1) * s.local_k_tokens;
   s.kv_row_elements = int64_t{heads_.heads_kv} * heads_.head_dim;
-  if (plan_.hierarchical()) {
+  if (plan().hierarchical()) {
     s.ranks_per_node = ranks_per_node_;
     for (int32_t src = 0; src < s.cp; ++src)
-      for (const auto& stage_routes : plan_.routes[src])
+      for (const auto& stage_routes : plan().routes[src])
         for (int32_t dst = 0; dst < s.cp; ++dst)
           if (src / ranks_per_node_ != dst / ranks_per_node_)
             s.inter_node_kv_rows += static_cast<int64_t>(stage_routes.send_rows[dst].size());
   }
+  s.qo_comm = route_options_.qo_comm;
+  s.flatten_head_groups = route_options_.flatten_head_groups;
+  s.qo_units = routes_.qo_units_total();
+  s.route_units = routes_.groups;
+  s.forward_bytes = routes_.forward_bytes;
+  s.bytes = routes_.bytes;
+  s.kv_only_forward_bytes = routes_.kv_only_forward_bytes;
+  s.kv_only_bytes = routes_.kv_only_bytes;
   return s;
 }
 
@@ -169,20 +253,30 @@ gpu::State& DistAttnRuntime::gpu_state() const {
 #endif
 
 namespace {
-// Device tensors go to the NCCL path (gpu_runtime.cpp) when it is built.
+
 bool on_device(const TensorView& q) {
-  if (q.device.type != DeviceType::CUDA) return false;
-#if !MAGI_ATTN_WITH_NCCL
-  throw NotAvailable("q: CUDA tensors given, but this build has no NCCL engine for distributed attention "
-                     "(allowed: host tensors with a host communicator)");
+#if MAGI_ATTN_WITH_NCCL
+  return q.device.type == DeviceType::CUDA;
+#else
+  if (q.device.type == DeviceType::CUDA)
+    throw NotAvailable("distributed attention on CUDA tensors needs the NCCL engine (this build has none)");
+  return false;
 #endif
-  return true;
 }
+
+void require_kv_routes_on_device(const DistAttnRuntime& rt) {
+  if (rt.beyond_kv())
+    throw NotAvailable("distributed attention on CUDA tensors moves k/v only: this runtime key was planned with "
+                       "query/output routes (MAGI_ATTENTION_QO_COMM / MAGI_ATTENTION_FLATTEN_HEAD_GROUPS), which the "
+                       "host runtime runs (allowed here: both unset, or CPU tensors)");
+}
+
 }  // namespace
 
 void DistAttnRuntime::forward(const ForwardArgs& a, [[maybe_unused]] StreamHandle stream) const {
   if (on_device(a.q)) {
 #if MAGI_ATTN_WITH_NCCL
+    require_kv_routes_on_device(*this);
     gpu::forward(*this, gpu_state(), a, static_cast<cudaStream_t>(stream));
 #endif
     return;
@@ -201,32 +295,40 @@ void DistAttnRuntime::forward(const ForwardArgs& a, [[maybe_unused]] StreamHandl
   if (a.k.dtype != a.q.dtype || a.v.dtype != a.q.dtype)
     throw InvalidArgument("k, v: dtype must equal q's (" + std::string(to_string(a.q.dtype)) + ")");
   const DType part = partial_dtype(a.q.dtype);
+  // Partial outputs of the q/out route cross the wire at the input precision unless high-precision reduce is on.
+  const DType wire = route_options_.forward_high_precision ? part : a.q.dtype;
   const bool want_max = a.max_logits.ndim != 0;
-  const int32_t num_stages = plan_.num_stages();
+  const int32_t num_stages = plan().num_stages();
+  const int32_t group = hq / hkv;
 
   std::vector<double> acc_out(static_cast<size_t>(lq * hq * d), 0.0), acc_lse(static_cast<size_t>(lq * hq), kNegInf);
   std::vector<float> max_logits(static_cast<size_t>(hq), -std::numeric_limits<float>::infinity());
-  Buffer stage_out(part, lq * hq * d), stage_lse(part, lq * hq), stage_max(DType::F32, hq);
 
   Timeline* const timeline = Timeline::of(rank_);
-  const auto compute = [&](const Mask& mask, const TensorView& k, const TensorView& v, bool with_sink,
-                           const std::string& what) {
+  // One attention call of `q` rows against `k`, `v` (heads [h0, h0 + q heads)); its (out, lse) is merged into
+  // the accumulators (of those heads) and returned for the q/out route's reduction.
+  const auto compute = [&](const Mask& mask, const TensorView& q, const TensorView& k, const TensorView& v,
+                           bool with_sink, int32_t h0, double* out_acc, double* lse_acc, const std::string& what) {
+    const int64_t rows = q.shape[0];
+    const int32_t heads = static_cast<int32_t>(q.shape[1]);
     if (mask.slices.empty() && !with_sink) return;
     const double start = Timeline::now_us();
+    Buffer stage_out(part, rows * heads * d), stage_lse(part, rows * heads), stage_max(DType::F32, heads);
     ForwardArgs s;
-    s.q = a.q;
+    s.q = q;
     s.k = k;
     s.v = v;
     if (with_sink) s.sink = a.sink;
-    s.out = stage_out.view({lq, hq, d});
-    s.lse = stage_lse.view({lq, hq});
-    if (want_max) s.max_logits = stage_max.view({hq});
+    s.out = stage_out.view({rows, heads, d});
+    s.lse = stage_lse.view({rows, heads});
+    if (want_max) s.max_logits = stage_max.view({heads});
     AttentionOptions options = config_.attention;
     if (!with_sink) options.sink_layout = SinkLayout::None;
     magi::forward(mask, s, options);
-    merge_into(stage_out, stage_lse, d, acc_out, acc_lse);
+    merge_into(stage_out, stage_lse, rows * heads, d, out_acc, lse_acc);
     if (want_max)
-      for (int32_t h = 0; h < hq; ++h) max_logits[h] = std::max(max_logits[h], static_cast<float>(stage_max.at(h)));
+      for (int32_t h = 0; h < heads; ++h)
+        max_logits[h0 + h] = std::max(max_logits[h0 + h], static_cast<float>(stage_max.at(h)));
     if (timeline != nullptr) timeline->add("forward " + what + " attention + merge", "compute", start, Timeline::now_us());
   };
   const auto fetched = [&](const StageFetch& f) {
@@ -235,22 +337,77 @@ void DistAttnRuntime::forward(const ForwardArgs& a, [[maybe_unused]] StreamHandl
                     Timeline::now_us());
   };
 
-  auto next = std::make_unique<StageFetch>(*this, 0, a.k, a.v);
-  bool first_waited = false;
-  if (config_.overlap_degree == 0) {
-    next->wait();
-    fetched(*next);
-    first_waited = true;
-  }
-  compute(mine().host_mask, a.k, a.v, config_.attention.sink_layout != SinkLayout::None, "local");
-  for (int32_t stage = 0; stage < num_stages; ++stage) {
-    const auto current = std::move(next);
-    current->wait();
-    if (stage > 0 || !first_waited) fetched(*current);
-    if (stage + 1 < num_stages) next = std::make_unique<StageFetch>(*this, stage + 1, a.k, a.v);
-    const int64_t rows = mine().stages[stage].buffer_rows;
-    compute(mine().stages[stage].mask, current->k.view({rows, hkv, d}), current->v.view({rows, hkv, d}), false,
-            "stage " + std::to_string(stage));
+  // Per head class (one, of every head, unless flattened): the q/out route's q cast and the first kv fetch start,
+  // the local stage (every head, once) hides them, the q/out route's work runs and its reduction travels while
+  // the kv stages compute.
+  for (size_t ci = 0; ci < classes_.size(); ++ci) {
+    const ClassPlan& cls = classes_[ci];
+    const int32_t kv0 = cls.kv_head_begin, hkc = cls.kv_head_end - kv0, h0 = kv0 * group, hc = hkc * group;
+    const bool whole = hkc == hkv;
+    std::optional<Buffer> q_copy, k_copy, v_copy;
+    if (!whole) {
+      q_copy.emplace(copy_heads(a.q, h0, h0 + hc));
+      k_copy.emplace(copy_heads(a.k, kv0, kv0 + hkc));
+      v_copy.emplace(copy_heads(a.v, kv0, kv0 + hkc));
+    }
+    const TensorView q = whole ? a.q : q_copy->view({lq, hc, d});
+    const TensorView k = whole ? a.k : k_copy->view({lk, hkc, d});
+    const TensorView v = whole ? a.v : v_copy->view({lk, hkc, d});
+
+    const double qo_start = Timeline::now_us();
+    std::optional<QoCast> q_cast;
+    if (cls.qo.any) q_cast.emplace(*comm_, cls.qo.routes[rank_], q, int64_t{hc} * d);
+    auto next = std::make_unique<StageFetch>(*this, cls.plan, 0, k, v);
+    bool first_waited = false;
+    if (config_.overlap_degree == 0) {
+      next->wait();
+      fetched(*next);
+      first_waited = true;
+    }
+    if (ci == 0)
+      compute(mine().host_mask, a.q, a.k, a.v, config_.attention.sink_layout != SinkLayout::None, 0, acc_out.data(),
+              acc_lse.data(), "local");
+    HeadSlice out_acc(acc_out, lq, hq, d, h0, h0 + hc, true), lse_acc(acc_lse, lq, hq, 1, h0, h0 + hc, true);
+
+    // The q/out route: this rank computes the q rows other ranks sent against its own kv; partial (out, lse) go
+    // back to their owners, who merge them after the kv stages.
+    std::optional<comm::GroupReduce> out_reduce;
+    std::vector<std::byte> packed;
+    if (cls.qo.any) {
+      q_cast->cast->wait();
+      if (timeline != nullptr) timeline->add("forward q/out route: q exchange", "comm", qo_start, Timeline::now_us());
+      const int64_t rows = cls.qo.routes[rank_].total_recv_rows();
+      const DType lse_wire = partial_dtype(a.q.dtype);
+      const int64_t out_bytes = int64_t{hc} * d * dtype_size(wire), row_bytes = out_bytes + hc * dtype_size(lse_wire);
+      std::vector<double> part_out(static_cast<size_t>(rows * hc * d), 0.0), part_lse(static_cast<size_t>(rows * hc), kNegInf);
+      compute(cls.qo.masks[rank_], q_cast->buffer.view({rows, hc, d}), k, v, false, h0, part_out.data(),
+              part_lse.data(), "q/out route");
+      packed.resize(static_cast<size_t>(rows * row_bytes));
+      for (int64_t r = 0; r < rows; ++r) {
+        std::byte* row = packed.data() + r * row_bytes;
+        for (int64_t i = 0; i < int64_t{hc} * d; ++i) comm::store_element(wire, row, i, part_out[r * hc * d + i]);
+        for (int32_t h = 0; h < hc; ++h) comm::store_element(lse_wire, row + out_bytes, h, part_lse[r * hc + h]);
+      }
+      out_reduce.emplace(*comm_, cls.qo.routes[rank_], packed.data(), row_bytes);
+    }
+    const double reduce_start = Timeline::now_us();
+
+    for (int32_t stage = 0; stage < num_stages; ++stage) {
+      const auto current = std::move(next);
+      current->wait();
+      if (stage > 0 || !first_waited) fetched(*current);
+      if (stage + 1 < num_stages) next = std::make_unique<StageFetch>(*this, cls.plan, stage + 1, k, v);
+      const int64_t rows = current->rows();
+      compute(current->mine().stages[stage].mask, q, current->k.view({rows, hkc, d}), current->v.view({rows, hkc, d}),
+              false, h0, out_acc.data(), lse_acc.data(), "stage " + std::to_string(stage));
+    }
+    if (out_reduce) {
+      out_reduce->finish_lse_merge(wire, partial_dtype(a.q.dtype), hc, d, out_acc.data(), lse_acc.data());
+      if (timeline != nullptr)
+        timeline->add("forward q/out route: partial out / lse reduce", "comm", reduce_start, Timeline::now_us());
+    }
+    out_acc.store_back(false);
+    lse_acc.store_back(false);
   }
 
   const double store_start = Timeline::now_us();
@@ -274,6 +431,7 @@ void DistAttnRuntime::forward(const ForwardArgs& a, [[maybe_unused]] StreamHandl
 void DistAttnRuntime::backward(const BackwardArgs& a, [[maybe_unused]] StreamHandle stream) const {
   if (on_device(a.q)) {
 #if MAGI_ATTN_WITH_NCCL
+    require_kv_routes_on_device(*this);
     gpu::backward(*this, gpu_state(), a, static_cast<cudaStream_t>(stream));
 #endif
     return;
@@ -289,124 +447,196 @@ void DistAttnRuntime::backward(const BackwardArgs& a, [[maybe_unused]] StreamHan
   if (a.k.dtype != a.q.dtype || a.v.dtype != a.q.dtype)
     throw InvalidArgument("k, v: dtype must equal q's (" + std::string(to_string(a.q.dtype)) + ")");
   const DType part = partial_dtype(a.q.dtype);
-  // Partial dk/dv cross the wire at the input precision unless high-precision reduce is on.
+  // Partial dk/dv (and dq of the q/out route) cross the wire at the input precision unless high-precision reduce
+  // is on.
   const DType wire = a.q.dtype == DType::F64 || backward_high_precision_ ? part : a.q.dtype;
   const bool with_sink = config_.attention.sink_layout != SinkLayout::None;
-  const int32_t num_stages = plan_.num_stages();
-  const int64_t kv_row = int64_t{hkv} * d;
+  const int32_t num_stages = plan().num_stages();
+  const int32_t group = hq / hkv;
 
   std::vector<double> acc_dq(static_cast<size_t>(lq * hq * d), 0.0);
-  std::vector<double> acc_dk(static_cast<size_t>(lk * kv_row), 0.0), acc_dv(acc_dk.size(), 0.0);
-  Buffer stage_dq(part, lq * hq * d);
+  std::vector<double> acc_dk(static_cast<size_t>(lk * hkv * d), 0.0), acc_dv(acc_dk.size(), 0.0);
 
   Timeline* const timeline = Timeline::of(rank_);
   const auto span = [&](std::string name, std::string_view lane, double start) {
     if (timeline != nullptr) timeline->add(std::move(name), lane, start, Timeline::now_us());
   };
-  // The first fetch runs while the host stage computes (after it, with overlap degree 0).
-  auto next = std::make_unique<StageFetch>(*this, 0, a.k, a.v);
-  bool first_waited = false;
-  if (config_.overlap_degree == 0) {
-    next->wait();
-    span("backward stage 0 k/v exchange", "comm", next->started_us);
-    first_waited = true;
-  }
-  // Host stage: own kv, and the sink (whose gradient is computed exactly once, here). First, where it hides the
-  // first fetch; with MAGI_ATTENTION_BWD_HIDE_TAIL_REDUCE last, where it hides the last remote reduction instead.
+  // Host stage: own kv, every head, and the sink (whose gradient is computed exactly once, here). First, where it
+  // hides the first fetch; with MAGI_ATTENTION_BWD_HIDE_TAIL_REDUCE last, where it hides the last remote reduction
+  // instead.
   const bool hide_tail = env::get_bool("MAGI_ATTENTION_BWD_HIDE_TAIL_REDUCE") && num_stages > 0;
   const auto host_stage = [&] {
     const double host_start = Timeline::now_us();
     if (mine().host_mask.slices.empty() && !with_sink) return;
-    Buffer host_dk(part, lk * kv_row), host_dv(part, lk * kv_row);
+    Buffer host_dq(part, lq * hq * d), host_dk(part, lk * hkv * d), host_dv(part, lk * hkv * d);
     BackwardArgs s = a;
-    s.dq = stage_dq.view({lq, hq, d});
+    s.dq = host_dq.view({lq, hq, d});
     s.dk = host_dk.view({lk, hkv, d});
     s.dv = host_dv.view({lk, hkv, d});
     magi::backward(mine().host_mask, s, config_.attention);
-    add_all(stage_dq, acc_dq);
-    add_all(host_dk, acc_dk);
-    add_all(host_dv, acc_dv);
+    add_all(host_dq, acc_dq.data(), lq * hq * d);
+    add_all(host_dk, acc_dk.data(), lk * hkv * d);
+    add_all(host_dv, acc_dv.data(), lk * hkv * d);
     span("backward local attention", "compute", host_start);
   };
-  if (!hide_tail) host_stage();
   AttentionOptions remote_options = config_.attention;
   remote_options.sink_layout = SinkLayout::None;
 
-  // Remote stages: the fetch of stage i + 1 and the reductions of earlier stages run while stage i
-  // computes. Partial dk/dv go back along the fetch routes in reverse: flat, one hop to the owners;
-  // hierarchical, first to the node's relay (which sums them), then across nodes to the owners.
-  // Reductions finish in stage order, a fixed summation order on every owner.
-  struct Reduce {
-    Buffer dk, dv;
-    std::optional<comm::GroupReduce> k_reduce, v_reduce;
-    int32_t stage = 0;
-    double started_us = 0;
-  };
-  const bool relayed = plan_.hierarchical();
-  std::list<Reduce> first_hop, second_hop;  // second_hop: hierarchical only (relay -> owner)
-  const auto start_reduce = [&](std::list<Reduce>& queue, const comm::RowRoutes& routes, Reduce r) {
-    Reduce& started = queue.emplace_back(std::move(r));
-    started.started_us = Timeline::now_us();
-    started.k_reduce.emplace(*comm_, routes, started.dk.bytes.data(), kv_row * dtype_size(wire));
-    started.v_reduce.emplace(*comm_, routes, started.dv.bytes.data(), kv_row * dtype_size(wire));
-  };
-  const auto finish_to_owner = [&] {
-    std::list<Reduce>& queue = relayed ? second_hop : first_hop;
-    queue.front().k_reduce->finish_sum(wire, kv_row, acc_dk.data());
-    queue.front().v_reduce->finish_sum(wire, kv_row, acc_dv.data());
-    span("backward stage " + std::to_string(queue.front().stage) + " dk/dv reduce", "comm", queue.front().started_us);
-    queue.pop_front();
-  };
-  const auto finish_at_relay = [&] {  // sum the node's partials, then send them across nodes
-    Reduce& done = first_hop.front();
-    const comm::RowRoutes& hop1 = plan_.routes[rank_][done.stage];
-    const int64_t rows = hop1.total_recv_rows();
-    std::vector<double> sum_k(static_cast<size_t>(rows * kv_row), 0.0), sum_v(sum_k.size(), 0.0);
-    done.k_reduce->finish_sum(wire, kv_row, sum_k.data());
-    done.v_reduce->finish_sum(wire, kv_row, sum_v.data());
-    span("backward stage " + std::to_string(done.stage) + " dk/dv reduce (to the node's relay)", "comm",
-         done.started_us);
-    Reduce relay{Buffer(wire, rows * kv_row), Buffer(wire, rows * kv_row), {}, {}, done.stage};
-    store_all(sum_k, relay.dk.view({rows * kv_row}));
-    store_all(sum_v, relay.dv.view({rows * kv_row}));
-    first_hop.pop_front();
-    start_reduce(second_hop, hop1, std::move(relay));
-  };
-  for (int32_t stage = 0; stage < num_stages; ++stage) {
-    const auto current = std::move(next);
-    current->wait();
-    if (stage > 0 || !first_waited) span("backward stage " + std::to_string(stage) + " k/v exchange", "comm",
-                                         current->started_us);
-    if (stage + 1 < num_stages) next = std::make_unique<StageFetch>(*this, stage + 1, a.k, a.v);
-    const StagePlan& sp = mine().stages[stage];
-    const double stage_start = Timeline::now_us();
-    const int64_t rows = sp.buffer_rows;
-    Reduce partial{Buffer(wire, rows * kv_row), Buffer(wire, rows * kv_row), {}, {}, stage};
-    if (!sp.mask.slices.empty()) {
-      BackwardArgs s = a;
-      s.k = current->k.view({rows, hkv, d});
-      s.v = current->v.view({rows, hkv, d});
-      s.sink = {};
-      s.dsink = {};
-      s.dq = stage_dq.view({lq, hq, d});
-      s.dk = partial.dk.view({rows, hkv, d});
-      s.dv = partial.dv.view({rows, hkv, d});
-      magi::backward(sp.mask, s, remote_options);
-      add_all(stage_dq, acc_dq);
-      span("backward stage " + std::to_string(stage) + " attention", "compute", stage_start);
+  for (size_t ci = 0; ci < classes_.size(); ++ci) {
+    const ClassPlan& cls = classes_[ci];
+    const CommPlan& plan = cls.plan;
+    const int32_t kv0 = cls.kv_head_begin, hkc = cls.kv_head_end - kv0, h0 = kv0 * group, hc = hkc * group;
+    const int64_t kv_row = int64_t{hkc} * d;
+    const bool whole = hkc == hkv;
+    std::optional<Buffer> copies[6];
+    const auto heads_of = [&](int i, const TensorView& t, int32_t first, int32_t count) {
+      if (whole) return t;
+      copies[i].emplace(copy_heads(t, first, first + count));
+      return t.ndim == 3 ? copies[i]->view({t.shape[0], count, d}) : copies[i]->view({t.shape[0], count});
+    };
+    const TensorView q = heads_of(0, a.q, h0, hc), out = heads_of(1, a.out, h0, hc), dout = heads_of(2, a.dout, h0, hc);
+    const TensorView lse = heads_of(3, a.lse, h0, hc), k = heads_of(4, a.k, kv0, hkc), v = heads_of(5, a.v, kv0, hkc);
+
+    // The q/out route: q, out, dout and lse of the rows other ranks hand to this one.
+    const double qo_start = Timeline::now_us();
+    std::optional<QoCast> qo_casts[4];
+    if (cls.qo.any) {
+      const comm::RowRoutes& routes = cls.qo.routes[rank_];
+      qo_casts[0].emplace(*comm_, routes, q, int64_t{hc} * d);
+      qo_casts[1].emplace(*comm_, routes, out, int64_t{hc} * d);
+      qo_casts[2].emplace(*comm_, routes, dout, int64_t{hc} * d);
+      qo_casts[3].emplace(*comm_, routes, lse, hc);
     }
-    start_reduce(first_hop, relayed ? plan_.relay_routes[rank_][stage] : plan_.routes[rank_][stage], std::move(partial));
-    if (relayed) {
-      if (first_hop.size() > 1) finish_at_relay();
-      if (second_hop.size() > 1) finish_to_owner();
-    } else if (first_hop.size() > 1) {
-      finish_to_owner();
+    // The first fetch runs while the host stage computes (after it, with overlap degree 0).
+    auto next = std::make_unique<StageFetch>(*this, plan, 0, k, v);
+    bool first_waited = false;
+    if (config_.overlap_degree == 0) {
+      next->wait();
+      span("backward stage 0 k/v exchange", "comm", next->started_us);
+      first_waited = true;
     }
+    if (ci == 0 && !hide_tail) host_stage();
+    HeadSlice dq_acc(acc_dq, lq, hq, d, h0, h0 + hc, false), dk_acc(acc_dk, lk, hkv, d, kv0, kv0 + hkc, false),
+        dv_acc(acc_dv, lk, hkv, d, kv0, kv0 + hkc, false);
+
+    std::optional<comm::GroupReduce> dq_reduce;
+    std::optional<Buffer> qo_dq;
+    if (cls.qo.any) {
+      for (auto& c : qo_casts) c->cast->wait();
+      span("backward q/out route: q, out, dout, lse exchange", "comm", qo_start);
+      const double start = Timeline::now_us();
+      const int64_t rows = cls.qo.routes[rank_].total_recv_rows();
+      Buffer part_dq(part, rows * hc * d), part_dk(part, lk * kv_row), part_dv(part, lk * kv_row);
+      const Mask& mask = cls.qo.masks[rank_];
+      if (!mask.slices.empty()) {
+        BackwardArgs s;
+        s.q = qo_casts[0]->buffer.view({rows, hc, d});
+        s.out = qo_casts[1]->buffer.view({rows, hc, d});
+        s.dout = qo_casts[2]->buffer.view({rows, hc, d});
+        s.lse = qo_casts[3]->buffer.view({rows, hc});
+        s.k = k;
+        s.v = v;
+        s.dq = part_dq.view({rows, hc, d});
+        s.dk = part_dk.view({lk, hkc, d});
+        s.dv = part_dv.view({lk, hkc, d});
+        magi::backward(mask, s, remote_options);
+        add_all(part_dk, dk_acc.data(), lk * kv_row);  // this rank's own kv: no reduction
+        add_all(part_dv, dv_acc.data(), lk * kv_row);
+      }
+      qo_dq.emplace(wire, rows * hc * d);
+      for (int64_t i = 0; i < rows * hc * d; ++i)
+        comm::store_element(wire, qo_dq->bytes.data(), i, mask.slices.empty() ? 0.0 : part_dq.at(i));
+      span("backward q/out route attention", "compute", start);
+      dq_reduce.emplace(*comm_, cls.qo.routes[rank_], qo_dq->bytes.data(), int64_t{hc} * d * dtype_size(wire));
+    }
+    const double dq_reduce_start = Timeline::now_us();
+
+    // Remote stages: the fetch of stage i + 1 and the reductions of earlier stages run while stage i
+    // computes. Partial dk/dv go back along the fetch routes in reverse: flat, one hop to the owners;
+    // hierarchical, first to the node's relay (which sums them), then across nodes to the owners.
+    // Reductions finish in stage order, a fixed summation order on every owner.
+    struct Reduce {
+      Buffer dk, dv;
+      std::optional<comm::GroupReduce> k_reduce, v_reduce;
+      int32_t stage = 0;
+      double started_us = 0;
+    };
+    const bool relayed = plan.hierarchical();
+    std::list<Reduce> first_hop, second_hop;  // second_hop: hierarchical only (relay -> owner)
+    const auto start_reduce = [&](std::list<Reduce>& queue, const comm::RowRoutes& routes, Reduce r) {
+      Reduce& started = queue.emplace_back(std::move(r));
+      started.started_us = Timeline::now_us();
+      started.k_reduce.emplace(*comm_, routes, started.dk.bytes.data(), kv_row * dtype_size(wire));
+      started.v_reduce.emplace(*comm_, routes, started.dv.bytes.data(), kv_row * dtype_size(wire));
+    };
+    const auto finish_to_owner = [&] {
+      std::list<Reduce>& queue = relayed ? second_hop : first_hop;
+      queue.front().k_reduce->finish_sum(wire, kv_row, dk_acc.data());
+      queue.front().v_reduce->finish_sum(wire, kv_row, dv_acc.data());
+      span("backward stage " + std::to_string(queue.front().stage) + " dk/dv reduce", "comm", queue.front().started_us);
+      queue.pop_front();
+    };
+    const auto finish_at_relay = [&] {  // sum the node's partials, then send them across nodes
+      Reduce& done = first_hop.front();
+      const comm::RowRoutes& hop1 = plan.routes[rank_][done.stage];
+      const int64_t rows = hop1.total_recv_rows();
+      std::vector<double> sum_k(static_cast<size_t>(rows * kv_row), 0.0), sum_v(sum_k.size(), 0.0);
+      done.k_reduce->finish_sum(wire, kv_row, sum_k.data());
+      done.v_reduce->finish_sum(wire, kv_row, sum_v.data());
+      span("backward stage " + std::to_string(done.stage) + " dk/dv reduce (to the node's relay)", "comm",
+           done.started_us);
+      Reduce relay{Buffer(wire, rows * kv_row), Buffer(wire, rows * kv_row), {}, {}, done.stage};
+      store_all(sum_k, relay.dk.view({rows * kv_row}));
+      store_all(sum_v, relay.dv.view({rows * kv_row}));
+      first_hop.pop_front();
+      start_reduce(second_hop, hop1, std::move(relay));
+    };
+    Buffer stage_dq(part, lq * hc * d);
+    for (int32_t stage = 0; stage < num_stages; ++stage) {
+      const auto current = std::move(next);
+      current->wait();
+      if (stage > 0 || !first_waited) span("backward stage " + std::to_string(stage) + " k/v exchange", "comm",
+                                           current->started_us);
+      if (stage + 1 < num_stages) next = std::make_unique<StageFetch>(*this, plan, stage + 1, k, v);
+      const StagePlan& sp = current->mine().stages[stage];
+      const double stage_start = Timeline::now_us();
+      const int64_t rows = sp.buffer_rows;
+      Reduce partial{Buffer(wire, rows * kv_row), Buffer(wire, rows * kv_row), {}, {}, stage};
+      if (!sp.mask.slices.empty()) {
+        BackwardArgs s;
+        s.q = q;
+        s.out = out;
+        s.dout = dout;
+        s.lse = lse;
+        s.k = current->k.view({rows, hkc, d});
+        s.v = current->v.view({rows, hkc, d});
+        s.dq = stage_dq.view({lq, hc, d});
+        s.dk = partial.dk.view({rows, hkc, d});
+        s.dv = partial.dv.view({rows, hkc, d});
+        magi::backward(sp.mask, s, remote_options);
+        add_all(stage_dq, dq_acc.data(), lq * hc * d);
+        span("backward stage " + std::to_string(stage) + " attention", "compute", stage_start);
+      }
+      start_reduce(first_hop, relayed ? plan.relay_routes[rank_][stage] : plan.routes[rank_][stage], std::move(partial));
+      if (relayed) {
+        if (first_hop.size() > 1) finish_at_relay();
+        if (second_hop.size() > 1) finish_to_owner();
+      } else if (first_hop.size() > 1) {
+        finish_to_owner();
+      }
+    }
+    if (ci + 1 == classes_.size() && hide_tail) host_stage();
+    if (relayed)
+      while (!first_hop.empty()) finish_at_relay();
+    while (!(relayed ? second_hop : first_hop).empty()) finish_to_owner();
+    if (dq_reduce) {
+      dq_reduce->finish_sum(wire, int64_t{hc} * d, dq_acc.data());
+      span("backward q/out route: partial dq reduce", "comm", dq_reduce_start);
+    }
+    dq_acc.store_back(true);
+    dk_acc.store_back(true);
+    dv_acc.store_back(true);
   }
-  if (hide_tail) host_stage();
-  if (relayed)
-    while (!first_hop.empty()) finish_at_relay();
-  while (!(relayed ? second_hop : first_hop).empty()) finish_to_owner();
 
   const double store_start = Timeline::now_us();
   store_all(acc_dq, a.dq);
@@ -457,11 +687,16 @@ struct RuntimeId {
   bool backward_high_precision = false;
   DsinkReduceOp dsink_op{};
   int32_t ranks_per_node = 0;  // hierarchical comm; 0 = flat
+  RouteOptions routes;
   const comm::Communicator* comm = nullptr;
   int32_t cp = 0;
   std::vector<int32_t> fixed_q_owner, fixed_k_owner;  // a kept dispatch's chunk owners; empty: the solver's
 
   bool operator==(const RuntimeId&) const = default;
+  int32_t route_flags() const {
+    return routes.qo_comm | routes.flatten_head_groups << 1 | routes.forward_high_precision << 2 |
+           routes.backward_high_precision << 3;
+  }
 
   // The communicator pointer differs between ranks by nature: left out of the fingerprint.
   uint64_t fingerprint() const {
@@ -475,7 +710,7 @@ struct RuntimeId {
       h = mix(h, static_cast<int64_t>(owners->size()));
       for (int32_t o : *owners) h = mix(h, o);
     }
-    return mix(mix(mix(h, backend), backward_high_precision), dsink_op);
+    return mix(mix(mix(mix(h, backend), backward_high_precision), dsink_op), route_flags());
   }
 };
 
@@ -581,6 +816,11 @@ RuntimeKey runtime_key(const Mask& mask, const HeadShape& heads, std::shared_ptr
   id.backward_high_precision = config.backward_high_precision_reduce.value_or(
       env::get_bool("MAGI_ATTENTION_BACKWARD_HIGH_PRECISION_REDUCE"));
   id.dsink_op = config.dsink_reduce_op.value_or(env_dsink_op());
+  id.routes.qo_comm = config.qo_comm.value_or(env::get_bool("MAGI_ATTENTION_QO_COMM"));
+  id.routes.flatten_head_groups = config.flatten_head_groups.value_or(env::get_bool("MAGI_ATTENTION_FLATTEN_HEAD_GROUPS"));
+  id.routes.forward_high_precision =
+      config.forward_high_precision_reduce.value_or(env::get_bool("MAGI_ATTENTION_FORWARD_HIGH_PRECISION_REDUCE"));
+  id.routes.backward_high_precision = id.backward_high_precision;
   id.comm = comm.get();
   id.cp = comm->size();
   if (fixed != nullptr) {
@@ -605,7 +845,7 @@ RuntimeKey runtime_key(const Mask& mask, const HeadShape& heads, std::shared_ptr
     const double start = Timeline::now_us();
     validate(mask);
     auto runtime = std::make_shared<const DistAttnRuntime>(mask, heads, comm, config, id.backward_high_precision,
-                                                           id.dsink_op, id.ranks_per_node, fixed);
+                                                           id.dsink_op, id.ranks_per_node, id.routes, fixed);
     if (Timeline* timeline = Timeline::of(comm->rank()))
       timeline->add(fixed != nullptr ? "plan (new mask on a kept dispatch)" : "plan (dispatch + comm plan)", "host",
                     start, Timeline::now_us());
@@ -774,6 +1014,14 @@ std::string PlanSummary::to_text() const {
   if (ranks_per_node > 0)
     out << "hierarchical comm, " << ranks_per_node << " ranks per node: " << inter_node_kv_rows
         << " kv rows cross nodes\n";
+  if (qo_comm || flatten_head_groups) {
+    const auto mib = [](int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); };
+    out << "routes (" << (qo_comm ? "qo comm" : "") << (qo_comm && flatten_head_groups ? ", " : "")
+        << (flatten_head_groups ? "flattened head groups" : "") << "): " << qo_units << " of "
+        << route_units << " unit(s) per rank pair take the q/out route; MiB moved (2-byte inputs) forward "
+        << mib(forward_bytes) << " vs kv-only " << mib(kv_only_forward_bytes) << ", forward + backward "
+        << mib(bytes) << " vs kv-only " << mib(kv_only_bytes) << "\n";
+  }
   return out.str();
 }
 

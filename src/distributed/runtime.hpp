@@ -8,6 +8,7 @@
 
 #include "distributed/comm_plan.hpp"
 #include "distributed/dispatch.hpp"
+#include "distributed/qo_plan.hpp"
 #include "magi/comm.hpp"
 #include "magi/dist.hpp"
 
@@ -17,20 +18,32 @@ namespace gpu {
 struct State;  // device streams, events and staging buffers (gpu_runtime.cpp)
 }
 
+// The plan of kv heads [kv_head_begin, kv_head_end) (and their q heads): k/v stages and the q/out route.
+struct ClassPlan {
+  int32_t kv_head_begin = 0, kv_head_end = 0;
+  CommPlan plan;
+  QoPlan qo;
+};
+
 class DistAttnRuntime {
  public:
   // `fixed`: the dispatch to keep (a new mask on dispatched tensors), else the solver's for this mask.
   DistAttnRuntime(const Mask& mask, const HeadShape& heads, std::shared_ptr<comm::Communicator> comm,
                   const DistConfig& config, bool backward_high_precision, DsinkReduceOp dsink_op,
-                  int32_t ranks_per_node, const Dispatch* fixed = nullptr);
+                  int32_t ranks_per_node, const RouteOptions& routes, const Dispatch* fixed = nullptr);
 
   void forward(const ForwardArgs& local, StreamHandle stream) const;
   void backward(const BackwardArgs& local, StreamHandle stream) const;
 
   int32_t rank() const { return rank_; }
   const Dispatch& dispatch() const { return dispatch_; }
-  const CommPlan& plan() const { return plan_; }
-  const RankPlan& mine() const { return plan_.ranks[static_cast<size_t>(rank_)]; }
+  // The k/v plan of the first head class (of every head unless routes go beyond k/v).
+  const CommPlan& plan() const { return classes_.front().plan; }
+  const RankPlan& mine() const { return plan().ranks[static_cast<size_t>(rank_)]; }
+  const std::vector<ClassPlan>& classes() const { return classes_; }
+  // Some work takes the q/out route or head classes differ (MAGI_ATTENTION_QO_COMM, FLATTEN_HEAD_GROUPS).
+  bool beyond_kv() const { return classes_.size() > 1 || classes_.front().qo.any; }
+  const RouteOptions& route_options() const { return route_options_; }
   comm::Communicator& comm() const { return *comm_; }
   const std::shared_ptr<comm::Communicator>& comm_ptr() const { return comm_; }
   const HeadShape& heads() const { return heads_; }
@@ -47,8 +60,10 @@ class DistAttnRuntime {
   DsinkReduceOp dsink_op_;
   int32_t ranks_per_node_;  // 0 = flat comm
   int32_t rank_;
+  RouteOptions route_options_;
   Dispatch dispatch_;
-  CommPlan plan_;
+  RouteSolution routes_;
+  std::vector<ClassPlan> classes_;
   // Device tensors (NCCL engine): built on the first device call, then reused. Declared last: released
   // before the communicator.
   gpu::State& gpu_state() const;

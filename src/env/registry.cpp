@@ -106,11 +106,10 @@ constexpr std::string_view kUpstreamJobsRule = "ceil(0.9 x CPU cores)";
 std::vector<Variable> make_registry() {
   return {
       // ---- correctness ----
-      boolean("MAGI_ATTENTION_FORWARD_HIGH_PRECISION_REDUCE", "0", kCorrectness,
-              not_yet("planned: query/output communication in distributed attention (only k/v travel now; "
-                      "partial outputs are merged locally in fp32)"),
-              "Reduce partial forward outputs across ranks in fp32 instead of the input dtype "
-              "(twice the traffic, fewer rounding steps); needs query/output communication."),
+      boolean("MAGI_ATTENTION_FORWARD_HIGH_PRECISION_REDUCE", "0", kCorrectness, kImplemented,
+              "Send the partial outputs of distributed attention's query/output route (MAGI_ATTENTION_QO_COMM) "
+              "back to their owners in fp32 instead of the input dtype (twice those bytes, one rounding fewer); "
+              "k/v-only plans merge partial outputs locally in fp32 anyway."),
       boolean("MAGI_ATTENTION_BACKWARD_HIGH_PRECISION_REDUCE", "0", kCorrectness,
               kImplemented,
               "Reduce partial dk/dv (and dq with query/output communication) across ranks in fp32 "
@@ -129,14 +128,16 @@ std::vector<Variable> make_registry() {
               not_yet("planned: native group-collective communication kernels"),
               "Use the native group-collective kernels (NVSHMEM-based) for distributed communication "
               "instead of the NCCL-based ones; experimental."),
-      boolean("MAGI_ATTENTION_QO_COMM", "0", kPerformance,
-              not_yet("planned: distributed attention with query/output communication"),
-              "Let distributed attention move q, out, lse, do and dq between ranks, not only k/v; "
-              "experimental."),
-      boolean("MAGI_ATTENTION_FLATTEN_HEAD_GROUPS", "0", kPerformance,
-              not_yet("planned: distributed dispatch solver (flattened GQA/MQA head groups)"),
-              "Treat each GQA/MQA head group separately in the dispatch solver to balance work "
-              "better; experimental."),
+      boolean("MAGI_ATTENTION_QO_COMM", "0", kPerformance, kImplemented,
+              "Let distributed attention move q, out, lse, do and dq between ranks, not only k/v: per rank pair "
+              "the planner picks the route that moves fewer bytes (q rows to the kv owner, partial out / lse and "
+              "dq back) while the busiest rank's compute grows by 2% at most, and reports both (magi-attn "
+              "dist-run); host "
+              "(CPU) tensors: the device runtime moves k/v only and refuses such a plan; experimental."),
+      boolean("MAGI_ATTENTION_FLATTEN_HEAD_GROUPS", "0", kPerformance, kImplemented,
+              "Decide distributed attention's routes per (rank pair, kv head group) and move head-group units "
+              "of the busiest rank's work to the kv owners (query/output route) while that lowers the busiest "
+              "rank's compute; host (CPU) tensors, like MAGI_ATTENTION_QO_COMM; experimental."),
       boolean("MAGI_ATTENTION_AUTO_RANGE_MERGE", "0", kPerformance,
               not_yet("planned: GPU flex-attention kernels (automatic merging of adjacent ranges)"),
               "Merge adjacent attention ranges before the GPU kernel runs so that it handles fewer "

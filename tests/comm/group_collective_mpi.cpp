@@ -148,7 +148,7 @@ TEST(GroupCollectives, ReduceLseMergeMatchesSequentialMerges) {
       }
     }
   GroupReduce reduce(world(), routes[me], partials.data(), row_bytes);
-  reduce.finish_lse_merge(DType::F32, heads, dim, out.data(), lse.data());
+  reduce.finish_lse_merge(DType::F32, DType::F32, heads, dim, out.data(), lse.data());
   // Same operations in the same order; the library may contract a * b + c into an FMA, so not bitwise.
   for (size_t i = 0; i < out.size(); ++i) ASSERT_NEAR(out[i], expected_out[i], 1e-12) << "seed " << seed << " at " << i;
   for (size_t i = 0; i < lse.size(); ++i) {

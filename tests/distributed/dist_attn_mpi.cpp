@@ -33,7 +33,8 @@ struct Case {
   bool high_precision = false;
   DispatchAlgorithm algorithm = DispatchAlgorithm::GreedySwap;
   int32_t ranks_per_node = 0;  // > 0: hierarchical comm
-  bool env_options = false;    // leave the dsink op and hierarchical comm to the environment
+  bool env_options = false;    // leave the dsink op, hierarchical comm and routes to the environment
+  bool qo_comm = false, flatten = false, forward_high_precision = false;  // routes (qo_plan.hpp)
 };
 
 struct Global {
@@ -116,6 +117,9 @@ DistConfig config_of(const Case& c) {
   config.backward_high_precision_reduce = c.high_precision;
   config.comm_timeout_seconds = 120;
   if (c.env_options) return config;
+  config.qo_comm = c.qo_comm;
+  config.flatten_head_groups = c.flatten;
+  config.forward_high_precision_reduce = c.forward_high_precision;
   config.dsink_reduce_op = c.dsink_op;
   config.hierarchical_comm = c.ranks_per_node > 0;
   config.ranks_per_node = c.ranks_per_node;
@@ -363,6 +367,103 @@ TEST(DistAttn, BitwiseDeterministic) {
   for (auto [x, y, name] : {std::tuple{&a.out, &b.out, "out"}, {&a.lse, &b.lse, "lse"}, {&a.dq, &b.dq, "dq"},
                             {&a.dk, &b.dk, "dk"}, {&a.dv, &b.dv, "dv"}})
     EXPECT_EQ(x->bytes(), y->bytes()) << name << " differs between two runs, seed " << seed;
+}
+
+Mask heavy_first_rows() {  // 32 documents of 64 rows, and the first 64 rows also see every key: one heavy chunk
+  Mask m = masks::varlen_causal(test::cu_seqlens_of(std::vector<int32_t>(32, 64)));
+  m.slices.push_back(test::make_slice(0, 64, 64, 2048, MaskType::Full));
+  return m;
+}
+
+// MAGI_ATTENTION_QO_COMM / FLATTEN_HEAD_GROUPS / FORWARD_HIGH_PRECISION_REDUCE: plans where some work takes the
+// q/out route (checked to be so from cp 2 on) match the single device like k/v-only plans.
+TEST(DistAttn, QueryOutputRoutesMatchSingleDevice) {
+  const auto routed = [](const Case& c) {
+    return make_runtime_key(c.mask, c.heads, test::world_ptr(), config_of(c)).summary().qo_units;
+  };
+  std::vector<Case> cases;
+  {
+    Case c{"heavy first rows, q/out route", heavy_first_rows(), {4, 2, 32}};
+    c.qo_comm = true;
+    cases.push_back(c);
+    c.name = "heavy first rows, q/out route per head group, overlap 0";
+    c.flatten = true;
+    c.overlap_degree = 0;
+    cases.push_back(c);
+    c.name = "heavy first rows, flattened head groups alone, sh sink, degree 2";
+    c.qo_comm = false;
+    c.overlap_degree = 2;
+    c.sink = SinkLayout::SH;
+    c.dsink_op = DsinkReduceOp::Sum;
+    cases.push_back(c);
+    c.name = "heavy first rows, q/out route, ssh sink";
+    c.qo_comm = true;
+    c.flatten = false;
+    c.sink = SinkLayout::SSH;
+    cases.push_back(c);
+  }
+  for (bool high : {false, true}) {
+    Case c{std::string("heavy first rows bf16, q/out route, ") + (high ? "fp32" : "bf16") + " partial out",
+           heavy_first_rows(), {4, 4, 32}};
+    c.dtype = DType::BF16;
+    c.qo_comm = c.flatten = true;
+    c.forward_high_precision = high;
+    c.high_precision = high;
+    cases.push_back(c);
+  }
+  {
+    Case c{"long documents per head group", masks::varlen_causal(test::cu_seqlens_of({900, 200, 100})), {4, 4, 32}};
+    c.chunk_size = 16;
+    c.qo_comm = c.flatten = true;
+    c.algorithm = DispatchAlgorithm::Locality;
+    cases.push_back(c);
+  }
+  for (const Case& base : {Case{"q-overlap", q_overlap_12(), {4, 2, 32}}, Case{"mixed types", mixed_types_10()},
+                           Case{"disjoint ranges, uncovered rows", test::cases::disjoint_uncovered()},
+                           Case{"no slices", Mask{{}, 300, 300}}}) {
+    Case c = base;
+    c.name += ", q/out route per head group";
+    c.qo_comm = c.flatten = true;
+    cases.push_back(c);
+  }
+  for (Case c : cases) {
+    check_case(c);
+    if (HasFatalFailure()) return;
+    if (world().size() > 1 && c.name.find("heavy") != std::string::npos)
+      EXPECT_GT(routed(c), 0) << c.name << ": no work took the q/out route, so the test would prove nothing";
+  }
+  if (world().size() % 2 == 0) {  // with hierarchical k/v comm (the q/out route stays flat)
+    Case c{"hierarchical + q/out route", heavy_first_rows(), {4, 2, 32}};
+    c.qo_comm = c.flatten = true;
+    c.ranks_per_node = 2;
+    c.overlap_degree = 2;
+    check_case(c);
+  }
+}
+
+TEST(DistAttn, QueryOutputRoutesAreBitwiseDeterministicAndFromTheEnvironment) {
+  setenv("MAGI_ATTENTION_QO_COMM", "1", 1);
+  setenv("MAGI_ATTENTION_FLATTEN_HEAD_GROUPS", "1", 1);
+  env::reset_for_testing();
+  Case c{"env: q/out route per head group, bf16", heavy_first_rows(), {4, 2, 32}};
+  c.dtype = DType::BF16;
+  c.overlap_degree = 2;
+  c.env_options = true;
+  const auto key = make_runtime_key(c.mask, c.heads, test::world_ptr(), config_of(c));
+  EXPECT_TRUE(key.summary().qo_comm && key.summary().flatten_head_groups);
+  if (world().size() > 1) EXPECT_GT(key.summary().qo_units, 0);
+  check_case(c);
+  const uint64_t seed = test::shared_seed();
+  Global g = make_inputs(c, seed);
+  const Outputs a = distributed(c, g);
+  const Outputs b = distributed(c, g);
+  for (auto [x, y, name] : {std::tuple{&a.out, &b.out, "out"}, {&a.lse, &b.lse, "lse"}, {&a.dq, &b.dq, "dq"},
+                            {&a.dk, &b.dk, "dk"}, {&a.dv, &b.dv, "dv"}})
+    EXPECT_EQ(x->bytes(), y->bytes()) << name << " differs between two runs, seed " << seed;
+  unsetenv("MAGI_ATTENTION_QO_COMM");
+  unsetenv("MAGI_ATTENTION_FLATTEN_HEAD_GROUPS");
+  env::reset_for_testing();
+  EXPECT_FALSE(make_runtime_key(c.mask, c.heads, test::world_ptr(), config_of(c)).summary().qo_comm);
 }
 
 TEST(DistAttn, RuntimeLruEvictsTheOldest) {

@@ -303,16 +303,16 @@ TEST_F(EnvParse, EditDistanceIsAMetric) {
 }
 
 TEST_F(EnvParse, NotImplementedVariablesWarnOnceWithTheReason) {
-  set("MAGI_ATTENTION_QO_COMM", "1");
+  set("MAGI_ATTENTION_NATIVE_GRPCOLL", "1");
   set("MAGI_ATTENTION_FA4_BACKEND", "on");
   ::testing::internal::CaptureStderr();
   ensure_validated();
   ensure_validated();
   EXPECT_FALSE(get_bool("MAGI_ATTENTION_SANITY_CHECK"));
-  EXPECT_TRUE(get_bool("MAGI_ATTENTION_QO_COMM")) << "the value is still readable";
+  EXPECT_TRUE(get_bool("MAGI_ATTENTION_NATIVE_GRPCOLL")) << "the value is still readable";
   const std::string printed = ::testing::internal::GetCapturedStderr();
-  EXPECT_EQ(count_occurrences(printed, "magi-attn: warning: MAGI_ATTENTION_QO_COMM=1 has no effect: not implemented "
-                                       "yet; planned: distributed attention with query/output communication\n"),
+  EXPECT_EQ(count_occurrences(printed, "magi-attn: warning: MAGI_ATTENTION_NATIVE_GRPCOLL=1 has no effect: not "
+                                       "implemented yet; planned: native group-collective communication kernels\n"),
             1u)
       << printed;
   EXPECT_EQ(count_occurrences(printed, "magi-attn: warning: MAGI_ATTENTION_FA4_BACKEND=on has no effect: not "
@@ -323,10 +323,10 @@ TEST_F(EnvParse, NotImplementedVariablesWarnOnceWithTheReason) {
 }
 
 TEST_F(EnvParse, NotImplementedVariableAtItsDefaultIsOnlyANote) {
-  set("MAGI_ATTENTION_QO_COMM", "0");
+  set("MAGI_ATTENTION_NATIVE_GRPCOLL", "0");
   EXPECT_EQ(stderr_of_validation(), "");
   set("MAGI_ATTENTION_LOG_LEVEL", "info");
-  EXPECT_NE(stderr_of_validation().find("magi-attn: info: MAGI_ATTENTION_QO_COMM=0 has no effect: not "
+  EXPECT_NE(stderr_of_validation().find("magi-attn: info: MAGI_ATTENTION_NATIVE_GRPCOLL=0 has no effect: not "
                                         "implemented yet; planned: "),
             std::string::npos);
 }
