@@ -395,7 +395,7 @@ def dispatch(x: Tensor, key: DistAttnKey, axis: str = "q") -> Tensor:
 def roll(x: Tensor, shift: int, key: DistAttnKey, axis: str = "q") -> Tensor:
     """torch.roll(global, shift, 0) of a dispatched tensor, without undispatching it: the local rows of the rolled
     global tensor (e.g. labels for multi-token prediction: shift=-1), padding rows zero. Any dtype. Differentiable
-    (the gradient is rolled back). Collective. CPU tensors for now (CUDA: NotImplementedError)."""
+    (the gradient is rolled back). Collective; host or device tensors."""
     _check_axis(axis)
     _check_tensor(x, "x", key)
     if isinstance(shift, bool) or not isinstance(shift, int):

@@ -259,4 +259,26 @@ Dispatch redispatch(const Mask& mask, const Dispatch& fixed) {
   return d;
 }
 
+RollRoutes roll_routes(const Partition& p, int32_t rank, int64_t shift) {
+  const int32_t cp = p.cp();
+  const int64_t total = p.total;
+  const int64_t s = total == 0 ? 0 : ((shift % total) + total) % total;
+  const std::vector<int32_t> mine = p.global_rows(rank);
+  std::vector<std::vector<std::pair<int32_t, int32_t>>> to(static_cast<size_t>(cp));  // (their row, my row)
+  RollRoutes routes;
+  routes.recv.resize(static_cast<size_t>(cp));
+  for (int32_t i = 0; i < static_cast<int32_t>(mine.size()); ++i) {
+    if (mine[i] >= total) continue;
+    const auto there = static_cast<int32_t>((mine[i] + s) % total);
+    to[p.owner_of(there)].push_back({p.local_row(there), i});
+    routes.recv[p.owner_of(static_cast<int32_t>((mine[i] - s + total) % total))].push_back(i);
+  }
+  routes.send.resize(static_cast<size_t>(cp));
+  for (int32_t r = 0; r < cp; ++r) {
+    std::sort(to[r].begin(), to[r].end());
+    for (const auto& [theirs, i] : to[r]) routes.send[r].push_back(i);
+  }
+  return routes;
+}
+
 }  // namespace magi::dist

@@ -60,6 +60,14 @@ std::vector<int32_t> balance(const std::vector<int64_t>& costs, int32_t cp, Disp
 // are dealt out in contiguous blocks (they carry no compute, only comm).
 Dispatch make_dispatch(const Mask& mask, int32_t cp, int32_t chunk_size, DispatchAlgorithm algorithm);
 
+// A roll by `shift` along the global sequence (out[g] = in[(g - shift) mod total]) seen from `rank`: send[r] are
+// this rank's local rows that rank r receives, in r's row order; recv[r] the local rows this rank fills from r, in
+// the order r sends them. Padding rows neither travel nor get filled.
+struct RollRoutes {
+  std::vector<std::vector<int32_t>> send, recv;
+};
+RollRoutes roll_routes(const Partition& partition, int32_t rank, int64_t shift);
+
 // Another mask over the same sequences on an existing dispatch: the partitions stay (so tensors dispatched for
 // `fixed` serve), the per-chunk and per-rank areas are the new mask's. Totals must match (InvalidArgument).
 Dispatch redispatch(const Mask& mask, const Dispatch& fixed);

@@ -532,4 +532,65 @@ void undispatch(const DistAttnRuntime& rt, const Partition& p, const TensorView&
   nccl.wait_event(gathered, "undispatch");
 }
 
+namespace {
+
+// Row lists as (first row, rows) runs of consecutive rows, in list order.
+std::vector<std::pair<int64_t, int64_t>> runs_of(const std::vector<int32_t>& rows) {
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  for (int32_t row : rows) {
+    if (!runs.empty() && runs.back().first + runs.back().second == row) ++runs.back().second;
+    else runs.emplace_back(row, 1);
+  }
+  return runs;
+}
+
+}  // namespace
+
+void roll(const DistAttnRuntime& rt, const Partition& p, const TensorView& local, const TensorView& out, int64_t shift,
+          cudaStream_t caller) {
+  comm::NcclCommunicator& nccl = nccl_of(rt);
+  for (const TensorView* t : {&local, &out})
+    if (t->device.type != DeviceType::CUDA || t->device.index != nccl.cuda_device())
+      throw InvalidArgument(std::string(t == &local ? "local" : "out") + ": must be on CUDA device " +
+                            std::to_string(nccl.cuda_device()) + " (the NCCL communicator's device)");
+  const int32_t cp = nccl.size();
+  const int64_t row = p.local_tokens() == 0 ? 0 : local.nbytes() / p.local_tokens();
+  const RollRoutes routes = roll_routes(p, rt.rank(), shift);
+  std::vector<int64_t> send_counts(static_cast<size_t>(cp)), recv_counts(static_cast<size_t>(cp));
+  int64_t sent = 0, received = 0;
+  for (int32_t r = 0; r < cp; ++r) {
+    send_counts[r] = static_cast<int64_t>(routes.send[r].size()) * row;
+    recv_counts[r] = static_cast<int64_t>(routes.recv[r].size()) * row;
+    sent += send_counts[r];
+    received += recv_counts[r];
+  }
+  DeviceGuard scope(nccl.cuda_device());
+  DeviceMemory send(static_cast<size_t>(sent)), recv(static_cast<size_t>(received));
+  const cudaStream_t stream = nccl.comm_stream();
+  Event start, moved;
+  check(cudaEventRecord(start, caller), "cudaEventRecord");
+  check(cudaStreamWaitEvent(stream, start, 0), "cudaStreamWaitEvent");
+  const auto* src = static_cast<const char*>(local.data);
+  char* at = send.as<char>();
+  for (const auto& rows : routes.send)
+    for (const auto& [first, count] : runs_of(rows)) {
+      check(cudaMemcpyAsync(at, src + first * row, static_cast<size_t>(count * row), cudaMemcpyDeviceToDevice, stream),
+            "cudaMemcpyAsync");
+      at += count * row;
+    }
+  nccl.enqueue_all_to_all_v(send.get(), send_counts, displacements(send_counts), recv.get(), recv_counts,
+                            displacements(recv_counts), stream);
+  auto* dst = static_cast<char*>(out.data);  // may be `local`: its rows were copied out before the exchange
+  check(cudaMemsetAsync(dst, 0, static_cast<size_t>(row * p.local_tokens()), stream), "cudaMemsetAsync");
+  const char* got = recv.as<char>();
+  for (const auto& rows : routes.recv)
+    for (const auto& [first, count] : runs_of(rows)) {
+      check(cudaMemcpyAsync(dst + first * row, got, static_cast<size_t>(count * row), cudaMemcpyDeviceToDevice, stream),
+            "cudaMemcpyAsync");
+      got += count * row;
+    }
+  check(cudaEventRecord(moved, stream), "cudaEventRecord");
+  nccl.wait_event(moved, "roll");  // the staging buffers are freed on return
+}
+
 }  // namespace magi::dist::gpu

@@ -26,4 +26,9 @@ void dispatch(const DistAttnRuntime& runtime, const Partition& partition, const 
 void undispatch(const DistAttnRuntime& runtime, const Partition& partition, const TensorView& local,
                 const TensorView& global, cudaStream_t stream);
 
+// Device-tensor roll along the global sequence (roll_routes in dispatch.hpp): one all-to-all-v through NCCL of
+// contiguous runs of rows; `out` may be `local`. Like dispatch, it returns once the rows have moved.
+void roll(const DistAttnRuntime& runtime, const Partition& partition, const TensorView& local, const TensorView& out,
+          int64_t shift, cudaStream_t stream);
+
 }  // namespace magi::dist::gpu

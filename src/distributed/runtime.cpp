@@ -928,48 +928,46 @@ std::vector<int32_t> position_ids(const RuntimeKey& key, Axis axis) {
 void roll(const RuntimeKey& key, Axis axis, const TensorView& local, const TensorView& out, int64_t shift,
           [[maybe_unused]] StreamHandle stream) {
   const Partition& p = partition(key, axis);
-  if (local.device.type == DeviceType::CUDA || out.device.type == DeviceType::CUDA)
-    throw NotAvailable("roll: device tensors are not supported yet (allowed: host tensors; on the GPU, undispatch, "
-                       "torch.roll and dispatch again)");
   require_same_row_shape(local, out);
+  if (local.device.type == DeviceType::CUDA || out.device.type == DeviceType::CUDA) {
+#if MAGI_ATTN_WITH_NCCL
+    for (auto [t, name] : {std::pair{&local, "local"}, {&out, "out"}}) {
+      if (t->ndim < 1 || t->shape[0] != p.local_tokens())
+        throw InvalidArgument(std::string(name) + ": expected " + std::to_string(p.local_tokens()) + " rows, got " +
+                              shape_string(*t));
+      if (t->data == nullptr && t->numel() > 0) throw InvalidArgument(std::string(name) + ": null data pointer");
+    }
+    gpu::roll(key.runtime(), p, local, out, shift, static_cast<cudaStream_t>(stream));
+    return;
+#else
+    throw NotAvailable("roll: CUDA tensors given, but this build has no NCCL engine (allowed: CPU)");
+#endif
+  }
   const int64_t row = row_bytes_of(local, "local", p.local_tokens());
   row_bytes_of(out, "out", p.local_tokens());
   comm::Communicator& comm = key.runtime().comm();
   const int32_t cp = comm.size();
-  const int64_t total = p.total;
-  // out[global g] = local[global (g - shift) mod total]: this rank sends each real row to the owner of its position
-  // plus the shift, in the receiver's row order; it receives, from each rank, its own rows in ascending order.
-  const int64_t s = total == 0 ? 0 : ((shift % total) + total) % total;
-  const std::vector<int32_t> mine = p.global_rows(comm.rank());
-  std::vector<std::vector<std::pair<int32_t, int32_t>>> to(static_cast<size_t>(cp));  // (their row, my row)
-  std::vector<std::vector<int32_t>> from(static_cast<size_t>(cp));                    // my rows, by source rank
-  for (int32_t i = 0; i < static_cast<int32_t>(mine.size()); ++i) {
-    if (mine[i] >= total) continue;
-    const auto there = static_cast<int32_t>((mine[i] + s) % total);
-    to[p.owner_of(there)].push_back({p.local_row(there), i});
-    from[p.owner_of(static_cast<int32_t>((mine[i] - s + total) % total))].push_back(i);
-  }
+  const RollRoutes routes = roll_routes(p, comm.rank(), shift);
   std::vector<int64_t> send_counts(cp), send_displs(cp), recv_counts(cp), recv_displs(cp);
   int64_t sent = 0, received = 0;
   for (int32_t r = 0; r < cp; ++r) {
-    std::sort(to[r].begin(), to[r].end());
     send_displs[r] = sent;
-    send_counts[r] = static_cast<int64_t>(to[r].size()) * row;
+    send_counts[r] = static_cast<int64_t>(routes.send[r].size()) * row;
     sent += send_counts[r];
     recv_displs[r] = received;
-    recv_counts[r] = static_cast<int64_t>(from[r].size()) * row;
+    recv_counts[r] = static_cast<int64_t>(routes.recv[r].size()) * row;
     received += recv_counts[r];
   }
   std::vector<std::byte> send(static_cast<size_t>(sent)), recv(static_cast<size_t>(received));
   const auto* src = static_cast<const std::byte*>(local.data);
   std::byte* at = send.data();
-  for (const auto& rows : to)
-    for (const auto& [theirs, i] : rows) at = std::copy_n(src + i * row, row, at);
+  for (const auto& rows : routes.send)
+    for (int32_t i : rows) at = std::copy_n(src + i * row, row, at);
   comm.all_to_all_v(send.data(), send_counts, send_displs, recv.data(), recv_counts, recv_displs);
   auto* dst = static_cast<std::byte*>(out.data);  // may be `local`: everything it holds was copied out above
   std::memset(dst, 0, static_cast<size_t>(row * p.local_tokens()));  // padding rows hold zeros
   const std::byte* got = recv.data();
-  for (const auto& rows : from)
+  for (const auto& rows : routes.recv)
     for (int32_t i : rows) {
       std::copy_n(got, row, dst + int64_t{i} * row);
       got += row;

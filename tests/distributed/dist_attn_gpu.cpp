@@ -409,6 +409,70 @@ TEST(DistAttnGpuErrors, HostTensorsWithNcclCommunicatorAreRejected) {
   }
 }
 
+// roll of device tensors equals rolling the global tensor, for rows of 2, 4 and 256 bytes, in place too, shifts
+// past the length and negative; the host roll of the same rows agrees.
+TEST(DistAttnGpuRoll, MatchesRollingTheGlobalTensor) {
+  const Mask mask = masks::varlen_causal(test::cu_seqlens_of({300, 90, 211}));
+  DistConfig config;
+  config.chunk_size = 40;  // padding rows at the end
+  const RuntimeKey key = make_runtime_key(mask, kHeads, world_slot(), config);
+  const int64_t total = mask.total_q, local_rows = key.local_q_tokens();
+  std::mt19937_64 rng(shared_seed());
+  for (const auto& [dtype, width] : {std::pair{DType::BF16, int64_t{1}}, {DType::F32, int64_t{1}}, {DType::BF16, int64_t{128}}})
+    for (int64_t shift : {int64_t{1}, int64_t{-1}, int64_t{7}, total + 3, int64_t{-2} * total - 5, int64_t{0}}) {
+      const std::string what = std::string(to_string(dtype)) + " x" + std::to_string(width) + " shift " + std::to_string(shift);
+      const HostTensor global = HostTensor::from_values(test::random_normal(rng, static_cast<size_t>(total * width), dtype),
+                                                        dtype, {total, width});
+      DeviceTensor g(global), local(dtype, {local_rows, width}), rolled(dtype, {local_rows, width}),
+          back(dtype, {total, width});
+      dispatch(key, Axis::Q, g.view(), local.view());
+      roll(key, Axis::Q, local.view(), rolled.view(), shift);
+      undispatch(key, Axis::Q, rolled.view(), back.view());
+      const auto got = back.download().values(), in = global.values();
+      const int64_t s = ((shift % total) + total) % total;
+      for (int64_t row = 0; row < total; ++row)
+        for (int64_t c = 0; c < width; ++c)
+          ASSERT_EQ(got[row * width + c], in[((row - s + total) % total) * width + c]) << what << " row " << row;
+      // Padding rows of the rolled local tensor hold zeros; in place gives the same rows.
+      const auto local_rolled = rolled.download().values();
+      const auto positions = position_ids(key, Axis::Q);
+      for (int64_t i = 0; i < local_rows; ++i)
+        if (positions[i] >= total)
+          for (int64_t c = 0; c < width; ++c) ASSERT_EQ(local_rolled[i * width + c], 0.0) << what << " padding row " << i;
+      roll(key, Axis::Q, local.view(), local.view(), shift);
+      EXPECT_EQ(local.download().bytes(), rolled.download().bytes()) << what << " (in place)";
+    }
+}
+
+// Plans with query/output routes are the host runtime's: device tensors get NotAvailable naming the switch.
+TEST(DistAttnGpuErrors, QueryOutputRoutesAreRefusedOnDeviceTensors) {
+  if (world().size() < 2) GTEST_SKIP() << "one GPU: a single rank has no rank pairs to route (cp 1)";
+  // 32 documents of 64 rows, and the first 64 rows also see every key: their chunk's work is handed out.
+  Mask mask = masks::varlen_causal(test::cu_seqlens_of(std::vector<int32_t>(32, 64)));
+  mask.slices.push_back(test::make_slice(0, 64, 64, 2048, MaskType::Full));
+  DistConfig config;
+  config.chunk_size = 64;
+  config.qo_comm = true;
+  config.flatten_head_groups = true;
+  const RuntimeKey key = make_runtime_key(mask, kHeads, world_slot(), config);
+  const int64_t lq = key.local_q_tokens(), lk = key.local_k_tokens();
+  DeviceTensor q(kDtype, {lq, kHeads.heads_q, kHeads.head_dim}), k(kDtype, {lk, kHeads.heads_kv, kHeads.head_dim}),
+      out(kDtype, {lq, kHeads.heads_q, kHeads.head_dim}), lse(DType::F32, {lq, kHeads.heads_q});
+  ForwardArgs f;
+  f.q = q.view();
+  f.k = k.view();
+  f.v = k.view();
+  f.out = out.view();
+  f.lse = lse.view();
+  ASSERT_GT(key.summary().qo_units, 0) << "the solver routed nothing: the test would prove nothing";
+  try {
+    calc_attn(key, f);
+    ADD_FAILURE() << "expected NotAvailable";
+  } catch (const NotAvailable& e) {
+    EXPECT_NE(std::string(e.what()).find("MAGI_ATTENTION_QO_COMM"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace magi::dist
 

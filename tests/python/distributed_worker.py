@@ -164,27 +164,20 @@ def new_mask_after_dispatch(device, dtype):
 
 
 def roll(device):
-    """ma.roll on dispatched tensors equals torch.roll of the global one (labels for multi-token prediction: int
-    token ids, shift -1; float rows with a gradient, shift 3); the gradient is rolled back."""
+    """ma.roll on dispatched tensors (host or device) equals torch.roll of the global one (labels for multi-token
+    prediction: int token ids, shift -1; 2-byte rows; float rows with a gradient, shift 3); the gradient is rolled
+    back."""
     key = ma.magi_attn_varlen_key([0, 90, 333], [0, 90, 333], 2, 1, 32, causal=True, chunk_size=20, device=device)
-    if device != "cpu":  # host tensors only for now: a clear error on the GPU
-        try:
-            ma.roll(torch.zeros(key.local_q_tokens, 4, device=device), 1, key)
-        except NotImplementedError as e:
-            assert "roll: device tensors" in str(e), str(e)
-        else:
-            raise AssertionError("roll of CUDA tensors did not raise NotImplementedError")
-        if dist.get_rank() == 0:
-            print("ok roll (CUDA tensors: NotImplementedError)", flush=True)
-        return
-    ids = torch.arange(333, dtype=torch.int64) * 3 + 1
+    ids = (torch.arange(333, dtype=torch.int64) * 3 + 1).to(device)
     local_ids = ma.dispatch(ids, key)
     assert torch.equal(ma.undispatch(ma.roll(local_ids, -1, key), key), torch.roll(ids, -1, 0))
-    x = torch.randn(333, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    half = torch.arange(333, dtype=torch.bfloat16).to(device)  # 2-byte rows
+    assert torch.equal(ma.undispatch(ma.roll(ma.dispatch(half, key), 5, key), key), torch.roll(half, 5, 0))
+    x = torch.randn(333, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).to(device)
     local = ma.dispatch(x, key).requires_grad_()
     rolled = ma.roll(local, 3, key)
     assert torch.equal(ma.undispatch(rolled.detach(), key), torch.roll(x, 3, 0))
-    w = torch.randn(333, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    w = torch.randn(333, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(4)).to(device)
     (rolled * ma.dispatch(w, key)).sum().backward()
     grad = ma.undispatch(local.grad, key)
     assert torch.equal(grad, torch.roll(w, -3, 0)), "the gradient of roll by 3 is roll by -3"
