@@ -286,71 +286,42 @@ struct ForwardKernel {
           CUTE_UNROLL
           for (int i = 0; i < size(tSrS); ++i) rP(i) = static_cast<Element>(tSrS(i));
         };
-        // An item none of whose cells this warpgroup's 64 rows keep (the other half of a tile cut by a document
-        // edge, a causal diagonal's upper half) costs it no GEMM: its rows' state stays, as a fully masked item
-        // would leave it. It still waits for the stages it releases and takes its turns.
-        const int group_row0 = info.tile * kM + group * (kM / kConsumers);
-        auto group_keeps_any = [&](int item) {
-          const WorkItem w = p.list.items[item];
-          if (!(w.flags & detail::kWorkMasked)) return true;
-          const int first_row = max(w.q0, group_row0), last_row = min(w.q1, group_row0 + kM / kConsumers) - 1;
-          if (first_row > last_row) return false;
-          const int k0 = w.k0 / kN * kN;
-          int lo = max(w.k0, k0), hi = min(w.k1, k0 + kN);  // the union of the rows' kept keys lies inside
-          if (w.flags & detail::kWorkInv) lo = max(lo, first_row + w.inv_offset);
-          if (w.flags & detail::kWorkCausal) hi = min(hi, last_row + w.causal_offset + 1);
-          return lo < hi;
-        };
         float scale_old[2];
-        bool p_ready = group_keeps_any(info.first);  // P holds the last item's terms (its P V is due)
         pipeline_k.consumer_wait(read_k);
         wait_turn();
-        if (p_ready) issue_gemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+        issue_gemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
         pass_turn();
         warpgroup_wait<0>();
         pipeline_k.consumer_release(read_k);
         ++read_k;
         if (info.count == 1) shared.q_empty.arrive();
-        if (p_ready) {
-          softmax(tSrS, info.first, scale_old);
-          to_p();
-        }
-        // One item: S = Q K^T of it (kS) beside P V of the last one (kPV), each path straight-line (with the GEMMs
-        // under run-time branches ptxas serialised every wgmma).
-        auto step = [&](int item, auto s_on, auto pv_on) {
-          constexpr bool kS = decltype(s_on)::value, kPV = decltype(pv_on)::value;
+        softmax(tSrS, info.first, scale_old);
+        to_p();
+        // Each further item: its S = Q K^T issued beside P V of the last one, the softmax between. Every warpgroup
+        // runs every item, also one none of whose cells its 64 rows keep: skipping those took four inlined
+        // variants of this step, which cost more in instruction fetch than they saved (A/B, H100, D 128: full +3%,
+        // sliding window +4.5%, block-causal -5%).
+        for (int item = info.first + 1; item < info.first + info.count; ++item) {
           pipeline_k.consumer_wait(read_k);
           pipeline_v.consumer_wait(read_v);
           wait_turn();
-          if constexpr (kS) issue_gemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
-          if constexpr (kPV) issue_gemm<false, true>(mma_o, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+          issue_gemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+          issue_gemm<false, true>(mma_o, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
           pass_turn();
-          warpgroup_wait<kS && kPV ? 1 : 0>();  // S of this item ready; P V of the last one may still run
+          warpgroup_wait<1>();  // S of this item ready; P V of the last one may still run
           pipeline_k.consumer_release(read_k);
           ++read_k;
           if (item + 1 == info.first + info.count) shared.q_empty.arrive();
-          if constexpr (kS) softmax(tSrS, item, scale_old);
+          softmax(tSrS, item, scale_old);
           warpgroup_wait<0>();
           pipeline_v.consumer_release(read_v);
           ++read_v;
-          if constexpr (kS) {
-            rescale(scale_old);
-            to_p();
-          }
-        };
-        using On = cute::true_type;
-        using Off = cute::false_type;
-        for (int item = info.first + 1; item < info.first + info.count; ++item) {
-          const bool keeps = group_keeps_any(item);
-          if (keeps && p_ready) step(item, On{}, On{});
-          else if (keeps) step(item, On{}, Off{});
-          else if (p_ready) step(item, Off{}, On{});
-          else step(item, Off{}, Off{});
-          p_ready = keeps;
+          rescale(scale_old);
+          to_p();
         }
         pipeline_v.consumer_wait(read_v);
         wait_turn();
-        if (p_ready) issue_gemm<false, true>(mma_o, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+        issue_gemm<false, true>(mma_o, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
         pass_turn();
         warpgroup_wait<0>();
         pipeline_v.consumer_release(read_v);
