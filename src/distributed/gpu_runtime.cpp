@@ -2,9 +2,11 @@
 // row gathers, NCCL group-casts / group-reduces and the dk/dv sums; a compute stream runs the per-stage
 // kernels (magi::forward / magi::backward, backend cuda) and the lse merges. CUDA events order them:
 // all stage fetches are enqueued up front, so stage i + 1's fetch runs while stage i computes, and
-// stage i's dk/dv reduction runs while stage i + 1 computes. Every partial is combined in a fixed order
-// (host stage, then stages in order, sources ascending), so results are bitwise reproducible whenever
-// the per-stage kernels are. Staging buffers are allocated on a runtime's first device call and reused.
+// stage i's dk/dv reduction runs while stage i + 1 computes. Forward stages merge their out / lse in place
+// (MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT=1) or through a partial buffer and lse_merge (0). Every
+// partial is combined in a fixed order (host stage, then stages in order, sources ascending), so results
+// are bitwise reproducible whenever the per-stage kernels are. Staging buffers are allocated on a runtime's
+// first device call (per input dtype) and reused: later calls allocate nothing.
 #include "distributed/gpu_runtime.hpp"
 
 #include <cuda_runtime_api.h>
@@ -146,6 +148,9 @@ struct State {
   DType dtype = DType::BF16, wire = DType::BF16;
   std::vector<DeviceMemory> send_k, send_v, k, v, part_dk, part_dv, reduce_k, reduce_v;
   DeviceMemory acc_out, acc_lse, acc_max, part_max, acc_dq, acc_dk, acc_dv;
+  // MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT=0 only: one remote stage's out / lse (fp32), reused by every
+  // stage (the compute stream merges it before the next stage writes it).
+  DeviceMemory part_out, part_lse;
 
   ~State() {
     if (compute != nullptr) {
@@ -222,6 +227,9 @@ void ensure_buffers(const DistAttnRuntime& rt, State& st, DType dtype, DType wir
   st.acc_lse = DeviceMemory(bytes(lq * h.heads_q, DType::F32));
   st.acc_max = DeviceMemory(bytes(h.heads_q, DType::F32));
   st.part_max = DeviceMemory(bytes(h.heads_q, DType::F32));
+  const bool partials = !rt.forward_inplace_correct();
+  st.part_out = DeviceMemory(partials ? bytes(q_elems, DType::F32) : 0);
+  st.part_lse = DeviceMemory(partials ? bytes(lq * h.heads_q, DType::F32) : 0);
   st.acc_dq = DeviceMemory(bytes(q_elems, DType::F32));
   st.acc_dk = DeviceMemory(bytes(lk * kv_row, DType::F32));
   st.acc_dv = DeviceMemory(bytes(lk * kv_row, DType::F32));
@@ -325,11 +333,14 @@ void forward(const DistAttnRuntime& rt, State& st, const ForwardArgs& a, cudaStr
     cuda::fill(st.acc_max.as<float>(), hq, kNegInf, st.compute);
   }
   options.sink_layout = SinkLayout::None;
-  // Each remote stage's kernel merges its result into the fp32 accumulators itself (prev_out / prev_lse,
-  // in place); the last one writes the caller's out and lse, so no separate merge or conversion pass.
+  // In place (MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT=1): each remote stage's kernel merges its result into
+  // the fp32 accumulators itself (prev_out / prev_lse); the last one writes the caller's out and lse, so no
+  // separate merge or conversion pass. Out of place: each stage writes part_out / part_lse, which lse_merge
+  // folds into the accumulators on the same stream; a final conversion writes out and lse.
+  const bool in_place = rt.forward_inplace_correct();
   int64_t last = -1;
   for (size_t stage = 0; stage < st.stages.size(); ++stage)
-    if (!mine.stages[stage].mask.slices.empty()) last = static_cast<int64_t>(stage);
+    if (in_place && !mine.stages[stage].mask.slices.empty()) last = static_cast<int64_t>(stage);
   const TensorView acc_out = device_view(st.acc_out.get(), DType::F32, {lq, hq, d}, dev);
   const TensorView acc_lse = device_view(st.acc_lse.get(), DType::F32, {lq, hq}, dev);
   for (size_t stage = 0; stage < st.stages.size(); ++stage) {
@@ -342,12 +353,20 @@ void forward(const DistAttnRuntime& rt, State& st, const ForwardArgs& a, cudaStr
     s.q = a.q;
     s.k = device_view(st.k[stage].get(), a.q.dtype, {rows, hkv, d}, dev);
     s.v = device_view(st.v[stage].get(), a.q.dtype, {rows, hkv, d}, dev);
-    s.out = final_stage ? a.out : acc_out;
-    s.lse = final_stage ? a.lse : acc_lse;
-    s.prev_out = acc_out;
-    s.prev_lse = acc_lse;
+    if (in_place) {
+      s.out = final_stage ? a.out : acc_out;
+      s.lse = final_stage ? a.lse : acc_lse;
+      s.prev_out = acc_out;
+      s.prev_lse = acc_lse;
+    } else {
+      s.out = device_view(st.part_out.get(), DType::F32, {lq, hq, d}, dev);
+      s.lse = device_view(st.part_lse.get(), DType::F32, {lq, hq}, dev);
+    }
     if (want_max) s.max_logits = device_view(st.part_max.get(), DType::F32, {hq}, dev);
     magi::forward(sp.mask, s, options, st.compute);
+    if (!in_place)
+      lse_merge(st.acc_out.as<float>(), st.acc_lse.as<float>(), st.part_out.as<float>(), st.part_lse.as<float>(),
+                lq * hq, d, st.compute);
     if (want_max) max_into(st.acc_max.as<float>(), st.part_max.as<float>(), hq, st.compute);
   }
   if (last < 0) {

@@ -1,7 +1,9 @@
 // Distributed attention on top of the single-device API: each stage is one magi::forward / magi::backward
 // call of the local q rows against a kv buffer (own rows, or rows fetched by group-cast), with the stage's
 // remapped mask. Partial results are combined in a fixed order (host stage, then remote stages in order,
-// sources in rank order), so results are bitwise reproducible.
+// sources in rank order), so results are bitwise reproducible. Forward stages merge into the running result
+// inside the call (prev_out / prev_lse) or, with MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT=0, write
+// partials that merge_into folds in afterwards.
 #include "distributed/runtime.hpp"
 
 #include <algorithm>
@@ -124,18 +126,15 @@ std::string_view to_string(DispatchAlgorithm algorithm) {
 }
 
 DistAttnRuntime::DistAttnRuntime(const Mask& mask, const HeadShape& heads, std::shared_ptr<comm::Communicator> comm,
-                                 const DistConfig& config, bool backward_high_precision, DsinkReduceOp dsink_op,
-                                 int32_t ranks_per_node, const Dispatch* fixed)
+                                 const DistConfig& config, const RuntimeSwitches& switches, const Dispatch* fixed)
     : heads_(heads),
       comm_(std::move(comm)),
       config_(config),
-      backward_high_precision_(backward_high_precision),
-      dsink_op_(dsink_op),
-      ranks_per_node_(ranks_per_node),
+      switches_(switches),
       rank_(comm_->rank()),
       dispatch_(fixed != nullptr ? redispatch(mask, *fixed)
                                  : make_dispatch(mask, comm_->size(), config.chunk_size, config.algorithm)),
-      plan_(make_comm_plan(mask, dispatch_, config.overlap_degree, ranks_per_node)) {}
+      plan_(make_comm_plan(mask, dispatch_, config.overlap_degree, switches.ranks_per_node)) {}
 
 PlanSummary DistAttnRuntime::summary() const {
   PlanSummary s;
@@ -150,11 +149,11 @@ PlanSummary DistAttnRuntime::summary() const {
   s.ring_kv_rows = int64_t{s.cp} * (s.cp - 1) * s.local_k_tokens;
   s.kv_row_elements = int64_t{heads_.heads_kv} * heads_.head_dim;
   if (plan_.hierarchical()) {
-    s.ranks_per_node = ranks_per_node_;
+    s.ranks_per_node = switches_.ranks_per_node;
     for (int32_t src = 0; src < s.cp; ++src)
       for (const auto& stage_routes : plan_.routes[src])
         for (int32_t dst = 0; dst < s.cp; ++dst)
-          if (src / ranks_per_node_ != dst / ranks_per_node_)
+          if (src / s.ranks_per_node != dst / s.ranks_per_node)
             s.inter_node_kv_rows += static_cast<int64_t>(stage_routes.send_rows[dst].size());
   }
   return s;
@@ -202,32 +201,63 @@ void DistAttnRuntime::forward(const ForwardArgs& a, [[maybe_unused]] StreamHandl
     throw InvalidArgument("k, v: dtype must equal q's (" + std::string(to_string(a.q.dtype)) + ")");
   const DType part = partial_dtype(a.q.dtype);
   const bool want_max = a.max_logits.ndim != 0;
+  const bool with_sink = config_.attention.sink_layout != SinkLayout::None;
+  const bool in_place = forward_inplace_correct();
   const int32_t num_stages = plan_.num_stages();
 
-  std::vector<double> acc_out(static_cast<size_t>(lq * hq * d), 0.0), acc_lse(static_cast<size_t>(lq * hq), kNegInf);
+  // The calls with work, by index (-1: the local stage, which also carries the sink).
+  const auto has_work = [&](int32_t index) {
+    return index < 0 ? !mine().host_mask.slices.empty() || with_sink : !mine().stages[index].mask.slices.empty();
+  };
+  int32_t last_call = -2;  // none
+  for (int32_t index = -1; index < num_stages; ++index)
+    if (has_work(index)) last_call = index;
+
+  // In place: each call merges into one running result (fp32; fp64 for fp64 inputs) through prev_out /
+  // prev_lse, and the last call writes the caller's out / lse. Out of place: each call writes the stage
+  // buffers, which are then merged into fp64 accumulators.
+  const int64_t out_elems = lq * hq * d, lse_elems = lq * hq;
+  Buffer running_out(part, in_place ? out_elems : 0), running_lse(part, in_place ? lse_elems : 0);
+  Buffer stage_out(part, in_place ? 0 : out_elems), stage_lse(part, in_place ? 0 : lse_elems);
+  std::vector<double> acc_out(static_cast<size_t>(in_place ? 0 : out_elems), 0.0),
+      acc_lse(static_cast<size_t>(in_place ? 0 : lse_elems), kNegInf);
   std::vector<float> max_logits(static_cast<size_t>(hq), -std::numeric_limits<float>::infinity());
-  Buffer stage_out(part, lq * hq * d), stage_lse(part, lq * hq), stage_max(DType::F32, hq);
+  Buffer stage_max(DType::F32, hq);
+  bool merged_any = false;
 
   Timeline* const timeline = Timeline::of(rank_);
-  const auto compute = [&](const Mask& mask, const TensorView& k, const TensorView& v, bool with_sink,
+  const auto compute = [&](int32_t index, const Mask& mask, const TensorView& k, const TensorView& v,
                            const std::string& what) {
-    if (mask.slices.empty() && !with_sink) return;
+    if (!has_work(index)) return;
     const double start = Timeline::now_us();
     ForwardArgs s;
     s.q = a.q;
     s.k = k;
     s.v = v;
-    if (with_sink) s.sink = a.sink;
-    s.out = stage_out.view({lq, hq, d});
-    s.lse = stage_lse.view({lq, hq});
+    if (index < 0 && with_sink) s.sink = a.sink;
+    if (in_place) {
+      const bool last = index == last_call;
+      s.out = last ? a.out : running_out.view({lq, hq, d});
+      s.lse = last ? a.lse : running_lse.view({lq, hq});
+      if (merged_any) {
+        s.prev_out = running_out.view({lq, hq, d});
+        s.prev_lse = running_lse.view({lq, hq});
+      }
+    } else {
+      s.out = stage_out.view({lq, hq, d});
+      s.lse = stage_lse.view({lq, hq});
+    }
     if (want_max) s.max_logits = stage_max.view({hq});
     AttentionOptions options = config_.attention;
-    if (!with_sink) options.sink_layout = SinkLayout::None;
+    if (index >= 0) options.sink_layout = SinkLayout::None;
     magi::forward(mask, s, options);
-    merge_into(stage_out, stage_lse, d, acc_out, acc_lse);
+    if (!in_place) merge_into(stage_out, stage_lse, d, acc_out, acc_lse);
+    merged_any = true;
     if (want_max)
       for (int32_t h = 0; h < hq; ++h) max_logits[h] = std::max(max_logits[h], static_cast<float>(stage_max.at(h)));
-    if (timeline != nullptr) timeline->add("forward " + what + " attention + merge", "compute", start, Timeline::now_us());
+    if (timeline != nullptr)
+      timeline->add("forward " + what + (in_place ? " attention" : " attention + merge"), "compute", start,
+                    Timeline::now_us());
   };
   const auto fetched = [&](const StageFetch& f) {
     if (timeline != nullptr)
@@ -242,21 +272,28 @@ void DistAttnRuntime::forward(const ForwardArgs& a, [[maybe_unused]] StreamHandl
     fetched(*next);
     first_waited = true;
   }
-  compute(mine().host_mask, a.k, a.v, config_.attention.sink_layout != SinkLayout::None, "local");
+  compute(-1, mine().host_mask, a.k, a.v, "local");
   for (int32_t stage = 0; stage < num_stages; ++stage) {
     const auto current = std::move(next);
     current->wait();
     if (stage > 0 || !first_waited) fetched(*current);
     if (stage + 1 < num_stages) next = std::make_unique<StageFetch>(*this, stage + 1, a.k, a.v);
     const int64_t rows = mine().stages[stage].buffer_rows;
-    compute(mine().stages[stage].mask, current->k.view({rows, hkv, d}), current->v.view({rows, hkv, d}), false,
+    compute(stage, mine().stages[stage].mask, current->k.view({rows, hkv, d}), current->v.view({rows, hkv, d}),
             "stage " + std::to_string(stage));
   }
 
-  const double store_start = Timeline::now_us();
-  store_all(acc_out, a.out);
-  store_all(acc_lse, a.lse);
-  if (timeline != nullptr) timeline->add("forward store out / lse", "compute", store_start, Timeline::now_us());
+  // In place, the last call already wrote out / lse; only a rank without any work fills them (out 0, lse -inf).
+  if (!in_place || last_call == -2) {
+    const double store_start = Timeline::now_us();
+    if (in_place) {
+      acc_out.assign(static_cast<size_t>(out_elems), 0.0);
+      acc_lse.assign(static_cast<size_t>(lse_elems), kNegInf);
+    }
+    store_all(acc_out, a.out);
+    store_all(acc_lse, a.lse);
+    if (timeline != nullptr) timeline->add("forward store out / lse", "compute", store_start, Timeline::now_us());
+  }
   if (want_max) {
     const double gather_start = Timeline::now_us();
     std::vector<float> all(static_cast<size_t>(hq) * comm_->size());
@@ -290,7 +327,7 @@ void DistAttnRuntime::backward(const BackwardArgs& a, [[maybe_unused]] StreamHan
     throw InvalidArgument("k, v: dtype must equal q's (" + std::string(to_string(a.q.dtype)) + ")");
   const DType part = partial_dtype(a.q.dtype);
   // Partial dk/dv cross the wire at the input precision unless high-precision reduce is on.
-  const DType wire = a.q.dtype == DType::F64 || backward_high_precision_ ? part : a.q.dtype;
+  const DType wire = a.q.dtype == DType::F64 || backward_high_precision() ? part : a.q.dtype;
   const bool with_sink = config_.attention.sink_layout != SinkLayout::None;
   const int32_t num_stages = plan_.num_stages();
   const int64_t kv_row = int64_t{hkv} * d;
@@ -415,14 +452,14 @@ void DistAttnRuntime::backward(const BackwardArgs& a, [[maybe_unused]] StreamHan
   span("backward store dq / dk / dv", "compute", store_start);
 
   // A shared (sh) sink is replicated on every rank, so its gradient is partial per rank.
-  if (with_sink && config_.attention.sink_layout == SinkLayout::SH && dsink_op_ != DsinkReduceOp::None) {
+  if (with_sink && config_.attention.sink_layout == SinkLayout::SH && dsink_op() != DsinkReduceOp::None) {
     const int64_t n = a.dsink.numel();
     std::vector<float> all(static_cast<size_t>(n * comm_->size()));
     comm_->allgather(a.dsink.data, n * 4, all.data());
     for (int64_t i = 0; i < n; ++i) {
       double sum = 0;
       for (int32_t r = 0; r < comm_->size(); ++r) sum += all[static_cast<size_t>(r * n + i)];
-      if (dsink_op_ == DsinkReduceOp::Avg) sum /= comm_->size();
+      if (dsink_op() == DsinkReduceOp::Avg) sum /= comm_->size();
       a.dsink.as<float>()[i] = static_cast<float>(sum);
     }
   }
@@ -457,6 +494,7 @@ struct RuntimeId {
   bool backward_high_precision = false;
   DsinkReduceOp dsink_op{};
   int32_t ranks_per_node = 0;  // hierarchical comm; 0 = flat
+  bool forward_inplace_correct = true;  // local to each rank: ranks may differ, so not in the fingerprint
   const comm::Communicator* comm = nullptr;
   int32_t cp = 0;
   std::vector<int32_t> fixed_q_owner, fixed_k_owner;  // a kept dispatch's chunk owners; empty: the solver's
@@ -581,6 +619,7 @@ RuntimeKey runtime_key(const Mask& mask, const HeadShape& heads, std::shared_ptr
   id.backward_high_precision = config.backward_high_precision_reduce.value_or(
       env::get_bool("MAGI_ATTENTION_BACKWARD_HIGH_PRECISION_REDUCE"));
   id.dsink_op = config.dsink_reduce_op.value_or(env_dsink_op());
+  id.forward_inplace_correct = env::get_bool("MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT");
   id.comm = comm.get();
   id.cp = comm->size();
   if (fixed != nullptr) {
@@ -604,8 +643,11 @@ RuntimeKey runtime_key(const Mask& mask, const HeadShape& heads, std::shared_ptr
   return RuntimeKey(runtime_cache().get(id, [&] {
     const double start = Timeline::now_us();
     validate(mask);
-    auto runtime = std::make_shared<const DistAttnRuntime>(mask, heads, comm, config, id.backward_high_precision,
-                                                           id.dsink_op, id.ranks_per_node, fixed);
+    const RuntimeSwitches switches{.backward_high_precision = id.backward_high_precision,
+                                   .dsink_op = id.dsink_op,
+                                   .ranks_per_node = id.ranks_per_node,
+                                   .forward_inplace_correct = id.forward_inplace_correct};
+    auto runtime = std::make_shared<const DistAttnRuntime>(mask, heads, comm, config, switches, fixed);
     if (Timeline* timeline = Timeline::of(comm->rank()))
       timeline->add(fixed != nullptr ? "plan (new mask on a kept dispatch)" : "plan (dispatch + comm plan)", "host",
                     start, Timeline::now_us());

@@ -160,11 +160,12 @@ std::vector<Variable> make_registry() {
               kImplemented,
               "Number of GPU SMs the backward attention kernel leaves free for concurrent "
               "communication kernels."),
-      boolean("MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT", "0", kPerformance,
-              not_yet("planned: distributed GPU forward (in-place out/lse correction); "
-                      "documented only in the older upstream guide"),
-              "Correct out and lse in place inside the forward kernel as partial results arrive, "
-              "instead of storing partials and merging them afterwards."),
+      boolean("MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT", "1", kPerformance, kImplemented,
+              "Distributed forward: each stage's attention call merges its result into the running out/lse "
+              "in place (ForwardArgs::prev_out / prev_lse) instead of storing the stage's partial out/lse "
+              "and merging it in a separate pass. Default 1 here (the tested, faster path; upstream's default "
+              "is 0); 0 selects the out-of-place merge for A/B. Both meet SPEC section 5; fp64 results are "
+              "bitwise equal, lower precisions may differ in the last bits (the running result is fp32)."),
       boolean("MAGI_ATTENTION_CPP_BACKEND", "0", kPerformance,
               not_applicable("it swaps upstream's Python data structures for C++ ones; this library "
                              "is C++ throughout"),

@@ -15,6 +15,7 @@
 #include "comm/nccl_communicator.hpp"
 #include "comm/nccl_local_launch.hpp"
 #include "magi/dist.hpp"
+#include "magi/env.hpp"
 #include "reference/compare.hpp"
 #include "reference/naive_attention.hpp"
 #include "reference/random_inputs.hpp"
@@ -297,6 +298,30 @@ TEST(DistAttnGpuDeterminism, TwoRunsAreBitwiseEqual) {
   EXPECT_TRUE(test::check_bitwise_equal("dq", first.dq, second.dq, "seed " + std::to_string(seed)));
   EXPECT_TRUE(test::check_bitwise_equal("dk", first.dk, second.dk, "seed " + std::to_string(seed)));
   EXPECT_TRUE(test::check_bitwise_equal("dv", first.dv, second.dv, "seed " + std::to_string(seed)));
+}
+
+// MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT=0: each remote stage writes the partial out / lse buffers and lse_merge
+// folds them in (the tests above run the in-place default). Remote stages need two or more GPUs; at cp = 1 this runs
+// the local stage only.
+TEST(DistAttnGpuInplaceCorrect, OutOfPlaceMergeMatchesSingleGpuAndIsDeterministic) {
+  static const uint64_t seed = shared_seed();
+  setenv("MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT", "0", 1);
+  env::reset_for_testing();
+  const NamedMask m = masks()[2];
+  const Problem& p = problem_for(m, seed);
+  for (int32_t overlap : {0, 2}) {
+    const std::string context = m.name + " out-of-place merge cp" + std::to_string(world().size()) + " overlap" +
+                                std::to_string(overlap) + " seed " + std::to_string(seed);
+    judge(p, run_distributed(p, {overlap, true, false, 128}), context, true);
+  }
+  Results first, second;
+  run_distributed(p, {2, false, true, 128}, &first);
+  run_distributed(p, {2, false, true, 128}, &second);
+  const std::string context = "out-of-place merge, seed " + std::to_string(seed);
+  EXPECT_TRUE(test::check_bitwise_equal("out", first.out, second.out, context));
+  EXPECT_TRUE(test::check_bitwise_equal("lse", first.lse, second.lse, context));
+  unsetenv("MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT");
+  env::reset_for_testing();
 }
 
 // A shared (sh) sink and max_logits: the sink counts once (host stage), dsink is summed over ranks

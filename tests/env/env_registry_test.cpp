@@ -164,13 +164,14 @@ TEST(EnvRegistry, ImplementedAreExactlyWhatThisBuildHonours) {
                                                      "MAGI_ATTENTION_KERNEL_BACKEND",
                                                      "MAGI_ATTENTION_DETERMINISTIC_MODE",
                                                      "MAGI_ATTENTION_LOG_LEVEL", "MAX_JOBS",
-                                                     // distributed attention (CPU/MPI engine)
+                                                     // distributed attention
                                                      "MAGI_ATTENTION_BACKWARD_HIGH_PRECISION_REDUCE",
                                                      "MAGI_ATTENTION_DSINK_ALL_REDUCE_OP",
                                                      "MAGI_ATTENTION_HIERARCHICAL_COMM",
                                                      "MAGI_ATTENTION_DIST_ATTN_RUNTIME_DICT_SIZE",
                                                      "MAGI_ATTENTION_PROFILE_DIR",
                                                      "MAGI_ATTENTION_BWD_HIDE_TAIL_REDUCE",
+                                                     "MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT",
                                                      // GPU kernels
                                                      "MAGI_ATTENTION_FFA_FORWARD_SM_MARGIN",
                                                      "MAGI_ATTENTION_FFA_BACKWARD_SM_MARGIN",
@@ -190,7 +191,9 @@ TEST(EnvRegistry, TheNewerSeedWinsWhereTheSeedsDiffer) {
   EXPECT_EQ(reduce->name, "MAGI_ATTENTION_BACKWARD_HIGH_PRECISION_REDUCE");
   const Variable* inplace = find("MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT");
   ASSERT_NE(inplace, nullptr) << "variables only in seed 000 stay";
-  EXPECT_EQ(inplace->status, Status::NotYet);
+  EXPECT_EQ(inplace->status, Status::Implemented);
+  EXPECT_EQ(inplace->default_value, "1") << "on by default here (upstream: 0); the description says so";
+  EXPECT_NE(inplace->meaning.find("upstream's default is 0"), std::string_view::npos);
 }
 
 TEST(EnvRegistry, SpecificEntries) {
