@@ -203,9 +203,10 @@ std::vector<Variable> make_registry() {
               "Print per-kernel GPU timings (CUDA events; synchronises) for every call; for development only."),
       path("MAGI_ATTENTION_PROFILE_DIR", "unset (no timelines)", kDebug, kImplemented,
            "Directory where every rank of distributed attention writes a Chrome-trace timeline of its calls "
-           "(rank_N.json: planning, each k/v exchange, each stage's attention, the reductions; wall times of "
-           "the host runtime; the device runtime's stages are not traced yet); `magi-attn trace DIR` merges "
-           "the ranks and reports how much communication computation hid."),
+           "(rank_N.json: planning, each k/v exchange, each stage's attention, the reductions, the final "
+           "stores; the host runtime's wall times, the device runtime's CUDA-event times on its streams, at "
+           "the cost of one host synchronisation per call); `magi-attn trace DIR` merges the ranks and reports "
+           "how much communication computation hid."),
       choice("MAGI_ATTENTION_LOG_LEVEL", "warn", {"error", "warn", "info", "debug"}, kDebug,
              kImplemented,
              "Which diagnostics reach stderr: error silences warnings, info and debug add detail."),
