@@ -61,9 +61,9 @@ struct ForwardArgs {
   TensorView lse;        // [Tq, Hq], fp32 (fp64 allowed for fp64 inputs)
   TensorView max_logits; // optional [Hq] fp32: max of s over each head's kept cells (-inf if none)
   // Optional, both or neither: a partial result of the same rows over other keys (fp32 [Tq, Hq, D] and its
-  // lse [Tq, Hq]), merged into this call's out / lse by the lse merge (SPEC section 3), as when the keys
-  // arrive in parts (context parallelism). They may be out / lse themselves (out fp32). max_logits covers
-  // this call's keys only. Backends cpu and cuda.
+  // lse [Tq, Hq]; fp64 also allowed for fp64 inputs), merged into this call's out / lse by the lse merge
+  // (SPEC section 3), as when the keys arrive in parts (context parallelism). They may be out / lse
+  // themselves (of the same dtype). max_logits covers this call's keys only. Backends cpu and cuda.
   TensorView prev_out, prev_lse;
   Workspace workspace;
 };

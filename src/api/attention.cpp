@@ -115,29 +115,35 @@ void check_sink(const TensorView& sink, const char* name, SinkLayout layout, con
   if (n_sink < 1) throw InvalidArgument(std::string(name) + ": the number of sink tokens S must be >= 1");
 }
 
-// prev_out / prev_lse: both or neither, fp32, the shapes of out / lse, each either the very tensor it is
-// merged into or disjoint from every output.
+// prev_out / prev_lse: both or neither, fp32 (fp64 too for fp64 inputs, as lse), the shapes of out / lse, each
+// either the very tensor it is merged into or disjoint from every output.
 void check_prev(const ForwardArgs& a, const Shapes& s) {
   const bool has_out = a.prev_out.ndim != 0, has_lse = a.prev_lse.ndim != 0;
   if (has_out != has_lse)
     throw InvalidArgument(std::string(has_out ? "prev_lse" : "prev_out") + " is required when " +
                           (has_out ? "prev_out" : "prev_lse") + " is given (a partial result is out and lse)");
   if (!has_out) return;
+  // fp64 partials keep the merge of fp64 inputs (CPU engine only) at fp64.
+  const auto require_partial_dtype = [&](const TensorView& t, const char* name) {
+    if (a.q.dtype == DType::F64) require_dtype(t, name, {DType::F32, DType::F64});
+    else require_dtype(t, name, {DType::F32});
+  };
   require_shape(a.prev_out, "prev_out", {s.tq, s.hq, s.d}, "[Tq, Hq, D] (like out)");
-  require_dtype(a.prev_out, "prev_out", {DType::F32});
+  require_partial_dtype(a.prev_out, "prev_out");
   require_device(a.prev_out, "prev_out", a.q.device);
   require_shape(a.prev_lse, "prev_lse", {s.tq, s.hq}, "[Tq, Hq] (like lse)");
-  require_dtype(a.prev_lse, "prev_lse", {DType::F32});
+  require_partial_dtype(a.prev_lse, "prev_lse");
   require_device(a.prev_lse, "prev_lse", a.q.device);
   const bool out_in_place = a.prev_out.data == a.out.data;
-  if (out_in_place && a.out.dtype != DType::F32)
-    throw InvalidArgument("prev_out: may be out itself only when out is fp32 (out is " +
-                          std::string(to_string(a.out.dtype)) + ")");
+  if (out_in_place && a.out.dtype != a.prev_out.dtype)
+    throw InvalidArgument("prev_out: may be out itself only when out has its dtype (out is " +
+                          std::string(to_string(a.out.dtype)) + ", prev_out " +
+                          std::string(to_string(a.prev_out.dtype)) + ")");
   if (!out_in_place && (api::overlaps(a.prev_out, a.out) || api::overlaps(a.prev_out, a.lse)))
     throw InvalidArgument("prev_out: overlaps out or lse without being out itself");
   const bool lse_in_place = a.prev_lse.data == a.lse.data;
-  if (lse_in_place && a.lse.dtype != DType::F32)
-    throw InvalidArgument("prev_lse: may be lse itself only when lse is fp32");
+  if (lse_in_place && a.lse.dtype != a.prev_lse.dtype)
+    throw InvalidArgument("prev_lse: may be lse itself only when lse has its dtype");
   if (!lse_in_place && (api::overlaps(a.prev_lse, a.lse) || api::overlaps(a.prev_lse, a.out)))
     throw InvalidArgument("prev_lse: overlaps out or lse without being lse itself");
 }

@@ -39,15 +39,17 @@ class CpuEngine final : public Engine {
     return cached_plan(plans_, mask, s, -1, [&] { return cpu::make_plan(mask, s.hq, s.hkv, s.d); });
   }
 
-  // With a partial result to merge: compute into scratch, then merge row by row (SPEC lse merge).
+  // With a partial result to merge: compute into scratch, then merge row by row (SPEC lse merge). The scratch
+  // is fp32 (fp64 for fp64 inputs) whatever out / lse are, so the merge sees this call's result unrounded.
   static void forward_merged(const cpu::Plan& plan, const ForwardArgs& a, const cpu::EngineOptions& eo,
                              const Shapes& s) {
     const int64_t rows = s.tq * s.hq;
-    std::vector<unsigned char> out_bytes(static_cast<size_t>(a.out.nbytes())),
-        lse_bytes(static_cast<size_t>(a.lse.nbytes()));
+    const DType part = a.q.dtype == DType::F64 ? DType::F64 : DType::F32;
+    std::vector<unsigned char> out_bytes(static_cast<size_t>(rows * s.d * dtype_size(part))),
+        lse_bytes(static_cast<size_t>(rows * dtype_size(part)));
     ForwardArgs scratch = a;
-    scratch.out = TensorView(out_bytes.data(), a.out.dtype, {s.tq, s.hq, s.d}, a.out.device);
-    scratch.lse = TensorView(lse_bytes.data(), a.lse.dtype, {s.tq, s.hq}, a.lse.device);
+    scratch.out = TensorView(out_bytes.data(), part, {s.tq, s.hq, s.d}, a.out.device);
+    scratch.lse = TensorView(lse_bytes.data(), part, {s.tq, s.hq}, a.lse.device);
     scratch.prev_out = scratch.prev_lse = TensorView();
     cpu::forward(plan, scratch, eo);
     const int d = static_cast<int>(s.d);

@@ -2,9 +2,13 @@
 // row gathers, NCCL group-casts / group-reduces and the dk/dv sums; a compute stream runs the per-stage
 // kernels (magi::forward / magi::backward, backend cuda) and the lse merges. CUDA events order them:
 // all stage fetches are enqueued up front, so stage i + 1's fetch runs while stage i computes, and
-// stage i's dk/dv reduction runs while stage i + 1 computes. Every partial is combined in a fixed order
-// (host stage, then stages in order, sources ascending), so results are bitwise reproducible whenever
-// the per-stage kernels are. Staging buffers are allocated on a runtime's first device call and reused.
+// stage i's dk/dv reduction runs while stage i + 1 computes. Forward stages merge their out / lse in place
+// (MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT=1) or through a partial buffer and lse_merge (0). Every
+// partial is combined in a fixed order (host stage, then stages in order, sources ascending), so results
+// are bitwise reproducible whenever the per-stage kernels are. Staging buffers are allocated on a runtime's
+// first device call (per input dtype) and reused: later calls allocate nothing. With
+// MAGI_ATTENTION_PROFILE_DIR, timing events around each span write the rank's timeline (Tracer), at the cost
+// of one host synchronisation at the end of each call.
 #include "distributed/gpu_runtime.hpp"
 
 #include <cuda_runtime_api.h>
@@ -23,6 +27,7 @@
 #include "cuda/check.hpp"
 #include "cuda/elementwise.hpp"
 #include "distributed/gpu_kernels.hpp"
+#include "distributed/timeline.hpp"
 
 namespace magi::dist::gpu {
 namespace {
@@ -87,7 +92,10 @@ std::vector<int64_t> times(std::vector<int64_t> rows, int64_t row_bytes) {
 
 class Event {
  public:
-  Event() { check(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "cudaEventCreate"); }
+  // Ordering events skip timing (cheaper); the profiling events pass cudaEventDefault.
+  explicit Event(unsigned flags = cudaEventDisableTiming) {
+    check(cudaEventCreateWithFlags(&event_, flags), "cudaEventCreate");
+  }
   Event(const Event&) = delete;
   Event& operator=(const Event&) = delete;
   ~Event() { cudaEventDestroy(event_); }
@@ -146,6 +154,15 @@ struct State {
   DType dtype = DType::BF16, wire = DType::BF16;
   std::vector<DeviceMemory> send_k, send_v, k, v, part_dk, part_dv, reduce_k, reduce_v;
   DeviceMemory acc_out, acc_lse, acc_max, part_max, acc_dq, acc_dk, acc_dv;
+  // MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT=0 only: one remote stage's out / lse (fp32), reused by every
+  // stage (the compute stream merges it before the next stage writes it).
+  DeviceMemory part_out, part_lse;
+
+  // MAGI_ATTENTION_PROFILE_DIR only: timing events, a start and an end per span of one call (at most 3 per
+  // stage + 2: exchanges, stage kernels, reductions, the local stage, the stores) and the anchor that ties
+  // them to wall-clock time. Created on the first profiled call, reused by later ones.
+  std::vector<std::unique_ptr<Event>> span_events;
+  std::unique_ptr<Event> anchor;
 
   ~State() {
     if (compute != nullptr) {
@@ -160,6 +177,7 @@ std::shared_ptr<State> make_state(const DistAttnRuntime& rt) {
   if (rt.plan().hierarchical())
     throw NotAvailable("hierarchical comm is not built for device tensors (allowed: flat comm; unset "
                        "MAGI_ATTENTION_HIERARCHICAL_COMM)");
+  const double plan_start = Timeline::now_us();
   DeviceGuard scope(nccl.cuda_device());
   auto state = std::make_shared<State>();
   state->device = nccl.cuda_device();
@@ -194,13 +212,87 @@ std::shared_ptr<State> make_state(const DistAttnRuntime& rt) {
     state->fetched.push_back(std::make_unique<Event>());
     state->computed.push_back(std::make_unique<Event>());
   }
+  // Host work with synchronous uploads: wall time measures it exactly.
+  if (Timeline* timeline = Timeline::of(rt.rank()))
+    timeline->add("plan (device routes and streams)", "host", plan_start, Timeline::now_us());
   return state;
 }
 
 namespace {
 
+// One call's spans on the device timeline (MAGI_ATTENTION_PROFILE_DIR): open / close record timing events on
+// the span's stream; finish() converts them to the timeline's wall-clock microseconds once the call's last
+// event has completed, and writes rank_N.json. Without the variable every method returns at once. Names are
+// "<phase>[ stage N] <what>", as the host runtime's.
+class Tracer {
+ public:
+  Tracer(const DistAttnRuntime& rt, State& st, std::string_view phase)
+      : timeline_(Timeline::of(rt.rank())), st_(st), phase_(phase) {
+    if (timeline_ == nullptr || !st.span_events.empty()) return;
+    const size_t pairs = 3 * st.stages.size() + 2;
+    for (size_t i = 0; i < 2 * pairs; ++i) st.span_events.push_back(std::make_unique<Event>(cudaEventDefault));
+    st.anchor = std::make_unique<Event>(cudaEventDefault);
+  }
+
+  // `what` is a literal; `stage` < 0 for spans outside the stages. Returns the span's handle (-1 when off).
+  int open(std::string_view what, int64_t stage, std::string_view lane, cudaStream_t stream) {
+    if (timeline_ == nullptr) return -1;
+    if (2 * (spans_.size() + 1) > st_.span_events.size())
+      throw Error("distributed attention profiling: more spans than events (internal)");
+    spans_.push_back({what, stage, lane});
+    const int span = static_cast<int>(spans_.size()) - 1;
+    check(cudaEventRecord(*st_.span_events[2 * span], stream), "cudaEventRecord (profiling)");
+    return span;
+  }
+  void close(int span, cudaStream_t stream) {
+    if (span < 0) return;
+    check(cudaEventRecord(*st_.span_events[2 * span + 1], stream), "cudaEventRecord (profiling)");
+  }
+
+  // `done`: the call's last event. Profiling mode's one extra host sync: an anchor recorded on the then idle
+  // compute stream runs at once, so its wall time (read as soon as it completes) dates every other event.
+  void finish(cudaEvent_t done) {
+    if (timeline_ == nullptr) return;
+    check(cudaEventSynchronize(done), "cudaEventSynchronize (profiling)");
+    check(cudaEventRecord(*st_.anchor, st_.compute), "cudaEventRecord (profiling)");
+    check(cudaEventSynchronize(*st_.anchor), "cudaEventSynchronize (profiling)");
+    const double anchor_us = Timeline::now_us();
+    const auto at = [&](const Event& event) {
+      float before_anchor_ms = 0;
+      check(cudaEventElapsedTime(&before_anchor_ms, event, *st_.anchor), "cudaEventElapsedTime (profiling)");
+      return anchor_us - 1e3 * static_cast<double>(before_anchor_ms);
+    };
+    for (size_t i = 0; i < spans_.size(); ++i) {
+      const Pending& s = spans_[i];
+      std::string name(phase_);
+      if (s.stage >= 0) name += " stage " + std::to_string(s.stage);
+      (name += ' ') += s.what;
+      timeline_->add(std::move(name), s.lane, at(*st_.span_events[2 * i]), at(*st_.span_events[2 * i + 1]));
+    }
+    timeline_->write();
+  }
+
+  // A span timed on the host (synchronous host work), added as it is.
+  void host_span(std::string_view what, std::string_view lane, double start_us) {
+    if (timeline_ != nullptr)
+      timeline_->add(std::string(phase_) + " " + std::string(what), lane, start_us, Timeline::now_us());
+  }
+
+ private:
+  struct Pending {
+    std::string_view what;
+    int64_t stage;
+    std::string_view lane;
+  };
+  Timeline* timeline_;
+  State& st_;
+  std::string_view phase_;
+  std::vector<Pending> spans_;
+};
+
 void ensure_buffers(const DistAttnRuntime& rt, State& st, DType dtype, DType wire) {
   if (st.allocated && st.dtype == dtype && st.wire == wire) return;
+  const double start = Timeline::now_us();
   const HeadShape& h = rt.heads();
   const int64_t lq = rt.dispatch().q.local_tokens(), lk = rt.dispatch().k.local_tokens();
   const int64_t kv_row = int64_t{h.heads_kv} * h.head_dim, q_elems = lq * h.heads_q * h.head_dim;
@@ -222,12 +314,17 @@ void ensure_buffers(const DistAttnRuntime& rt, State& st, DType dtype, DType wir
   st.acc_lse = DeviceMemory(bytes(lq * h.heads_q, DType::F32));
   st.acc_max = DeviceMemory(bytes(h.heads_q, DType::F32));
   st.part_max = DeviceMemory(bytes(h.heads_q, DType::F32));
+  const bool partials = !rt.forward_inplace_correct();
+  st.part_out = DeviceMemory(partials ? bytes(q_elems, DType::F32) : 0);
+  st.part_lse = DeviceMemory(partials ? bytes(lq * h.heads_q, DType::F32) : 0);
   st.acc_dq = DeviceMemory(bytes(q_elems, DType::F32));
   st.acc_dk = DeviceMemory(bytes(lk * kv_row, DType::F32));
   st.acc_dv = DeviceMemory(bytes(lk * kv_row, DType::F32));
   st.dtype = dtype;
   st.wire = wire;
   st.allocated = true;
+  if (Timeline* timeline = Timeline::of(rt.rank()))
+    timeline->add("plan (device staging buffers)", "host", start, Timeline::now_us());
 }
 
 void check_inputs(const DistAttnRuntime& rt, const State& st, const TensorView& q, const TensorView& k,
@@ -250,10 +347,11 @@ void check_inputs(const DistAttnRuntime& rt, const State& st, const TensorView& 
 
 // Enqueues every stage's kv fetch on the comm stream (gather the rows each peer needs, then one NCCL
 // group per stage for k and v); stage s's completion is st.fetched[s].
-void enqueue_fetches(const DistAttnRuntime& rt, State& st, const TensorView& k, const TensorView& v) {
+void enqueue_fetches(const DistAttnRuntime& rt, State& st, const TensorView& k, const TensorView& v, Tracer& trace) {
   const cudaStream_t comm = st.nccl->comm_stream();
   const int64_t row_bytes = int64_t{rt.heads().heads_kv} * rt.heads().head_dim * dtype_size(k.dtype);
   for (size_t s = 0; s < st.stages.size(); ++s) {
+    const int span = trace.open("k/v exchange", static_cast<int64_t>(s), "comm", comm);
     const StageRoutes& stage = st.stages[s];
     gather_rows(k.data, stage.send_index.as<int32_t>(), stage.total_send, row_bytes, st.send_k[s].get(), comm);
     gather_rows(v.data, stage.send_index.as<int32_t>(), stage.total_send, row_bytes, st.send_v[s].get(), comm);
@@ -263,6 +361,7 @@ void enqueue_fetches(const DistAttnRuntime& rt, State& st, const TensorView& k, 
     st.nccl->enqueue_all_to_all_v(st.send_k[s].get(), send, send_displs, st.k[s].get(), recv, recv_displs, comm);
     st.nccl->enqueue_all_to_all_v(st.send_v[s].get(), send, send_displs, st.v[s].get(), recv, recv_displs, comm);
     st.nccl->await_launch(ncclGroupEnd(), "kv group-cast");  // non-blocking: enqueued only after this
+    trace.close(span, comm);
     check(cudaEventRecord(*st.fetched[s], comm), "cudaEventRecord");
   }
 }
@@ -302,14 +401,16 @@ void forward(const DistAttnRuntime& rt, State& st, const ForwardArgs& a, cudaStr
   std::lock_guard lock(st.mutex);
   DeviceGuard scope(dev);
   ensure_buffers(rt, st, a.q.dtype, rt.backward_high_precision() ? DType::F32 : a.q.dtype);
+  Tracer trace(rt, st, "forward");
   begin(st, caller);
-  enqueue_fetches(rt, st, a.k, a.v);
+  enqueue_fetches(rt, st, a.k, a.v, trace);
   if (rt.config().overlap_degree == 0) check(cudaStreamWaitEvent(st.compute, *st.fetched[0], 0), "cudaStreamWaitEvent");
 
   const RankPlan& mine = rt.mine();
   AttentionOptions options = rt.config().attention;
   // Host stage: own kv (and the sink, counted exactly once) straight into the accumulators.
   if (!mine.host_mask.slices.empty() || with_sink) {
+    const int span = trace.open("local attention", -1, "compute", st.compute);
     ForwardArgs s;
     s.q = a.q;
     s.k = a.k;
@@ -319,17 +420,21 @@ void forward(const DistAttnRuntime& rt, State& st, const ForwardArgs& a, cudaStr
     s.lse = device_view(st.acc_lse.get(), DType::F32, {lq, hq}, dev);
     if (want_max) s.max_logits = device_view(st.acc_max.get(), DType::F32, {hq}, dev);
     magi::forward(mine.host_mask, s, options, st.compute);
+    trace.close(span, st.compute);
   } else {
     cuda::fill(st.acc_out.as<float>(), lq * hq * d, 0.f, st.compute);
     cuda::fill(st.acc_lse.as<float>(), lq * hq, kNegInf, st.compute);
     cuda::fill(st.acc_max.as<float>(), hq, kNegInf, st.compute);
   }
   options.sink_layout = SinkLayout::None;
-  // Each remote stage's kernel merges its result into the fp32 accumulators itself (prev_out / prev_lse,
-  // in place); the last one writes the caller's out and lse, so no separate merge or conversion pass.
+  // In place (MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT=1): each remote stage's kernel merges its result into
+  // the fp32 accumulators itself (prev_out / prev_lse); the last one writes the caller's out and lse, so no
+  // separate merge or conversion pass. Out of place: each stage writes part_out / part_lse, which lse_merge
+  // folds into the accumulators on the same stream; a final conversion writes out and lse.
+  const bool in_place = rt.forward_inplace_correct();
   int64_t last = -1;
   for (size_t stage = 0; stage < st.stages.size(); ++stage)
-    if (!mine.stages[stage].mask.slices.empty()) last = static_cast<int64_t>(stage);
+    if (in_place && !mine.stages[stage].mask.slices.empty()) last = static_cast<int64_t>(stage);
   const TensorView acc_out = device_view(st.acc_out.get(), DType::F32, {lq, hq, d}, dev);
   const TensorView acc_lse = device_view(st.acc_lse.get(), DType::F32, {lq, hq}, dev);
   for (size_t stage = 0; stage < st.stages.size(); ++stage) {
@@ -338,26 +443,44 @@ void forward(const DistAttnRuntime& rt, State& st, const ForwardArgs& a, cudaStr
     if (sp.mask.slices.empty()) continue;
     const int64_t rows = sp.buffer_rows;
     const bool final_stage = static_cast<int64_t>(stage) == last;
+    const int span = trace.open(in_place ? "attention" : "attention + merge", static_cast<int64_t>(stage), "compute",
+                                st.compute);
     ForwardArgs s;
     s.q = a.q;
     s.k = device_view(st.k[stage].get(), a.q.dtype, {rows, hkv, d}, dev);
     s.v = device_view(st.v[stage].get(), a.q.dtype, {rows, hkv, d}, dev);
-    s.out = final_stage ? a.out : acc_out;
-    s.lse = final_stage ? a.lse : acc_lse;
-    s.prev_out = acc_out;
-    s.prev_lse = acc_lse;
+    if (in_place) {
+      s.out = final_stage ? a.out : acc_out;
+      s.lse = final_stage ? a.lse : acc_lse;
+      s.prev_out = acc_out;
+      s.prev_lse = acc_lse;
+    } else {
+      s.out = device_view(st.part_out.get(), DType::F32, {lq, hq, d}, dev);
+      s.lse = device_view(st.part_lse.get(), DType::F32, {lq, hq}, dev);
+    }
     if (want_max) s.max_logits = device_view(st.part_max.get(), DType::F32, {hq}, dev);
     magi::forward(sp.mask, s, options, st.compute);
+    if (!in_place)
+      lse_merge(st.acc_out.as<float>(), st.acc_lse.as<float>(), st.part_out.as<float>(), st.part_lse.as<float>(),
+                lq * hq, d, st.compute);
     if (want_max) max_into(st.acc_max.as<float>(), st.part_max.as<float>(), hq, st.compute);
+    trace.close(span, st.compute);
   }
   if (last < 0) {
+    const int span = trace.open("store out / lse", -1, "compute", st.compute);
     convert(st.acc_out.as<float>(), a.out.data, element(a.out.dtype), lq * hq * d, st.compute);
     convert(st.acc_lse.as<float>(), a.lse.data, element(DType::F32), lq * hq, st.compute);
+    trace.close(span, st.compute);
   }
   check(cudaEventRecord(st.done, st.compute), "cudaEventRecord");
   check(cudaStreamWaitEvent(caller, st.done, 0), "cudaStreamWaitEvent");
   st.nccl->wait_event(st.done, "distributed attention forward");
-  if (want_max) reduce_max_logits(st, a.max_logits, hq);
+  if (want_max) {
+    const double start = Timeline::now_us();
+    reduce_max_logits(st, a.max_logits, hq);
+    trace.host_span("max_logits allgather", "comm", start);
+  }
+  trace.finish(st.done);
 }
 
 void backward(const DistAttnRuntime& rt, State& st, const BackwardArgs& a, cudaStream_t caller) {
@@ -385,18 +508,21 @@ void backward(const DistAttnRuntime& rt, State& st, const BackwardArgs& a, cudaS
   std::lock_guard lock(st.mutex);
   DeviceGuard scope(dev);
   ensure_buffers(rt, st, a.q.dtype, wire);
+  Tracer trace(rt, st, "backward");
   begin(st, caller);
-  enqueue_fetches(rt, st, a.k, a.v);
+  enqueue_fetches(rt, st, a.k, a.v, trace);
   if (rt.config().overlap_degree == 0) check(cudaStreamWaitEvent(st.compute, *st.fetched[0], 0), "cudaStreamWaitEvent");
 
   const RankPlan& mine = rt.mine();
   AttentionOptions options = rt.config().attention;
   if (!mine.host_mask.slices.empty() || with_sink) {
+    const int span = trace.open("local attention", -1, "compute", st.compute);
     BackwardArgs s = a;
     s.dq = device_view(st.acc_dq.get(), DType::F32, {lq, hq, d}, dev);
     s.dk = device_view(st.acc_dk.get(), DType::F32, {lk, hkv, d}, dev);
     s.dv = device_view(st.acc_dv.get(), DType::F32, {lk, hkv, d}, dev);
     magi::backward(mine.host_mask, s, options, st.compute);
+    trace.close(span, st.compute);
   } else {
     cuda::fill(st.acc_dq.as<float>(), lq * hq * d, 0.f, st.compute);
     cuda::fill(st.acc_dk.as<float>(), lk * kv_row, 0.f, st.compute);
@@ -412,6 +538,7 @@ void backward(const DistAttnRuntime& rt, State& st, const BackwardArgs& a, cudaS
     const StagePlan& sp = mine.stages[stage];
     const int64_t rows = sp.buffer_rows;
     if (!sp.mask.slices.empty()) {
+      const int span = trace.open("attention", static_cast<int64_t>(stage), "compute", st.compute);
       BackwardArgs s = a;
       s.k = device_view(st.k[stage].get(), a.q.dtype, {rows, hkv, d}, dev);
       s.v = device_view(st.v[stage].get(), a.q.dtype, {rows, hkv, d}, dev);
@@ -422,6 +549,7 @@ void backward(const DistAttnRuntime& rt, State& st, const BackwardArgs& a, cudaS
       s.dk = device_view(st.part_dk[stage].get(), wire, {rows, hkv, d}, dev);
       s.dv = device_view(st.part_dv[stage].get(), wire, {rows, hkv, d}, dev);
       magi::backward(sp.mask, s, options, st.compute);
+      trace.close(span, st.compute);
     } else if (rows > 0) {
       check(cudaMemsetAsync(st.part_dk[stage].get(), 0, static_cast<size_t>(rows * wire_row), st.compute), "cudaMemsetAsync");
       check(cudaMemsetAsync(st.part_dv[stage].get(), 0, static_cast<size_t>(rows * wire_row), st.compute), "cudaMemsetAsync");
@@ -431,6 +559,7 @@ void backward(const DistAttnRuntime& rt, State& st, const BackwardArgs& a, cudaS
     // Partial dk/dv back to their owners: the stage's cast in reverse, then a fixed-order sum.
     const StageRoutes& routes = st.stages[stage];
     check(cudaStreamWaitEvent(comm, *st.computed[stage], 0), "cudaStreamWaitEvent");
+    const int reduce_span = trace.open("dk/dv reduce", static_cast<int64_t>(stage), "comm", comm);
     const auto send = times(routes.recv_rows, wire_row), recv = times(routes.send_rows, wire_row);
     const auto send_displs = displacements(send), recv_displs = displacements(recv);
     if (ncclGroupStart() != ncclSuccess) throw comm::CommError("ncclGroupStart failed");
@@ -444,13 +573,16 @@ void backward(const DistAttnRuntime& rt, State& st, const BackwardArgs& a, cudaS
              st.reduce_k[stage].get(), element(wire), comm);
     sum_rows(st.acc_dv.as<float>(), lk, kv_row, routes.reduce_offsets.as<int32_t>(), routes.reduce_index.as<int32_t>(),
              st.reduce_v[stage].get(), element(wire), comm);
+    trace.close(reduce_span, comm);
   }
   check(cudaEventRecord(st.reduced, comm), "cudaEventRecord");
   // dq is complete once the last stage has computed: its conversion runs while the dk/dv reduce is on the wire.
+  const int store_span = trace.open("store dq / dk / dv", -1, "compute", st.compute);
   convert(st.acc_dq.as<float>(), a.dq.data, element(a.dq.dtype), lq * hq * d, st.compute);
   check(cudaStreamWaitEvent(st.compute, st.reduced, 0), "cudaStreamWaitEvent");
   convert(st.acc_dk.as<float>(), a.dk.data, element(a.dk.dtype), lk * kv_row, st.compute);
   convert(st.acc_dv.as<float>(), a.dv.data, element(a.dv.dtype), lk * kv_row, st.compute);
+  trace.close(store_span, st.compute);
   check(cudaEventRecord(st.done, st.compute), "cudaEventRecord");
   check(cudaStreamWaitEvent(caller, st.done, 0), "cudaStreamWaitEvent");
   st.nccl->wait_event(st.done, "distributed attention backward");
@@ -469,6 +601,7 @@ void backward(const DistAttnRuntime& rt, State& st, const BackwardArgs& a, cudaS
     }
     check(cudaMemcpy(a.dsink.data, mine_dsink.data(), n * sizeof(float), cudaMemcpyHostToDevice), "cudaMemcpy");
   }
+  trace.finish(st.done);
 }
 
 void dispatch(const DistAttnRuntime& rt, const Partition& p, const TensorView& global, const TensorView& local,

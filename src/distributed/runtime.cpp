@@ -1,7 +1,9 @@
 // Distributed attention on top of the single-device API: each stage is one magi::forward / magi::backward
 // call of the local q rows against a kv buffer (own rows, or rows fetched by group-cast), with the stage's
 // remapped mask. Partial results are combined in a fixed order (host stage, then remote stages in order,
-// sources in rank order), so results are bitwise reproducible.
+// sources in rank order), so results are bitwise reproducible. Forward stages merge into the running result
+// inside the call (prev_out / prev_lse) or, with MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT=0, write
+// partials that merge_into folds in afterwards.
 #include "distributed/runtime.hpp"
 
 #include <algorithm>
@@ -184,19 +186,15 @@ std::string_view to_string(DispatchAlgorithm algorithm) {
 }
 
 DistAttnRuntime::DistAttnRuntime(const Mask& mask, const HeadShape& heads, std::shared_ptr<comm::Communicator> comm,
-                                 const DistConfig& config, bool backward_high_precision, DsinkReduceOp dsink_op,
-                                 int32_t ranks_per_node, const RouteOptions& routes, const Dispatch* fixed)
+                                 const DistConfig& config, const RuntimeSwitches& switches, const Dispatch* fixed)
     : heads_(heads),
       comm_(std::move(comm)),
       config_(config),
-      backward_high_precision_(backward_high_precision),
-      dsink_op_(dsink_op),
-      ranks_per_node_(ranks_per_node),
+      switches_(switches),
       rank_(comm_->rank()),
-      route_options_(routes),
       dispatch_(fixed != nullptr ? redispatch(mask, *fixed)
                                  : make_dispatch(mask, comm_->size(), config.chunk_size, config.algorithm)),
-      routes_(solve_routes(mask, dispatch_, heads, routes)) {
+      routes_(solve_routes(mask, dispatch_, heads, switches.routes)) {
   for (HeadClass& c : head_classes(routes_, heads.heads_kv)) {
     const bool any = std::any_of(c.qo.begin(), c.qo.end(), [](const auto& row) {
       return std::find(row.begin(), row.end(), true) != row.end();
@@ -204,7 +202,7 @@ DistAttnRuntime::DistAttnRuntime(const Mask& mask, const HeadShape& heads, std::
     ClassPlan& plan = classes_.emplace_back();
     plan.kv_head_begin = c.kv_head_begin;
     plan.kv_head_end = c.kv_head_end;
-    plan.plan = make_comm_plan(mask, dispatch_, config.overlap_degree, ranks_per_node, any ? &c.qo : nullptr);
+    plan.plan = make_comm_plan(mask, dispatch_, config.overlap_degree, switches.ranks_per_node, any ? &c.qo : nullptr);
     if (any) plan.qo = make_qo_plan(mask, dispatch_, c.qo);
   }
 }
@@ -226,15 +224,15 @@ PlanSummary DistAttnRuntime::summary() const {
   s.ring_kv_rows = int64_t{s.cp} * (s.cp - 1) * s.local_k_tokens;
   s.kv_row_elements = int64_t{heads_.heads_kv} * heads_.head_dim;
   if (plan().hierarchical()) {
-    s.ranks_per_node = ranks_per_node_;
+    s.ranks_per_node = switches_.ranks_per_node;
     for (int32_t src = 0; src < s.cp; ++src)
       for (const auto& stage_routes : plan().routes[src])
         for (int32_t dst = 0; dst < s.cp; ++dst)
-          if (src / ranks_per_node_ != dst / ranks_per_node_)
+          if (src / s.ranks_per_node != dst / s.ranks_per_node)
             s.inter_node_kv_rows += static_cast<int64_t>(stage_routes.send_rows[dst].size());
   }
-  s.qo_comm = route_options_.qo_comm;
-  s.flatten_head_groups = route_options_.flatten_head_groups;
+  s.qo_comm = switches_.routes.qo_comm;
+  s.flatten_head_groups = switches_.routes.flatten_head_groups;
   s.qo_units = routes_.qo_units_total();
   s.route_units = routes_.groups;
   s.forward_bytes = routes_.forward_bytes;
@@ -296,46 +294,72 @@ void DistAttnRuntime::forward(const ForwardArgs& a, [[maybe_unused]] StreamHandl
     throw InvalidArgument("k, v: dtype must equal q's (" + std::string(to_string(a.q.dtype)) + ")");
   const DType part = partial_dtype(a.q.dtype);
   // Partial outputs of the q/out route cross the wire at the input precision unless high-precision reduce is on.
-  const DType wire = route_options_.forward_high_precision ? part : a.q.dtype;
+  const DType wire = switches_.routes.forward_high_precision ? part : a.q.dtype;
   const bool want_max = a.max_logits.ndim != 0;
+  const bool with_sink = config_.attention.sink_layout != SinkLayout::None;
+  const bool in_place = forward_inplace_correct();
   const int32_t num_stages = plan().num_stages();
   const int32_t group = hq / hkv;
 
-  std::vector<double> acc_out(static_cast<size_t>(lq * hq * d), 0.0), acc_lse(static_cast<size_t>(lq * hq), kNegInf);
+  // The running result of all heads. In place: one fp32 (fp64 for fp64 inputs) out / lse that each call merges
+  // into itself (prev_out / prev_lse are its own out / lse). Out of place: fp64 accumulators, and each call
+  // writes partials that merge_into folds in.
+  Buffer running_out(part, in_place ? lq * hq * d : 0), running_lse(part, in_place ? lq * hq : 0);
+  if (in_place) store_all(std::vector<double>(static_cast<size_t>(lq * hq), kNegInf), running_lse.view({lq * hq}));
+  std::vector<double> acc_out(static_cast<size_t>(in_place ? 0 : lq * hq * d), 0.0),
+      acc_lse(static_cast<size_t>(in_place ? 0 : lq * hq), kNegInf);
   std::vector<float> max_logits(static_cast<size_t>(hq), -std::numeric_limits<float>::infinity());
 
+  // The running result of heads [h0, h0 + heads) of `rows` rows, contiguous (one of the above, or a head class's).
+  struct Running {
+    int64_t rows;
+    int32_t heads;
+    Buffer* out = nullptr;   // in place
+    Buffer* lse = nullptr;
+    double* out_acc = nullptr;  // out of place
+    double* lse_acc = nullptr;
+  };
   Timeline* const timeline = Timeline::of(rank_);
-  // One attention call of `q` rows against `k`, `v` (heads [h0, h0 + q heads)); its (out, lse) is merged into
-  // the accumulators (of those heads) and returned for the q/out route's reduction.
+  // One attention call of `q` rows against `k`, `v`; its result joins `into` (heads [h0, ...) for max_logits).
   const auto compute = [&](const Mask& mask, const TensorView& q, const TensorView& k, const TensorView& v,
-                           bool with_sink, int32_t h0, double* out_acc, double* lse_acc, const std::string& what) {
-    const int64_t rows = q.shape[0];
-    const int32_t heads = static_cast<int32_t>(q.shape[1]);
-    if (mask.slices.empty() && !with_sink) return;
+                           bool sink, int32_t h0, const Running& into, const std::string& what) {
+    if (mask.slices.empty() && !sink) return;
     const double start = Timeline::now_us();
-    Buffer stage_out(part, rows * heads * d), stage_lse(part, rows * heads), stage_max(DType::F32, heads);
+    const int64_t rows = into.rows;
+    const int32_t heads = into.heads;
+    std::optional<Buffer> stage_out, stage_lse;
+    Buffer stage_max(DType::F32, heads);
     ForwardArgs s;
     s.q = q;
     s.k = k;
     s.v = v;
-    if (with_sink) s.sink = a.sink;
-    s.out = stage_out.view({rows, heads, d});
-    s.lse = stage_lse.view({rows, heads});
+    if (sink) s.sink = a.sink;
+    if (into.out != nullptr) {
+      s.out = s.prev_out = into.out->view({rows, heads, d});
+      s.lse = s.prev_lse = into.lse->view({rows, heads});
+    } else {
+      s.out = stage_out.emplace(part, rows * heads * d).view({rows, heads, d});
+      s.lse = stage_lse.emplace(part, rows * heads).view({rows, heads});
+    }
     if (want_max) s.max_logits = stage_max.view({heads});
     AttentionOptions options = config_.attention;
-    if (!with_sink) options.sink_layout = SinkLayout::None;
+    if (!sink) options.sink_layout = SinkLayout::None;
     magi::forward(mask, s, options);
-    merge_into(stage_out, stage_lse, rows * heads, d, out_acc, lse_acc);
+    if (into.out == nullptr) merge_into(*stage_out, *stage_lse, rows * heads, d, into.out_acc, into.lse_acc);
     if (want_max)
       for (int32_t h = 0; h < heads; ++h)
         max_logits[h0 + h] = std::max(max_logits[h0 + h], static_cast<float>(stage_max.at(h)));
-    if (timeline != nullptr) timeline->add("forward " + what + " attention + merge", "compute", start, Timeline::now_us());
+    if (timeline != nullptr)
+      timeline->add("forward " + what + (into.out != nullptr ? " attention" : " attention + merge"), "compute", start,
+                    Timeline::now_us());
   };
   const auto fetched = [&](const StageFetch& f) {
     if (timeline != nullptr)
       timeline->add("forward stage " + std::to_string(f.stage) + " k/v exchange", "comm", f.started_us,
                     Timeline::now_us());
   };
+  const Running all_heads{lq, hq, in_place ? &running_out : nullptr, in_place ? &running_lse : nullptr,
+                          acc_out.data(), acc_lse.data()};
 
   // Per head class (one, of every head, unless flattened): the q/out route's q cast and the first kv fetch start,
   // the local stage (every head, once) hides them, the q/out route's work runs and its reduction travels while
@@ -364,10 +388,21 @@ void DistAttnRuntime::forward(const ForwardArgs& a, [[maybe_unused]] StreamHandl
       fetched(*next);
       first_waited = true;
     }
-    if (ci == 0)
-      compute(mine().host_mask, a.q, a.k, a.v, config_.attention.sink_layout != SinkLayout::None, 0, acc_out.data(),
-              acc_lse.data(), "local");
-    HeadSlice out_acc(acc_out, lq, hq, d, h0, h0 + hc, true), lse_acc(acc_lse, lq, hq, 1, h0, h0 + hc, true);
+    if (ci == 0) compute(mine().host_mask, a.q, a.k, a.v, with_sink, 0, all_heads, "local");
+    // This class's heads of the running result: the whole arrays, or copies that go back at the end.
+    std::optional<Buffer> class_out, class_lse;
+    if (in_place && !whole) {
+      class_out.emplace(copy_heads(running_out.view({lq, hq, d}), h0, h0 + hc));
+      class_lse.emplace(copy_heads(running_lse.view({lq, hq}), h0, h0 + hc));
+    }
+    std::optional<HeadSlice> out_acc, lse_acc;  // out of place
+    if (!in_place) {
+      out_acc.emplace(acc_out, lq, hq, d, h0, h0 + hc, true);
+      lse_acc.emplace(acc_lse, lq, hq, 1, h0, h0 + hc, true);
+    }
+    const Running mine_class{lq, hc, in_place ? (whole ? &running_out : &*class_out) : nullptr,
+                             in_place ? (whole ? &running_lse : &*class_lse) : nullptr,
+                             in_place ? nullptr : out_acc->data(), in_place ? nullptr : lse_acc->data()};
 
     // The q/out route: this rank computes the q rows other ranks sent against its own kv; partial (out, lse) go
     // back to their owners, who merge them after the kv stages.
@@ -377,16 +412,15 @@ void DistAttnRuntime::forward(const ForwardArgs& a, [[maybe_unused]] StreamHandl
       q_cast->cast->wait();
       if (timeline != nullptr) timeline->add("forward q/out route: q exchange", "comm", qo_start, Timeline::now_us());
       const int64_t rows = cls.qo.routes[rank_].total_recv_rows();
-      const DType lse_wire = partial_dtype(a.q.dtype);
-      const int64_t out_bytes = int64_t{hc} * d * dtype_size(wire), row_bytes = out_bytes + hc * dtype_size(lse_wire);
+      const int64_t out_bytes = int64_t{hc} * d * dtype_size(wire), row_bytes = out_bytes + hc * dtype_size(part);
       std::vector<double> part_out(static_cast<size_t>(rows * hc * d), 0.0), part_lse(static_cast<size_t>(rows * hc), kNegInf);
-      compute(cls.qo.masks[rank_], q_cast->buffer.view({rows, hc, d}), k, v, false, h0, part_out.data(),
-              part_lse.data(), "q/out route");
+      compute(cls.qo.masks[rank_], q_cast->buffer.view({rows, hc, d}), k, v, false, h0,
+              Running{rows, hc, nullptr, nullptr, part_out.data(), part_lse.data()}, "q/out route");
       packed.resize(static_cast<size_t>(rows * row_bytes));
       for (int64_t r = 0; r < rows; ++r) {
         std::byte* row = packed.data() + r * row_bytes;
         for (int64_t i = 0; i < int64_t{hc} * d; ++i) comm::store_element(wire, row, i, part_out[r * hc * d + i]);
-        for (int32_t h = 0; h < hc; ++h) comm::store_element(lse_wire, row + out_bytes, h, part_lse[r * hc + h]);
+        for (int32_t h = 0; h < hc; ++h) comm::store_element(part, row + out_bytes, h, part_lse[r * hc + h]);
       }
       out_reduce.emplace(*comm_, cls.qo.routes[rank_], packed.data(), row_bytes);
     }
@@ -399,20 +433,50 @@ void DistAttnRuntime::forward(const ForwardArgs& a, [[maybe_unused]] StreamHandl
       if (stage + 1 < num_stages) next = std::make_unique<StageFetch>(*this, cls.plan, stage + 1, k, v);
       const int64_t rows = current->rows();
       compute(current->mine().stages[stage].mask, q, current->k.view({rows, hkc, d}), current->v.view({rows, hkc, d}),
-              false, h0, out_acc.data(), lse_acc.data(), "stage " + std::to_string(stage));
+              false, h0, mine_class, "stage " + std::to_string(stage));
     }
-    if (out_reduce) {
-      out_reduce->finish_lse_merge(wire, partial_dtype(a.q.dtype), hc, d, out_acc.data(), lse_acc.data());
+    if (out_reduce) {  // a merge of remote partials: on fp64 accumulators, also when the stages merge in place
+      std::vector<double> out_d, lse_d;
+      double *o = mine_class.out_acc, *l = mine_class.lse_acc;
+      if (in_place) {
+        out_d.resize(static_cast<size_t>(lq * hc * d));
+        lse_d.resize(static_cast<size_t>(lq * hc));
+        for (size_t i = 0; i < out_d.size(); ++i) out_d[i] = mine_class.out->at(static_cast<int64_t>(i));
+        for (size_t i = 0; i < lse_d.size(); ++i) lse_d[i] = mine_class.lse->at(static_cast<int64_t>(i));
+        o = out_d.data();
+        l = lse_d.data();
+      }
+      out_reduce->finish_lse_merge(wire, part, hc, d, o, l);
+      if (in_place) {
+        store_all(out_d, mine_class.out->view({lq * hc * d}));
+        store_all(lse_d, mine_class.lse->view({lq * hc}));
+      }
       if (timeline != nullptr)
         timeline->add("forward q/out route: partial out / lse reduce", "comm", reduce_start, Timeline::now_us());
     }
-    out_acc.store_back(false);
-    lse_acc.store_back(false);
+    if (in_place && !whole) {  // the class's heads back into the running result
+      const int64_t esize = dtype_size(part);
+      for (int64_t r = 0; r < lq; ++r) {
+        std::memcpy(running_out.bytes.data() + (r * hq + h0) * d * esize, class_out->bytes.data() + r * hc * d * esize,
+                    static_cast<size_t>(hc * d * esize));
+        std::memcpy(running_lse.bytes.data() + (r * hq + h0) * esize, class_lse->bytes.data() + r * hc * esize,
+                    static_cast<size_t>(hc * esize));
+      }
+    }
+    if (!in_place) {
+      out_acc->store_back(false);
+      lse_acc->store_back(false);
+    }
   }
 
   const double store_start = Timeline::now_us();
-  store_all(acc_out, a.out);
-  store_all(acc_lse, a.lse);
+  if (in_place) {
+    for (int64_t i = 0; i < lq * hq * d; ++i) comm::store_element(a.out.dtype, a.out.data, i, running_out.at(i));
+    for (int64_t i = 0; i < lq * hq; ++i) comm::store_element(a.lse.dtype, a.lse.data, i, running_lse.at(i));
+  } else {
+    store_all(acc_out, a.out);
+    store_all(acc_lse, a.lse);
+  }
   if (timeline != nullptr) timeline->add("forward store out / lse", "compute", store_start, Timeline::now_us());
   if (want_max) {
     const double gather_start = Timeline::now_us();
@@ -449,7 +513,7 @@ void DistAttnRuntime::backward(const BackwardArgs& a, [[maybe_unused]] StreamHan
   const DType part = partial_dtype(a.q.dtype);
   // Partial dk/dv (and dq of the q/out route) cross the wire at the input precision unless high-precision reduce
   // is on.
-  const DType wire = a.q.dtype == DType::F64 || backward_high_precision_ ? part : a.q.dtype;
+  const DType wire = a.q.dtype == DType::F64 || backward_high_precision() ? part : a.q.dtype;
   const bool with_sink = config_.attention.sink_layout != SinkLayout::None;
   const int32_t num_stages = plan().num_stages();
   const int32_t group = hq / hkv;
@@ -645,14 +709,14 @@ void DistAttnRuntime::backward(const BackwardArgs& a, [[maybe_unused]] StreamHan
   span("backward store dq / dk / dv", "compute", store_start);
 
   // A shared (sh) sink is replicated on every rank, so its gradient is partial per rank.
-  if (with_sink && config_.attention.sink_layout == SinkLayout::SH && dsink_op_ != DsinkReduceOp::None) {
+  if (with_sink && config_.attention.sink_layout == SinkLayout::SH && dsink_op() != DsinkReduceOp::None) {
     const int64_t n = a.dsink.numel();
     std::vector<float> all(static_cast<size_t>(n * comm_->size()));
     comm_->allgather(a.dsink.data, n * 4, all.data());
     for (int64_t i = 0; i < n; ++i) {
       double sum = 0;
       for (int32_t r = 0; r < comm_->size(); ++r) sum += all[static_cast<size_t>(r * n + i)];
-      if (dsink_op_ == DsinkReduceOp::Avg) sum /= comm_->size();
+      if (dsink_op() == DsinkReduceOp::Avg) sum /= comm_->size();
       a.dsink.as<float>()[i] = static_cast<float>(sum);
     }
   }
@@ -688,6 +752,7 @@ struct RuntimeId {
   DsinkReduceOp dsink_op{};
   int32_t ranks_per_node = 0;  // hierarchical comm; 0 = flat
   RouteOptions routes;
+  bool forward_inplace_correct = true;  // local to each rank: ranks may differ, so not in the fingerprint
   const comm::Communicator* comm = nullptr;
   int32_t cp = 0;
   std::vector<int32_t> fixed_q_owner, fixed_k_owner;  // a kept dispatch's chunk owners; empty: the solver's
@@ -821,6 +886,7 @@ RuntimeKey runtime_key(const Mask& mask, const HeadShape& heads, std::shared_ptr
   id.routes.forward_high_precision =
       config.forward_high_precision_reduce.value_or(env::get_bool("MAGI_ATTENTION_FORWARD_HIGH_PRECISION_REDUCE"));
   id.routes.backward_high_precision = id.backward_high_precision;
+  id.forward_inplace_correct = env::get_bool("MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT");
   id.comm = comm.get();
   id.cp = comm->size();
   if (fixed != nullptr) {
@@ -844,8 +910,12 @@ RuntimeKey runtime_key(const Mask& mask, const HeadShape& heads, std::shared_ptr
   return RuntimeKey(runtime_cache().get(id, [&] {
     const double start = Timeline::now_us();
     validate(mask);
-    auto runtime = std::make_shared<const DistAttnRuntime>(mask, heads, comm, config, id.backward_high_precision,
-                                                           id.dsink_op, id.ranks_per_node, id.routes, fixed);
+    const RuntimeSwitches switches{.backward_high_precision = id.backward_high_precision,
+                                   .dsink_op = id.dsink_op,
+                                   .ranks_per_node = id.ranks_per_node,
+                                   .forward_inplace_correct = id.forward_inplace_correct,
+                                   .routes = id.routes};
+    auto runtime = std::make_shared<const DistAttnRuntime>(mask, heads, comm, config, switches, fixed);
     if (Timeline* timeline = Timeline::of(comm->rank()))
       timeline->add(fixed != nullptr ? "plan (new mask on a kept dispatch)" : "plan (dispatch + comm plan)", "host",
                     start, Timeline::now_us());

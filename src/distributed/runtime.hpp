@@ -25,12 +25,20 @@ struct ClassPlan {
   QoPlan qo;
 };
 
+// Config and environment resolved once, when the runtime is keyed (so the key reflects them).
+struct RuntimeSwitches {
+  bool backward_high_precision = false;  // MAGI_ATTENTION_BACKWARD_HIGH_PRECISION_REDUCE
+  DsinkReduceOp dsink_op = DsinkReduceOp::None;
+  int32_t ranks_per_node = 0;            // hierarchical comm; 0 = flat
+  bool forward_inplace_correct = true;   // MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT
+  RouteOptions routes;                   // MAGI_ATTENTION_QO_COMM, FLATTEN_HEAD_GROUPS, *_HIGH_PRECISION_REDUCE
+};
+
 class DistAttnRuntime {
  public:
   // `fixed`: the dispatch to keep (a new mask on dispatched tensors), else the solver's for this mask.
   DistAttnRuntime(const Mask& mask, const HeadShape& heads, std::shared_ptr<comm::Communicator> comm,
-                  const DistConfig& config, bool backward_high_precision, DsinkReduceOp dsink_op,
-                  int32_t ranks_per_node, const RouteOptions& routes, const Dispatch* fixed = nullptr);
+                  const DistConfig& config, const RuntimeSwitches& switches, const Dispatch* fixed = nullptr);
 
   void forward(const ForwardArgs& local, StreamHandle stream) const;
   void backward(const BackwardArgs& local, StreamHandle stream) const;
@@ -43,24 +51,24 @@ class DistAttnRuntime {
   const std::vector<ClassPlan>& classes() const { return classes_; }
   // Some work takes the q/out route or head classes differ (MAGI_ATTENTION_QO_COMM, FLATTEN_HEAD_GROUPS).
   bool beyond_kv() const { return classes_.size() > 1 || classes_.front().qo.any; }
-  const RouteOptions& route_options() const { return route_options_; }
+  const RouteOptions& route_options() const { return switches_.routes; }
   comm::Communicator& comm() const { return *comm_; }
   const std::shared_ptr<comm::Communicator>& comm_ptr() const { return comm_; }
   const HeadShape& heads() const { return heads_; }
   const DistConfig& config() const { return config_; }
   PlanSummary summary() const;
-  bool backward_high_precision() const { return backward_high_precision_; }
-  DsinkReduceOp dsink_op() const { return dsink_op_; }
+  bool backward_high_precision() const { return switches_.backward_high_precision; }
+  DsinkReduceOp dsink_op() const { return switches_.dsink_op; }
+  // true: each forward stage merges into the running out/lse in place (prev_out / prev_lse); false: each
+  // stage writes a partial out/lse that the runtime merges afterwards.
+  bool forward_inplace_correct() const { return switches_.forward_inplace_correct; }
 
  private:
   HeadShape heads_;
   std::shared_ptr<comm::Communicator> comm_;
   DistConfig config_;
-  bool backward_high_precision_;
-  DsinkReduceOp dsink_op_;
-  int32_t ranks_per_node_;  // 0 = flat comm
+  RuntimeSwitches switches_;
   int32_t rank_;
-  RouteOptions route_options_;
   Dispatch dispatch_;
   RouteSolution routes_;
   std::vector<ClassPlan> classes_;

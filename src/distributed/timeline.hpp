@@ -1,8 +1,9 @@
 // Per-rank timelines of distributed attention (MAGI_ATTENTION_PROFILE_DIR=DIR): every rank records spans of its
 // calls (planning, each k/v exchange, each stage's attention, the dk/dv reductions, the final merges) in lanes
 // ("compute", "comm", "host") and rewrites DIR/rank_N.json, a Chrome trace (chrome://tracing, Perfetto), after each
-// call. Wall-clock microseconds since the epoch, one time base for the ranks of a host. The host runtime is
-// traced; the device runtime's stages are not yet. `magi-attn trace DIR` merges the ranks and reports overlap.
+// call. Wall-clock microseconds since the epoch, one time base for the ranks of a host. The host runtime times
+// its spans on the host; the device runtime (gpu_runtime.cpp) records CUDA events on its streams and converts them
+// to this time base after the call. `magi-attn trace DIR` merges the ranks and reports overlap.
 #pragma once
 
 #include <cstdint>

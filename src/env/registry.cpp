@@ -161,11 +161,12 @@ std::vector<Variable> make_registry() {
               kImplemented,
               "Number of GPU SMs the backward attention kernel leaves free for concurrent "
               "communication kernels."),
-      boolean("MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT", "0", kPerformance,
-              not_yet("planned: distributed GPU forward (in-place out/lse correction); "
-                      "documented only in the older upstream guide"),
-              "Correct out and lse in place inside the forward kernel as partial results arrive, "
-              "instead of storing partials and merging them afterwards."),
+      boolean("MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT", "1", kPerformance, kImplemented,
+              "Distributed forward: each stage's attention call merges its result into the running out/lse "
+              "in place (ForwardArgs::prev_out / prev_lse) instead of storing the stage's partial out/lse "
+              "and merging it in a separate pass. Default 1 here (the tested, faster path; upstream's default "
+              "is 0); 0 selects the out-of-place merge for A/B. Both meet SPEC section 5; fp64 results are "
+              "bitwise equal, lower precisions may differ in the last bits (the running result is fp32)."),
       boolean("MAGI_ATTENTION_CPP_BACKEND", "0", kPerformance,
               not_applicable("it swaps upstream's Python data structures for C++ ones; this library "
                              "is C++ throughout"),
@@ -203,9 +204,10 @@ std::vector<Variable> make_registry() {
               "Print per-kernel GPU timings (CUDA events; synchronises) for every call; for development only."),
       path("MAGI_ATTENTION_PROFILE_DIR", "unset (no timelines)", kDebug, kImplemented,
            "Directory where every rank of distributed attention writes a Chrome-trace timeline of its calls "
-           "(rank_N.json: planning, each k/v exchange, each stage's attention, the reductions; wall times of "
-           "the host runtime; the device runtime's stages are not traced yet); `magi-attn trace DIR` merges "
-           "the ranks and reports how much communication computation hid."),
+           "(rank_N.json: planning, each k/v exchange, each stage's attention, the reductions, the final "
+           "stores; the host runtime's wall times, the device runtime's CUDA-event times on its streams, at "
+           "the cost of one host synchronisation per call); `magi-attn trace DIR` merges the ranks and reports "
+           "how much communication computation hid."),
       choice("MAGI_ATTENTION_LOG_LEVEL", "warn", {"error", "warn", "info", "debug"}, kDebug,
              kImplemented,
              "Which diagnostics reach stderr: error silences warnings, info and debug add detail."),

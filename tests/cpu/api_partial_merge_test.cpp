@@ -44,8 +44,9 @@ TEST(PartialMerge, TwoKeyPartsMatchTheWholeMask) {
                                   (in_place ? ", in place" : ", into out");
       const int64_t tq = mask.total_q, hq = c.heads_q, d = c.head_dim;
 
-      HostTensor part_out = HostTensor::poisoned(DType::F32, {tq, hq, d});
-      HostTensor part_lse = HostTensor::poisoned(DType::F32, {tq, hq});
+      const DType part = dtype == DType::F64 ? DType::F64 : DType::F32;  // fp64 partials keep fp64 exact
+      HostTensor part_out = HostTensor::poisoned(part, {tq, hq, d});
+      HostTensor part_lse = HostTensor::poisoned(part, {tq, hq});
       ForwardArgs first;
       first.q = data.q.view();
       first.k = data.k.view();
@@ -58,7 +59,7 @@ TEST(PartialMerge, TwoKeyPartsMatchTheWholeMask) {
       AttentionOptions second_options = c.options();
       second_options.sink_layout = SinkLayout::None;
       HostTensor out = in_place ? HostTensor() : HostTensor::poisoned(c.out_dtype(), {tq, hq, d});
-      HostTensor lse = in_place ? HostTensor() : HostTensor::poisoned(DType::F32, {tq, hq});
+      HostTensor lse = in_place ? HostTensor() : HostTensor::poisoned(part, {tq, hq});
       ForwardArgs second;
       second.q = first.q;
       second.k = first.k;
@@ -71,10 +72,8 @@ TEST(PartialMerge, TwoKeyPartsMatchTheWholeMask) {
 
       const HostTensor& got_out = in_place ? part_out : out;
       const HostTensor& got_lse = in_place ? part_lse : lse;
-      // fp32 partials: the merged result is judged by the input dtype's bounds, fp32 at best.
-      const DType judged = dtype == DType::F64 ? DType::F32 : dtype;
-      EXPECT_TRUE(check_close("out", got_out.values(), expected.out, Quantity::Out, judged, context));
-      EXPECT_TRUE(check_close("lse", got_lse.values(), expected.lse, Quantity::Lse, judged, context));
+      EXPECT_TRUE(check_close("out", got_out.values(), expected.out, Quantity::Out, dtype, context));
+      EXPECT_TRUE(check_close("lse", got_lse.values(), expected.lse, Quantity::Lse, dtype, context));
       ++index;
     }
   }
@@ -115,6 +114,11 @@ TEST(PartialMerge, BadPartialResultsAreRefusedByName) {
   aliased_16bit.prev_out = TensorView(out.view().data, DType::F32, {64, 2, 64}, out.view().device);
   aliased_16bit.prev_lse = prev_lse.view();
   expect_refused(aliased_16bit, "prev_out");
+  HostTensor f64_prev(DType::F64, {64, 2, 64}), f64_lse(DType::F64, {64, 2});
+  ForwardArgs fp64_partial = args();  // fp64 partials only for fp64 inputs
+  fp64_partial.prev_out = f64_prev.view();
+  fp64_partial.prev_lse = f64_lse.view();
+  expect_refused(fp64_partial, "prev_out");
 }
 
 TEST(AccumulateDq, TwoKeyPartsSumToTheWholeMasksDq) {

@@ -1,12 +1,18 @@
 // Distributed attention on device tensors (NCCL engine), one process per GPU (forked, or under
 // mpirun): bf16 out/lse/dq/dk/dv of dispatch -> calc_attn -> calc_attn_backward -> undispatch against
 // the single-GPU kernel (magi::forward / magi::backward, backend cuda) and the fp64 CPU reference
-// (SPEC section 5: the SPEC bounds, and a max error at most 2x the single-GPU one).
+// (SPEC section 5: the SPEC bounds, and a max error at most 2x the single-GPU one); both forward merges;
+// the per-rank timelines of MAGI_ATTENTION_PROFILE_DIR.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <random>
 #include <sstream>
@@ -14,7 +20,9 @@
 
 #include "comm/nccl_communicator.hpp"
 #include "comm/nccl_local_launch.hpp"
+#include "distributed/timeline.hpp"
 #include "magi/dist.hpp"
+#include "magi/env.hpp"
 #include "reference/compare.hpp"
 #include "reference/naive_attention.hpp"
 #include "reference/random_inputs.hpp"
@@ -297,6 +305,97 @@ TEST(DistAttnGpuDeterminism, TwoRunsAreBitwiseEqual) {
   EXPECT_TRUE(test::check_bitwise_equal("dq", first.dq, second.dq, "seed " + std::to_string(seed)));
   EXPECT_TRUE(test::check_bitwise_equal("dk", first.dk, second.dk, "seed " + std::to_string(seed)));
   EXPECT_TRUE(test::check_bitwise_equal("dv", first.dv, second.dv, "seed " + std::to_string(seed)));
+}
+
+// MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT=0: each remote stage writes the partial out / lse buffers and lse_merge
+// folds them in (the tests above run the in-place default). Remote stages need two or more GPUs; at cp = 1 this runs
+// the local stage only.
+TEST(DistAttnGpuInplaceCorrect, OutOfPlaceMergeMatchesSingleGpuAndIsDeterministic) {
+  static const uint64_t seed = shared_seed();
+  setenv("MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT", "0", 1);
+  env::reset_for_testing();
+  const NamedMask m = masks()[2];
+  const Problem& p = problem_for(m, seed);
+  for (int32_t overlap : {0, 2}) {
+    const std::string context = m.name + " out-of-place merge cp" + std::to_string(world().size()) + " overlap" +
+                                std::to_string(overlap) + " seed " + std::to_string(seed);
+    judge(p, run_distributed(p, {overlap, true, false, 128}), context, true);
+  }
+  Results first, second;
+  run_distributed(p, {2, false, true, 128}, &first);
+  run_distributed(p, {2, false, true, 128}, &second);
+  const std::string context = "out-of-place merge, seed " + std::to_string(seed);
+  EXPECT_TRUE(test::check_bitwise_equal("out", first.out, second.out, context));
+  EXPECT_TRUE(test::check_bitwise_equal("lse", first.lse, second.lse, context));
+  unsetenv("MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT");
+  env::reset_for_testing();
+}
+
+// MAGI_ATTENTION_PROFILE_DIR on device tensors: a forward + backward writes this rank's rank_N.json with the device
+// runtime's spans (CUDA-event times converted to wall-clock microseconds, so they fall inside the call), and
+// `magi-attn trace DIR` merges the ranks' files.
+TEST(DistAttnGpuProfile, ProfileDirWritesEachRanksTimelineThatTraceReads) {
+  const uint64_t seed = shared_seed();
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("magi_gpu_profile_" + std::to_string(seed));
+  setenv("MAGI_ATTENTION_PROFILE_DIR", dir.c_str(), 1);
+  env::reset_for_testing();
+  const NamedMask m = masks()[2];
+  const Problem& p = problem_for(m, seed);
+  clear_runtime_cache();  // planned afresh, so the planning spans are in this call's timeline
+  const double before_us = Timeline::now_us();
+  run_distributed(p, {1, true, false, 128});
+  const double after_us = Timeline::now_us();
+  world().barrier();
+
+  const int32_t me = world().rank();
+  int32_t rank = -1;
+  const std::vector<Span> spans = read_spans((dir / ("rank_" + std::to_string(me) + ".json")).string(), &rank);
+  EXPECT_EQ(rank, me);
+  const auto find = [&](const std::string& name, const std::string& lane) -> const Span* {
+    for (const Span& s : spans)
+      if (s.name == name && s.lane == lane) return &s;
+    return nullptr;
+  };
+  std::vector<std::pair<std::string, std::string>> expected = {
+      {"plan (dispatch + comm plan)", "host"},  {"plan (device routes and streams)", "host"},
+      {"forward local attention", "compute"},   {"backward local attention", "compute"},
+      {"backward store dq / dk / dv", "compute"}};
+  if (world().size() > 1) {
+    expected.push_back({"forward stage 0 k/v exchange", "comm"});
+    expected.push_back({"backward stage 0 k/v exchange", "comm"});
+    expected.push_back({"backward stage 0 dk/dv reduce", "comm"});
+  }
+  for (const auto& [name, lane] : expected) EXPECT_NE(find(name, lane), nullptr) << name << " (" << lane << ")";
+  for (const Span& s : spans) {
+    EXPECT_LE(s.start_us, s.end_us) << s.name;
+    // 1 ms of slack for the anchor event's dating.
+    EXPECT_GE(s.start_us, before_us - 1e3) << s.name << " starts before the call";
+    EXPECT_LE(s.end_us, after_us + 1e3) << s.name << " ends after the call";
+  }
+  const Span* forward = find("forward local attention", "compute");
+  const Span* backward = find("backward local attention", "compute");
+  if (forward != nullptr && backward != nullptr) EXPECT_LE(forward->end_us, backward->start_us);
+  EXPECT_GT(overlap_of(spans).compute_us, 0.0);
+  world().barrier();
+
+  if (me == 0) {
+#ifdef MAGI_CLI_PATH
+    const std::filesystem::path report = dir / "trace_report.txt";
+    const std::string command =
+        std::string("'") + MAGI_CLI_PATH + "' trace '" + dir.string() + "' > '" + report.string() + "' 2>&1";
+    const int status = std::system(command.c_str());
+    std::ifstream in(report);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << text;
+    EXPECT_NE(text.find("merged " + std::to_string(world().size()) + " ranks"), std::string::npos) << text;
+    EXPECT_TRUE(std::filesystem::exists(dir / "trace.json"));
+#endif
+    std::filesystem::remove_all(dir);
+  }
+  world().barrier();
+  unsetenv("MAGI_ATTENTION_PROFILE_DIR");
+  env::reset_for_testing();
 }
 
 // A shared (sh) sink and max_logits: the sink counts once (host stage), dsink is summed over ranks

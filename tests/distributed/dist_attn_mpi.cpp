@@ -1,8 +1,10 @@
 // Distributed attention under mpirun against the single-device API (magi::forward / magi::backward,
-// Backend::Reference): SPEC section 7's distributed cases scaled to CPU size, overlap degrees, reduce
-// precision, sinks with each dsink op, determinism, the runtime LRU and mismatched configs.
+// Backend::Reference): SPEC section 7's distributed cases scaled to CPU size (with the forward's in-place
+// and out-of-place merge), overlap degrees, reduce precision, sinks with each dsink op, determinism, the
+// runtime LRU and mismatched configs.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -10,6 +12,7 @@
 #include <string>
 
 #include "comm/mpi_test_main.hpp"
+#include "distributed/runtime.hpp"
 #include "distributed/timeline.hpp"
 #include "magi/dist.hpp"
 #include "magi/env.hpp"
@@ -39,6 +42,24 @@ struct Case {
 
 struct Global {
   HostTensor q, k, v, dout, sink;
+};
+
+// Sets one environment variable for a scope (the registry re-reads the environment).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    setenv(name, value, 1);
+    env::reset_for_testing();
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+  ~ScopedEnv() {
+    unsetenv(name_);
+    env::reset_for_testing();
+  }
+
+ private:
+  const char* name_;
 };
 
 // Same values on every rank (same seed).
@@ -192,7 +213,9 @@ void check_case(const Case& c) {
   expect_close(got.dq, ref.dq, tol, "dq");
   expect_close(got.dk, ref.dk, tol, "dk");
   expect_close(got.dv, ref.dv, tol, "dv");
-  if (c.sink == SinkLayout::SSH) expect_close(got.dsink, ref.dsink, 1e-5, "dsink (ssh)");
+  // dsink sums over rows of products with out and dout: fp32-level for fp64 inputs, the grads' bound otherwise.
+  const double dsink_tol = c.dtype == DType::F64 ? 1e-5 : tol;
+  if (c.sink == SinkLayout::SSH) expect_close(got.dsink, ref.dsink, dsink_tol, "dsink (ssh)");
   if (c.sink == SinkLayout::SH) {
     // Each rank holds a partial; the op decides what it returns.
     const auto mine = got.dsink.values();
@@ -204,7 +227,7 @@ void check_case(const Case& c) {
     const auto expected = ref.dsink.values();
     const double cp = world().size();
     for (size_t i = 0; i < expected.size(); ++i) {
-      const double bound = 1e-5 * (1 + std::abs(expected[i]));
+      const double bound = dsink_tol * (1 + std::abs(expected[i]));
       if (c.dsink_op == DsinkReduceOp::None) EXPECT_NEAR(sum[i], expected[i], bound * cp) << "dsink partials " << i;
       if (c.dsink_op == DsinkReduceOp::Sum) EXPECT_NEAR(mine[i], expected[i], bound) << "dsink sum " << i;
       if (c.dsink_op == DsinkReduceOp::Avg) EXPECT_NEAR(mine[i], expected[i] / cp, bound) << "dsink avg " << i;
@@ -240,10 +263,9 @@ Mask small_slices_full() {  // "128 small slices forming a full mask"
   return m;
 }
 
-TEST(DistAttn, Section7CasesMatchSingleDevice) {
-  const uint64_t mask_seed = test::shared_seed();  // the random mask is the same on every rank
+std::vector<Case> section7_cases(uint64_t mask_seed) {
   std::mt19937_64 mask_rng(mask_seed);
-  const std::vector<Case> cases = {
+  return {
       {"full", masks::full(640, 640)},
       {"causal", masks::causal(700, 700), {2, 2, 64}},
       {"varlen full", varlen_full_12(), {2, 1, 32}},
@@ -261,10 +283,63 @@ TEST(DistAttn, Section7CasesMatchSingleDevice) {
       {"no slices at all", Mask{{}, 300, 300}},
       {"uneven sliding window 1000, chunk 111", masks::sliding_window(1000, 100, 20), {2, 2, 32}, DType::F64, 111},
   };
-  for (const Case& c : cases) {
-    check_case(c);
-    if (HasFatalFailure()) return;
+}
+
+// Both forward merges (MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT 1, the default, and 0): out, lse, max_logits
+// and the gradients match the single device.
+TEST(DistAttn, Section7CasesMatchSingleDevice) {
+  const uint64_t mask_seed = test::shared_seed();  // the random mask is the same on every rank
+  for (const char* in_place : {"1", "0"}) {
+    const ScopedEnv inplace_env("MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT", in_place);
+    for (const Case& c : section7_cases(mask_seed)) {
+      SCOPED_TRACE(std::string("MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT=") + in_place);
+      check_case(c);
+      if (HasFatalFailure()) return;
+    }
   }
+}
+
+// The switch is read when the runtime is keyed: each setting is its own cached runtime. Each setting matches the
+// single device in every dtype with both sink layouts, and is bitwise reproducible (deterministic mode). The two
+// settings are bitwise equal for fp64 inputs (fp64 running result, the same merge arithmetic); for fp32 / bf16
+// the in-place running result is rounded to fp32 between stages, so they only agree within the bounds.
+TEST(DistAttn, ForwardInplaceCorrectBothSettings) {
+  const uint64_t seed = test::shared_seed();
+  const ScopedEnv deterministic("MAGI_ATTENTION_DETERMINISTIC_MODE", "1");
+  for (DType dtype : {DType::F64, DType::F32, DType::BF16})
+    for (SinkLayout sink : {SinkLayout::SH, SinkLayout::SSH}) {
+      Case c{"q-overlap " + std::string(to_string(dtype)) + (sink == SinkLayout::SH ? " sh sink" : " ssh sink"),
+             q_overlap_12(), {4, 2, 32}};
+      c.dtype = dtype;
+      c.sink = sink;
+      c.dsink_op = DsinkReduceOp::Sum;
+      c.overlap_degree = 3;
+      c.chunk_size = 50;
+      Global g = make_inputs(c, seed);
+      std::vector<Outputs> first;
+      const DistAttnRuntime* runtimes[2] = {};
+      for (bool in_place : {false, true}) {
+        const ScopedEnv inplace_env("MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT", in_place ? "1" : "0");
+        SCOPED_TRACE(c.name + (in_place ? ", in place" : ", out of place") + ", seed " + std::to_string(seed));
+        const RuntimeKey key = make_runtime_key(c.mask, c.heads, test::world_ptr(), config_of(c));
+        EXPECT_EQ(key.runtime().forward_inplace_correct(), in_place);
+        runtimes[in_place] = &key.runtime();
+        check_case(c);
+        const Outputs a = distributed(c, g), b = distributed(c, g);
+        for (auto [x, y, name] : {std::tuple{&a.out, &b.out, "out"}, {&a.lse, &b.lse, "lse"},
+                                  {&a.max_logits, &b.max_logits, "max_logits"}, {&a.dq, &b.dq, "dq"},
+                                  {&a.dk, &b.dk, "dk"}, {&a.dv, &b.dv, "dv"}, {&a.dsink, &b.dsink, "dsink"}})
+          EXPECT_EQ(x->bytes(), y->bytes()) << name << " differs between two runs";
+        first.push_back(a);
+      }
+      EXPECT_NE(runtimes[0], runtimes[1]) << "the switch is part of the runtime key";
+      fprintf(stderr, "DIAG %s out equal %d lse equal %d\n", c.name.c_str(), first[0].out.bytes() == first[1].out.bytes(), first[0].lse.bytes() == first[1].lse.bytes());
+      if (dtype == DType::F64) {
+        EXPECT_EQ(first[0].out.bytes(), first[1].out.bytes()) << c.name << ": in place vs out of place, out";
+        EXPECT_EQ(first[0].lse.bytes(), first[1].lse.bytes()) << c.name << ": in place vs out of place, lse";
+      }
+      if (HasFatalFailure()) return;
+    }
 }
 
 TEST(DistAttn, OverlapDegreesAndDispatchAlgorithms) {
@@ -620,7 +695,7 @@ TEST(DistAttn, ProfileDirWritesEveryRanksTimeline) {
       return false;
     };
     EXPECT_TRUE(has("plan (dispatch + comm plan)", "host")) << "rank " << r;
-    EXPECT_TRUE(has("forward local attention + merge", "compute")) << "rank " << r;
+    EXPECT_TRUE(has("forward local attention", "compute")) << "rank " << r << " (in place, the default)";
     EXPECT_TRUE(has("backward store dq / dk / dv", "compute")) << "rank " << r;
     if (cp > 1) {
       EXPECT_TRUE(has("forward stage 0 k/v exchange", "comm")) << "rank " << r;
@@ -630,6 +705,18 @@ TEST(DistAttn, ProfileDirWritesEveryRanksTimeline) {
     EXPECT_GT(o.compute_us, 0.0);
     EXPECT_GE(o.hidden_fraction(), 0.0);
     EXPECT_LE(o.hidden_fraction(), 1.0);
+    EXPECT_FALSE(has("forward local attention + merge", "compute")) << "in place, no call is followed by a merge";
+  }
+  {  // Out of place: each stage's attention, then its merge, then one store pass.
+    world().barrier();
+    const ScopedEnv out_of_place("MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT", "0");
+    distributed(c, g);
+    const std::vector<Span> spans = read_spans((dir / ("rank_" + std::to_string(world().rank()) + ".json")).string());
+    const auto has = [&](const std::string& name) {
+      return std::any_of(spans.begin(), spans.end(), [&](const Span& s) { return s.name == name; });
+    };
+    EXPECT_TRUE(has("forward local attention + merge"));
+    EXPECT_TRUE(has("forward store out / lse"));
   }
   world().barrier();
   if (world().rank() == 0) std::filesystem::remove_all(dir);

@@ -19,6 +19,10 @@ if(MAGI_ATTN_BUILD_TESTS)
     add_executable(${_name} ${PROJECT_SOURCE_DIR}/${_src})
     target_link_libraries(${_name} PRIVATE magi::attn magi_test_support GTest::gtest)
     target_include_directories(${_name} PRIVATE ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/tests)
+    if(TARGET magi-attn)  # dist_attn_gpu runs `magi-attn trace` on the timelines it wrote
+      target_compile_definitions(${_name} PRIVATE MAGI_CLI_PATH="$<TARGET_FILE:magi-attn>")
+      add_dependencies(${_name} magi-attn)
+    endif()
     add_test(NAME ${_name} COMMAND ${_name})
     # NVLink multicast (NVLS) stays off: on shared hosts it can take the GPUs out of service.
     set_tests_properties(${_name} PROPERTIES LABELS gpu TIMEOUT 900 ENVIRONMENT "NCCL_NVLS_ENABLE=0")

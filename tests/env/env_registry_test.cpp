@@ -164,7 +164,7 @@ TEST(EnvRegistry, ImplementedAreExactlyWhatThisBuildHonours) {
                                                      "MAGI_ATTENTION_KERNEL_BACKEND",
                                                      "MAGI_ATTENTION_DETERMINISTIC_MODE",
                                                      "MAGI_ATTENTION_LOG_LEVEL", "MAX_JOBS",
-                                                     // distributed attention (CPU/MPI engine)
+                                                     // distributed attention
                                                      "MAGI_ATTENTION_BACKWARD_HIGH_PRECISION_REDUCE",
                                                      "MAGI_ATTENTION_DSINK_ALL_REDUCE_OP",
                                                      "MAGI_ATTENTION_HIERARCHICAL_COMM",
@@ -174,6 +174,7 @@ TEST(EnvRegistry, ImplementedAreExactlyWhatThisBuildHonours) {
                                                      "MAGI_ATTENTION_QO_COMM",
                                                      "MAGI_ATTENTION_FLATTEN_HEAD_GROUPS",
                                                      "MAGI_ATTENTION_FORWARD_HIGH_PRECISION_REDUCE",
+                                                     "MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT",
                                                      // GPU kernels
                                                      "MAGI_ATTENTION_FFA_FORWARD_SM_MARGIN",
                                                      "MAGI_ATTENTION_FFA_BACKWARD_SM_MARGIN",
@@ -193,7 +194,9 @@ TEST(EnvRegistry, TheNewerSeedWinsWhereTheSeedsDiffer) {
   EXPECT_EQ(reduce->name, "MAGI_ATTENTION_BACKWARD_HIGH_PRECISION_REDUCE");
   const Variable* inplace = find("MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT");
   ASSERT_NE(inplace, nullptr) << "variables only in seed 000 stay";
-  EXPECT_EQ(inplace->status, Status::NotYet);
+  EXPECT_EQ(inplace->status, Status::Implemented);
+  EXPECT_EQ(inplace->default_value, "1") << "on by default here (upstream: 0); the description says so";
+  EXPECT_NE(inplace->meaning.find("upstream's default is 0"), std::string_view::npos);
 }
 
 TEST(EnvRegistry, SpecificEntries) {
