@@ -56,6 +56,11 @@ __global__ void max_kernel(float* acc, const float* part, int64_t n) {
     acc[i] = fmaxf(acc[i], part[i]);
 }
 
+__global__ void add_kernel(float* acc, const float* part, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    acc[i] += part[i];
+}
+
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
@@ -105,6 +110,12 @@ void max_into(float* acc, const float* part, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
   max_kernel<<<blocks_for(n), kThreads, 0, stream>>>(acc, part, n);
   check_launch("max_into");
+}
+
+void add_into(float* acc, const float* part, int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  add_kernel<<<blocks_for(n), kThreads, 0, stream>>>(acc, part, n);
+  check_launch("add_into");
 }
 
 void sum_rows(float* acc, int64_t rows, int64_t elems, const int32_t* offsets, const int32_t* index,

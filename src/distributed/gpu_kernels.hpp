@@ -23,6 +23,8 @@ void lse_merge(float* acc_out, float* acc_lse, const float* part_out, const floa
 
 // acc[i] = max(acc[i], part[i]), fp32. (Fills: cuda::fill.)
 void max_into(float* acc, const float* part, int64_t n, cudaStream_t stream);
+// acc[i] += part[i], fp32.
+void add_into(float* acc, const float* part, int64_t n, cudaStream_t stream);
 
 // Group-reduce sum: for each row r of acc ([rows, elems] fp32), adds received rows
 // index[offsets[r] .. offsets[r + 1]) of `received` ([*, elems] in `type`) in that order.

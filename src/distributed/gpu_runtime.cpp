@@ -154,6 +154,7 @@ struct State {
   DType dtype = DType::BF16, wire = DType::BF16;
   std::vector<DeviceMemory> send_k, send_v, k, v, part_dk, part_dv, reduce_k, reduce_v;
   DeviceMemory acc_out, acc_lse, acc_max, part_max, acc_dq, acc_dk, acc_dv;
+  DeviceMemory host_dk, host_dv;  // MAGI_ATTENTION_BWD_HIDE_TAIL_REDUCE: the local stage's dk/dv, added last
   // MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT=0 only: one remote stage's out / lse (fp32), reused by every
   // stage (the compute stream merges it before the next stage writes it).
   DeviceMemory part_out, part_lse;
@@ -484,13 +485,6 @@ void forward(const DistAttnRuntime& rt, State& st, const ForwardArgs& a, cudaStr
 }
 
 void backward(const DistAttnRuntime& rt, State& st, const BackwardArgs& a, cudaStream_t caller) {
-  if (env::get_bool("MAGI_ATTENTION_BWD_HIDE_TAIL_REDUCE")) {
-    static std::once_flag once;
-    std::call_once(once, [] {
-      log::warn("MAGI_ATTENTION_BWD_HIDE_TAIL_REDUCE=1: the device runtime keeps its stage order (the host runtime "
-                "reorders)");
-    });
-  }
   check_inputs(rt, st, a.q, a.k, a.v);
   const HeadShape& h = rt.heads();
   const int64_t lq = rt.dispatch().q.local_tokens(), lk = rt.dispatch().k.local_tokens();
@@ -514,21 +508,36 @@ void backward(const DistAttnRuntime& rt, State& st, const BackwardArgs& a, cudaS
   if (rt.config().overlap_degree == 0) check(cudaStreamWaitEvent(st.compute, *st.fetched[0], 0), "cudaStreamWaitEvent");
 
   const RankPlan& mine = rt.mine();
-  AttentionOptions options = rt.config().attention;
-  if (!mine.host_mask.slices.empty() || with_sink) {
+  const AttentionOptions local_options = rt.config().attention;
+  // The local stage (own kv, and the sink) runs first, hiding the first fetch; with
+  // MAGI_ATTENTION_BWD_HIDE_TAIL_REDUCE last, hiding the last dk/dv reduction instead: then it adds its dq into the
+  // running sum and writes dk/dv to buffers of its own, added once the reductions are done (they write acc_dk/dv
+  // on the comm stream meanwhile).
+  const bool hide_tail = env::get_bool("MAGI_ATTENTION_BWD_HIDE_TAIL_REDUCE") && !st.stages.empty();
+  const bool host_work = !mine.host_mask.slices.empty() || with_sink;
+  if (hide_tail && host_work && st.host_dk.get() == nullptr && lk * kv_row > 0) {
+    st.host_dk = DeviceMemory(static_cast<size_t>(lk * kv_row) * sizeof(float));
+    st.host_dv = DeviceMemory(static_cast<size_t>(lk * kv_row) * sizeof(float));
+  }
+  const auto local_stage = [&](bool last) {
     const int span = trace.open("local attention", -1, "compute", st.compute);
     BackwardArgs s = a;
     s.dq = device_view(st.acc_dq.get(), DType::F32, {lq, hq, d}, dev);
-    s.dk = device_view(st.acc_dk.get(), DType::F32, {lk, hkv, d}, dev);
-    s.dv = device_view(st.acc_dv.get(), DType::F32, {lk, hkv, d}, dev);
-    magi::backward(mine.host_mask, s, options, st.compute);
+    s.accumulate_dq = last;
+    s.dk = device_view((last ? st.host_dk : st.acc_dk).get(), DType::F32, {lk, hkv, d}, dev);
+    s.dv = device_view((last ? st.host_dv : st.acc_dv).get(), DType::F32, {lk, hkv, d}, dev);
+    magi::backward(mine.host_mask, s, local_options, st.compute);
     trace.close(span, st.compute);
+  };
+  if (host_work && !hide_tail) {
+    local_stage(false);
   } else {
     cuda::fill(st.acc_dq.as<float>(), lq * hq * d, 0.f, st.compute);
     cuda::fill(st.acc_dk.as<float>(), lk * kv_row, 0.f, st.compute);
     cuda::fill(st.acc_dv.as<float>(), lk * kv_row, 0.f, st.compute);
   }
   check(cudaEventRecord(st.host_done, st.compute), "cudaEventRecord");
+  AttentionOptions options = local_options;
   options.sink_layout = SinkLayout::None;
 
   const cudaStream_t comm = st.nccl->comm_stream();
@@ -576,10 +585,15 @@ void backward(const DistAttnRuntime& rt, State& st, const BackwardArgs& a, cudaS
     trace.close(reduce_span, comm);
   }
   check(cudaEventRecord(st.reduced, comm), "cudaEventRecord");
+  if (hide_tail && host_work) local_stage(true);
   // dq is complete once the last stage has computed: its conversion runs while the dk/dv reduce is on the wire.
   const int store_span = trace.open("store dq / dk / dv", -1, "compute", st.compute);
   convert(st.acc_dq.as<float>(), a.dq.data, element(a.dq.dtype), lq * hq * d, st.compute);
   check(cudaStreamWaitEvent(st.compute, st.reduced, 0), "cudaStreamWaitEvent");
+  if (hide_tail && host_work) {
+    add_into(st.acc_dk.as<float>(), st.host_dk.as<float>(), lk * kv_row, st.compute);
+    add_into(st.acc_dv.as<float>(), st.host_dv.as<float>(), lk * kv_row, st.compute);
+  }
   convert(st.acc_dk.as<float>(), a.dk.data, element(a.dk.dtype), lk * kv_row, st.compute);
   convert(st.acc_dv.as<float>(), a.dv.data, element(a.dv.dtype), lk * kv_row, st.compute);
   trace.close(store_span, st.compute);

@@ -149,8 +149,8 @@ std::vector<Variable> make_registry() {
       boolean("MAGI_ATTENTION_BWD_HIDE_TAIL_REDUCE", "0", kPerformance, kImplemented,
               "Reorder the backward overlap stages so that the last remote gradient reduction "
               "overlaps local compute (the local stage runs last instead of first, so the first k/v "
-              "exchange is no longer hidden behind it); host runtime: the device runtime keeps its order "
-              "and says so once."),
+              "exchange is no longer hidden behind it); host and device runtime (on the GPU the local "
+              "stage's dk/dv go to buffers of their own, added after the reductions)."),
       integer("MAGI_ATTENTION_FFA_FORWARD_SM_MARGIN",
               {.rule = kSmMarginRule, .compute = sm_margin_default}, "0", "", kPerformance,
               kImplemented,

@@ -331,6 +331,30 @@ TEST(DistAttnGpuInplaceCorrect, OutOfPlaceMergeMatchesSingleGpuAndIsDeterministi
   env::reset_for_testing();
 }
 
+// MAGI_ATTENTION_BWD_HIDE_TAIL_REDUCE on device tensors: the local stage runs last into its own dk/dv buffers
+// (added after the reductions, its dq into the running sum); gradients still match, deterministic mode bitwise.
+TEST(DistAttnGpuHideTail, LocalStageLastMatchesSingleGpuAndIsDeterministic) {
+  static const uint64_t seed = shared_seed();
+  setenv("MAGI_ATTENTION_BWD_HIDE_TAIL_REDUCE", "1", 1);
+  env::reset_for_testing();
+  const NamedMask m = masks()[2];
+  const Problem& p = problem_for(m, seed);
+  for (int32_t overlap : {0, 2}) {
+    const std::string context = m.name + " hide tail reduce cp" + std::to_string(world().size()) + " overlap" +
+                                std::to_string(overlap) + " seed " + std::to_string(seed);
+    judge(p, run_distributed(p, {overlap, true, false, 128}), context, true);
+  }
+  Results first, second;
+  run_distributed(p, {2, false, true, 128}, &first);
+  run_distributed(p, {2, false, true, 128}, &second);
+  const std::string context = "hide tail reduce, seed " + std::to_string(seed);
+  for (auto [name, x, y] : {std::tuple{"dq", &first.dq, &second.dq}, {"dk", &first.dk, &second.dk},
+                            {"dv", &first.dv, &second.dv}})
+    EXPECT_TRUE(test::check_bitwise_equal(name, *x, *y, context));
+  unsetenv("MAGI_ATTENTION_BWD_HIDE_TAIL_REDUCE");
+  env::reset_for_testing();
+}
+
 // MAGI_ATTENTION_PROFILE_DIR on device tensors: a forward + backward writes this rank's rank_N.json with the device
 // runtime's spans (CUDA-event times converted to wall-clock microseconds, so they fall inside the call), and
 // `magi-attn trace DIR` merges the ranks' files.
