@@ -51,7 +51,10 @@ t0=$(date +%s)
 cmake -S "$ROOT" -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DMAGI_ATTN_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES="$ARCH" "${PREFIX_ARGS[@]}" > "$LOGS/configure.log" 2>&1 \
   || { tail -30 "$LOGS/configure.log"; echo "configure FAILED"; exit 1; }
-cmake --build "$BUILD" -j"$(nproc)" --target flash_attention_test flash_bench api_overhead_bench > "$LOGS/build.log" 2>&1 \
+TARGETS=(flash_attention_test flash_bench api_overhead_bench magi-attn)
+# Distributed attention on device tensors (cp = the visible GPUs, 1 here on a one-GPU machine) where NCCL is built.
+grep -q "skipped (no NCCL engine)" "$LOGS/configure.log" || TARGETS+=(dist_attn_gpu nccl_engine_gpu)
+cmake --build "$BUILD" -j"$(nproc)" --target "${TARGETS[@]}" > "$LOGS/build.log" 2>&1 \
   || { grep -E "error|Error" "$LOGS/build.log" | head -40; echo "build FAILED"; exit 1; }
 grep -E "spill|ptxas warning" "$LOGS/build.log" | sort -u | head -20
 note "build ($ARCH): $(( $(date +%s) - t0 )) s"
@@ -59,11 +62,16 @@ note "build ($ARCH): $(( $(date +%s) - t0 )) s"
 TEST_BIN="$BUILD/tests/cuda/flash_attention_test"
 if [ $RUN_TESTS = 1 ]; then
   t0=$(date +%s)
-  (cd "$BUILD" && ctest -L gpu -E "^(nccl_engine_gpu|dist_attn_gpu)$" -j"$(nproc)" --timeout 180 --output-on-failure ${TESTS_REGEX:+-R "$TESTS_REGEX"}) > "$LOGS/tests.log" 2>&1  # multi-GPU tests: scripts/dist_gpu_check.sh
+  # dist_attn_gpu / nccl_engine_gpu run one rank per visible GPU (scripts/dist_gpu_check.sh: the several-GPU run).
+  (cd "$BUILD" && ctest -L gpu -j"$(nproc)" --timeout 300 --output-on-failure ${TESTS_REGEX:+-R "$TESTS_REGEX"}) > "$LOGS/tests.log" 2>&1
   rc=$?
   grep -E "non-finite|must be exactly|\) > [0-9.e+-]+ |= [0-9.e+-]+ > [0-9.e+-]+|threw|differ" "$LOGS/tests.log" | cut -c1-420 | sort -u | head -30
   grep -E "\*\*\*Failed|Timeout" "$LOGS/tests.log" | head -30
   note "gpu tests: $(grep -E 'tests passed' "$LOGS/tests.log" | tail -1) (rc $rc, $(( $(date +%s) - t0 )) s)"
+  # A per-rank timeline of the device runtime (MAGI_ATTENTION_PROFILE_DIR) and its merge by `magi-attn trace`.
+  rm -rf "$LOGS/trace" && MAGI_ATTENTION_PROFILE_DIR="$LOGS/trace" timeout 120 "$BUILD/src/cli/magi-attn" dist-demo \
+    --tokens 8192 > "$LOGS/dist_demo.txt" 2>&1
+  note "dist-demo with MAGI_ATTENTION_PROFILE_DIR: rc $? ($(grep -c . "$LOGS/dist_demo.txt") lines); trace: $("$BUILD/src/cli/magi-attn" trace "$LOGS/trace" 2>&1 | tail -1)"
 fi
 
 if [ $RUN_SANITIZER = 1 ]; then
