@@ -90,6 +90,12 @@ void backward(const Mask& mask, const BackwardArgs& args, const AttentionOptions
 // The backend `forward` would use for these tensors and options (after env overrides).
 Backend resolve_backend(const AttentionOptions& options, Device device);
 
+// The slices that backend plans for `mask` (validated): with MAGI_ATTENTION_AUTO_RANGE_MERGE=1 merge_slices' fewer
+// (in deterministic mode only merges that leave that backend's results bitwise unchanged: list neighbours meeting
+// at multiples of 128 on cuda, 96 on the CPU engine, none on the GPU reference engine), else `mask` itself.
+// forward / backward do this themselves, once per cached plan; this is for reports.
+Mask planned_mask(const Mask& mask, const AttentionOptions& options, Device device);
+
 // Bytes of args.workspace the call needs (0 where the backend needs none, e.g. on the CPU). Reads shapes,
 // dtypes, the device and the dq address (an fp32, 16-byte aligned dq needs no accumulator), not the data.
 int64_t workspace_bytes(const ForwardArgs& args, const AttentionOptions& options = {});

@@ -70,6 +70,7 @@ struct PlanSummary {
   int32_t cp = 1;
   int32_t chunk_size = 0;
   int32_t local_q_tokens = 0, local_k_tokens = 0;
+  int64_t planned_slices = 0;           // of the global mask as planned (fewer with MAGI_ATTENTION_AUTO_RANGE_MERGE)
   std::vector<int64_t> rank_area;       // kept cells computed by each rank
   int64_t area_lower_bound = 0;         // max(ceil(total / cp), largest chunk)
   int64_t area_count_aware_bound = 0;   // tighter: also uses that every rank holds the same number of chunks
@@ -105,6 +106,9 @@ class RuntimeKey {
 };
 
 // Collective: every rank calls it with the same mask, shapes and config, else InvalidArgument on every rank.
+// With MAGI_ATTENTION_AUTO_RANGE_MERGE=1 (read here) the plan is made from merge_slices(mask), except in
+// deterministic mode (config.attention.deterministic, else MAGI_ATTENTION_DETERMINISTIC_MODE), where the mask stays
+// as given and only the single-device calls merge under their bit-keeping rule.
 RuntimeKey make_runtime_key(const Mask& mask, const HeadShape& heads, std::shared_ptr<comm::Communicator> comm,
                             const DistConfig& config = {});
 // Collective: a key for another mask over the same sequences (mask.total_q / total_k as `dispatched`'s) that keeps

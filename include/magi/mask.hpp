@@ -101,6 +101,32 @@ void validate_bounds(const Mask& mask);
 // about 64 characters ('#' all kept, '+' some, '.' none).
 std::string describe(const Mask& mask);
 
+// ---- merging (MAGI_ATTENTION_AUTO_RANGE_MERGE) ----
+// Which merges merge_slices may make.
+struct MergeRule {
+  // 0: every merge below, whatever the list order; the result is sorted by (q.start, q.end, k.start, k.end, type).
+  // g > 0: only neighbours in the list (zero-area slices aside), the earlier one left of or above the later,
+  // meeting at a multiple of g; the merged slice takes the earlier one's place. Then every tiling whose tile sizes
+  // divide g (src/mask/tiling.hpp) yields the same work items in the same order, so an engine planned on such
+  // tiles computes bitwise the same results.
+  int32_t boundary_multiple = 0;
+};
+
+// An equivalent mask with at most as many slices: the same totals and the same kept cells, each kept by as many
+// slices as before (SPEC section 2: q-overlap is untouched). Zero-area slices are dropped, and two slices become
+// one where their union is exactly one slice:
+//  - side by side on the same rows (a.k.end == b.k.start), when every row of a reaches its right edge and every
+//    row of b starts at its left edge: a FULL (or INV_CAUSAL with Sk >= Sq - 1) left of a FULL (or CAUSAL with
+//    Sk >= Sq - 1); a one-row slice of any type keeps whole rows, so it qualifies too. The union takes a's left
+//    edge and b's right edge: FULL, INV_CAUSAL, CAUSAL or BI_CAUSAL.
+//  - stacked (a.q.end == b.q.start), same type, on the same edges: the same k start (for INV_CAUSAL and
+//    BI_CAUSAL the same diagonal ks - qs) and the same k end (for CAUSAL and BI_CAUSAL the same diagonal
+//    ke - qe), e.g. a causal slice cut into row bands.
+// Greedy, repeated until no neighbours (in list order; in the free rule, in row and in column order) merge:
+// merge_slices of the result returns it unchanged, though not always with the fewest slices (pieces can close a
+// pinwheel that no pair leaves). Pure and deterministic; O(N log N) per round (one with boundary_multiple > 0).
+Mask merge_slices(const Mask& mask, MergeRule rule = {});
+
 // ---- builders (each returns a valid mask; exact kept sets below, q and k global indices) ----
 // Arguments are checked: sizes >= 0, results must fit int32, cu_seqlens start at 0 and never decrease.
 // Builders over documents emit a fixed structure (listed per builder) even where a slice is empty.

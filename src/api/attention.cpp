@@ -149,7 +149,8 @@ void check_prev(const ForwardArgs& a, const Shapes& s) {
 }
 
 // The options of one call, defaults and environment applied.
-api::Call make_call(const AttentionOptions& o, const Shapes& s, DType dtype, Backend backend, StreamHandle stream) {
+api::Call make_call(const AttentionOptions& o, const Shapes& s, DType dtype, Backend backend,
+                    const api::Engine& engine, StreamHandle stream) {
   if (o.softmax_scale && !std::isfinite(*o.softmax_scale))
     throw InvalidArgument("softmax_scale must be finite, got " + std::to_string(*o.softmax_scale));
   if (!std::isfinite(o.softcap) || o.softcap < 0)
@@ -161,6 +162,7 @@ api::Call make_call(const AttentionOptions& o, const Shapes& s, DType dtype, Bac
   c.softcap = o.softcap;
   c.sink_layout = o.sink_layout;
   c.deterministic = o.deterministic.value_or(env::get_bool("MAGI_ATTENTION_DETERMINISTIC_MODE"));
+  c.range_merge = api::range_merge_for(env::get_bool("MAGI_ATTENTION_AUTO_RANGE_MERGE"), c.deterministic, engine);
   c.exact = backend == Backend::Reference || dtype == DType::F64;
   c.num_threads = o.num_threads;
   c.stream = stream;
@@ -187,8 +189,8 @@ void forward(const Mask& mask, const ForwardArgs& a, const AttentionOptions& opt
     require_device(a.max_logits, "max_logits", a.q.device);
   }
   check_prev(a, s);
-  const api::Call call = make_call(options, s, a.q.dtype, backend, stream);
-  api::engine(backend, a.q.device).forward(mask, a, call);
+  const api::Engine& engine = api::engine(backend, a.q.device);
+  engine.forward(mask, a, make_call(options, s, a.q.dtype, backend, engine, stream));
 }
 
 void backward(const Mask& mask, const BackwardArgs& a, const AttentionOptions& options, StreamHandle stream) {
@@ -231,8 +233,8 @@ void backward(const Mask& mask, const BackwardArgs& a, const AttentionOptions& o
       if (api::overlaps(a.dq, *t))
         throw InvalidArgument(std::string("dq: accumulate_dq needs a dq that does not overlap ") + name);
   }
-  const api::Call call = make_call(options, s, dt, backend, stream);
-  api::engine(backend, a.q.device).backward(mask, a, call);
+  const api::Engine& engine = api::engine(backend, a.q.device);
+  engine.backward(mask, a, make_call(options, s, dt, backend, engine, stream));
 }
 
 // Scratch sizes read the shapes, dtypes and device only: no mask, so the call's plan-independent options.
@@ -242,7 +244,8 @@ int64_t workspace_bytes(const ForwardArgs& a, const AttentionOptions& options) {
   if (a.q.ndim != 3) throw InvalidArgument("q: expected shape [Tq, Hq, D], got " + shape_string(a.q));
   const Backend backend = resolve_backend(options, a.q.device);
   const Shapes s{a.q.shape[0], 0, a.q.shape[1], 0, a.q.shape[2]};
-  return api::engine(backend, a.q.device).workspace_bytes(a, make_call(options, s, a.q.dtype, backend, nullptr));
+  const api::Engine& engine = api::engine(backend, a.q.device);
+  return engine.workspace_bytes(a, make_call(options, s, a.q.dtype, backend, engine, nullptr));
 }
 
 int64_t workspace_bytes(const BackwardArgs& a, const AttentionOptions& options) {
@@ -255,7 +258,17 @@ int64_t workspace_bytes(const BackwardArgs& a, const AttentionOptions& options) 
     require_defined(a.dq, "dq");
   }
   const Shapes s{a.q.shape[0], 0, a.q.shape[1], 0, a.q.shape[2]};
-  return api::engine(backend, a.q.device).workspace_bytes(a, make_call(options, s, a.q.dtype, backend, nullptr));
+  const api::Engine& engine = api::engine(backend, a.q.device);
+  return engine.workspace_bytes(a, make_call(options, s, a.q.dtype, backend, engine, nullptr));
+}
+
+Mask planned_mask(const Mask& mask, const AttentionOptions& options, Device device) {
+  env::ensure_validated();
+  validate(mask);
+  const api::Engine& engine = api::engine(resolve_backend(options, device), device);
+  const bool deterministic = options.deterministic.value_or(env::get_bool("MAGI_ATTENTION_DETERMINISTIC_MODE"));
+  const auto merge = api::range_merge_for(env::get_bool("MAGI_ATTENTION_AUTO_RANGE_MERGE"), deterministic, engine);
+  return merge ? merge_slices(mask, *merge) : mask;
 }
 
 }  // namespace magi

@@ -15,11 +15,20 @@ const Engine& engine(Backend backend, Device device) {
 #endif
 }
 
-PlanKey plan_key(const Mask& mask, const Shapes& s, int32_t device, int32_t variant) {
+std::optional<MergeRule> range_merge_for(bool enabled, bool deterministic, const Engine& engine) {
+  if (!enabled) return std::nullopt;
+  if (!deterministic) return MergeRule{};
+  const int32_t multiple = engine.exact_merge_multiple();
+  if (multiple <= 0) return std::nullopt;
+  return MergeRule{multiple};
+}
+
+PlanKey plan_key(const Mask& mask, const Shapes& s, int32_t device, int32_t variant,
+                 const std::optional<MergeRule>& merge) {
   validate_bounds(mask);
   if (env::get_bool("MAGI_ATTENTION_SANITY_CHECK")) validate(mask);
   return {mask.slices, mask.total_q, mask.total_k, static_cast<int32_t>(s.hq), static_cast<int32_t>(s.hkv),
-          static_cast<int32_t>(s.d), device, variant};
+          static_cast<int32_t>(s.d), device, variant, merge ? merge->boundary_multiple : -1};
 }
 
 }  // namespace magi::api

@@ -203,7 +203,11 @@ int dist_run(DistWorld& world, std::span<const std::string> args) {
   char times[128];
   std::snprintf(times, sizeof times, "forward %.3f ms", fwd_ms);
   summary << "magi-attn dist-run: cp " << world.size() << " (" << world.comm().describe() << "), "
-          << p.mask.slices.size() << " slices, area " << p.mask.area() << ", " << to_string(p.dtype) << " on "
+          << p.mask.slices.size() << " slices"
+          << (plan.planned_slices != static_cast<int64_t>(p.mask.slices.size())
+                  ? " (" + std::to_string(plan.planned_slices) + " after range merge)"
+                  : "")
+          << ", area " << p.mask.area() << ", " << to_string(p.dtype) << " on "
           << to_string(resolve_backend(settings.attention, Device{})) << "; " << times;
   if (p.has_dout) {
     std::snprintf(times, sizeof times, ", backward %.3f ms", bwd_ms);

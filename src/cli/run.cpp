@@ -110,9 +110,12 @@ int run_command(std::span<const std::string> args) {
 
   write_outputs(settings.out_dir, files);
   std::ostringstream summary;
-  summary << std::fixed << std::setprecision(3) << "magi-attn run: " << mask.slices.size() << " slices, area "
-          << mask.area() << ", " << to_string(dtype) << " on "
-          << to_string(resolve_backend(attention, gpu ? Device{DeviceType::CUDA, 0} : Device{}))
+  const Device device = gpu ? Device{DeviceType::CUDA, 0} : Device{};
+  const size_t planned = planned_mask(mask, attention, device).slices.size();
+  summary << std::fixed << std::setprecision(3) << "magi-attn run: " << mask.slices.size() << " slices"
+          << (planned != mask.slices.size() ? " (" + std::to_string(planned) + " after range merge)" : "")
+          << ", area " << mask.area() << ", " << to_string(dtype) << " on "
+          << to_string(resolve_backend(attention, device))
           << (gpu ? " (GPU: " + gpu_name() + ")" : std::string())
           << "; forward " << fwd_ms << " ms";
   if (in.has_dout()) summary << ", backward " << bwd_ms << " ms";

@@ -6,6 +6,7 @@
 #include "common/lse_merge.hpp"
 #include "cpu/engine.hpp"
 #include "cpu/pack.hpp"
+#include "cpu/plan.hpp"
 
 namespace magi::api {
 namespace {
@@ -13,16 +14,18 @@ namespace {
 class CpuEngine final : public Engine {
  public:
   void forward(const Mask& mask, const ForwardArgs& a, const Call& call) const override {
-    const auto plan = plan_for(mask, call.shapes);
+    const auto plan = plan_for(mask, call);
     if (a.prev_out.ndim != 0) forward_merged(*plan, a, options(call), call.shapes);
     else cpu::forward(*plan, a, options(call));
   }
 
   void backward(const Mask& mask, const BackwardArgs& a, const Call& call) const override {
-    const auto plan = plan_for(mask, call.shapes);
+    const auto plan = plan_for(mask, call);
     if (a.accumulate_dq) backward_accumulating(*plan, a, options(call), call.shapes);
     else cpu::backward(*plan, a, options(call));
   }
+
+  int32_t exact_merge_multiple() const override { return cpu::kTileMultiple; }
 
  private:
   static cpu::EngineOptions options(const Call& call) {
@@ -35,8 +38,10 @@ class CpuEngine final : public Engine {
     return e;
   }
 
-  std::shared_ptr<const cpu::Plan> plan_for(const Mask& mask, const Shapes& s) const {
-    return cached_plan(plans_, mask, s, -1, [&] { return cpu::make_plan(mask, s.hq, s.hkv, s.d); });
+  std::shared_ptr<const cpu::Plan> plan_for(const Mask& mask, const Call& call) const {
+    const Shapes& s = call.shapes;
+    return cached_plan(plans_, mask, call, -1,
+                       [&](const Mask& planned) { return cpu::make_plan(planned, s.hq, s.hkv, s.d); });
   }
 
   // With a partial result to merge: compute into scratch, then merge row by row (SPEC lse merge). The scratch

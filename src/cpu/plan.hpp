@@ -18,6 +18,16 @@ struct TileConfig {
 };
 constexpr TileConfig tile_config(int32_t /*head_dim*/) { return {96, 96}; }
 
+// A length every tile of every head dim divides: slices merged only at its multiples leave the work lists (and so
+// the bits) unchanged (deterministic-mode MAGI_ATTENTION_AUTO_RANGE_MERGE; MergeRule in magi/mask.hpp).
+constexpr int32_t kTileMultiple = 96;
+constexpr bool every_tile_divides(int32_t length) {
+  for (int32_t d = 8; d <= 1024; d += 8)
+    if (length % tile_config(d).tile_q != 0 || length % tile_config(d).tile_k != 0) return false;
+  return true;
+}
+static_assert(every_tile_divides(kTileMultiple));
+
 struct Plan {
   Mask mask;  // slices are needed for element masking of partial items
   int32_t heads_q = 0;

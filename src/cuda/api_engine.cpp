@@ -49,7 +49,7 @@ class CudaEngine final : public Engine {
     if (a.prev_out.ndim != 0) require_aligned(a.prev_out, "prev_out", 16, kWho);
     const cuda::Options o = options(call, true);
     check_workspace(a.workspace, cuda::workspace_bytes(a, o));
-    cuda::forward(*plan_for(mask, call.shapes, a.q.device.index), a, o, static_cast<cudaStream_t>(call.stream));
+    cuda::forward(*plan_for(mask, call, a.q.device.index), a, o, static_cast<cudaStream_t>(call.stream));
   }
 
   void backward(const Mask& mask, const BackwardArgs& a, const Call& call) const override {
@@ -60,7 +60,7 @@ class CudaEngine final : public Engine {
       require_aligned(*t, name, static_cast<size_t>(2 * dtype_size(t->dtype)), kWho);
     const cuda::Options o = options(call, false);
     check_workspace(a.workspace, cuda::workspace_bytes(a, o));
-    cuda::backward(*plan_for(mask, call.shapes, a.q.device.index), a, o, static_cast<cudaStream_t>(call.stream));
+    cuda::backward(*plan_for(mask, call, a.q.device.index), a, o, static_cast<cudaStream_t>(call.stream));
   }
 
   int64_t workspace_bytes(const ForwardArgs& a, const Call& call) const override {
@@ -69,9 +69,11 @@ class CudaEngine final : public Engine {
   int64_t workspace_bytes(const BackwardArgs& a, const Call& call) const override {
     return cuda::workspace_bytes(a, options(call, false));
   }
+  int32_t exact_merge_multiple() const override { return cuda::kTileMultiple; }
 
  private:
-  std::shared_ptr<cuda::Plan> plan_for(const Mask& mask, const Shapes& s, int32_t device) const {
+  std::shared_ptr<cuda::Plan> plan_for(const Mask& mask, const Call& call, int32_t device) const {
+    const Shapes& s = call.shapes;
     cuda::PlanTuning tuning;
     switch (env::kernel_family()) {
       case env::KernelFamily::Sm80: tuning.forward_family = cuda::KernelFamily::Sm80; break;
@@ -79,7 +81,8 @@ class CudaEngine final : public Engine {
       case env::KernelFamily::Auto: break;
     }
     return cached_plan(
-        plans_, mask, s, device, [&] { return cuda::make_plan(mask, s.hq, s.hkv, s.d, device, tuning); },
+        plans_, mask, call, device,
+        [&](const Mask& planned) { return cuda::make_plan(planned, s.hq, s.hkv, s.d, device, tuning); },
         static_cast<int32_t>(tuning.forward_family));
   }
 

@@ -50,6 +50,11 @@ struct PlanTuning {
   KernelFamily forward_family = KernelFamily::Auto;  // Auto: Sm90 where available; a forced one must be
 };
 
+// A length that every tile of every plan divides (both families, every head dim and tile choice; plan.cpp checks
+// it against the tile shapes): slices merged only at its multiples leave the work lists, and so the results,
+// bitwise unchanged (deterministic-mode MAGI_ATTENTION_AUTO_RANGE_MERGE; MergeRule in magi/mask.hpp).
+inline constexpr int32_t kTileMultiple = 128;
+
 // Builds the work lists on the host and uploads them to `device` (synchronous; done once per mask and
 // shapes). Throws NotAvailable when the head dim has no compiled kernel.
 std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads_kv, int32_t head_dim,

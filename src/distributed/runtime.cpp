@@ -192,6 +192,7 @@ DistAttnRuntime::DistAttnRuntime(const Mask& mask, const HeadShape& heads, std::
       config_(config),
       switches_(switches),
       rank_(comm_->rank()),
+      planned_slices_(static_cast<int64_t>(mask.slices.size())),
       dispatch_(fixed != nullptr ? redispatch(mask, *fixed)
                                  : make_dispatch(mask, comm_->size(), config.chunk_size, config.algorithm)),
       routes_(solve_routes(mask, dispatch_, heads, switches.routes)) {
@@ -213,6 +214,7 @@ PlanSummary DistAttnRuntime::summary() const {
   s.chunk_size = dispatch_.q.chunk_size;
   s.local_q_tokens = dispatch_.q.local_tokens();
   s.local_k_tokens = dispatch_.k.local_tokens();
+  s.planned_slices = planned_slices_;
   s.rank_area = routes_.rank_area;
   s.area_lower_bound = dispatch_.lower_bound();
   s.area_count_aware_bound = dispatch_.count_aware_lower_bound();
@@ -753,6 +755,7 @@ struct RuntimeId {
   int32_t ranks_per_node = 0;  // hierarchical comm; 0 = flat
   RouteOptions routes;
   bool forward_inplace_correct = true;  // local to each rank: ranks may differ, so not in the fingerprint
+  bool merge_global = false;   // MAGI_ATTENTION_AUTO_RANGE_MERGE outside deterministic mode (runtime_key)
   const comm::Communicator* comm = nullptr;
   int32_t cp = 0;
   std::vector<int32_t> fixed_q_owner, fixed_k_owner;  // a kept dispatch's chunk owners; empty: the solver's
@@ -775,7 +778,7 @@ struct RuntimeId {
       h = mix(h, static_cast<int64_t>(owners->size()));
       for (int32_t o : *owners) h = mix(h, o);
     }
-    return mix(mix(mix(mix(h, backend), backward_high_precision), dsink_op), route_flags());
+    return mix(mix(mix(mix(mix(h, backend), backward_high_precision), dsink_op), route_flags()), merge_global);
   }
 };
 
@@ -896,6 +899,11 @@ RuntimeKey runtime_key(const Mask& mask, const HeadShape& heads, std::shared_ptr
   if (config.hierarchical_comm.value_or(env::get_bool("MAGI_ATTENTION_HIERARCHICAL_COMM"))) {
     id.ranks_per_node = config.ranks_per_node > 0 ? config.ranks_per_node : comm->ranks_per_node();
   }
+  // MAGI_ATTENTION_AUTO_RANGE_MERGE: the global mask is merged before dispatch, except in deterministic mode, where
+  // fewer global slices would cut each rank's stage masks differently; there only the stage calls merge (the
+  // single-device rule, which keeps their bits), so results stay bitwise those of the mask as given.
+  id.merge_global = env::get_bool("MAGI_ATTENTION_AUTO_RANGE_MERGE") &&
+                    !config.attention.deterministic.value_or(env::get_bool("MAGI_ATTENTION_DETERMINISTIC_MODE"));
   // Always checked, hit or miss: ranks whose caches differ must still call the same collectives.
   comm::require_same_on_all_ranks(*comm, id.fingerprint(), "distributed attention mask/shape/config");
   // After the agreement check, so that every rank throws alike.
@@ -915,7 +923,8 @@ RuntimeKey runtime_key(const Mask& mask, const HeadShape& heads, std::shared_ptr
                                    .ranks_per_node = id.ranks_per_node,
                                    .forward_inplace_correct = id.forward_inplace_correct,
                                    .routes = id.routes};
-    auto runtime = std::make_shared<const DistAttnRuntime>(mask, heads, comm, config, switches, fixed);
+    auto runtime = std::make_shared<const DistAttnRuntime>(id.merge_global ? merge_slices(mask) : mask, heads, comm,
+                                                           config, switches, fixed);
     if (Timeline* timeline = Timeline::of(comm->rank()))
       timeline->add(fixed != nullptr ? "plan (new mask on a kept dispatch)" : "plan (dispatch + comm plan)", "host",
                     start, Timeline::now_us());

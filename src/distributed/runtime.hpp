@@ -69,6 +69,7 @@ class DistAttnRuntime {
   DistConfig config_;
   RuntimeSwitches switches_;
   int32_t rank_;
+  int64_t planned_slices_;  // of the global mask this plan was made from
   Dispatch dispatch_;
   RouteSolution routes_;
   std::vector<ClassPlan> classes_;

@@ -138,10 +138,13 @@ std::vector<Variable> make_registry() {
               "Decide distributed attention's routes per (rank pair, kv head group) and move head-group units "
               "of the busiest rank's work to the kv owners (query/output route) while that lowers the busiest "
               "rank's compute; host (CPU) tensors, like MAGI_ATTENTION_QO_COMM; experimental."),
-      boolean("MAGI_ATTENTION_AUTO_RANGE_MERGE", "0", kPerformance,
-              not_yet("planned: GPU flex-attention kernels (automatic merging of adjacent ranges)"),
-              "Merge adjacent attention ranges before the GPU kernel runs so that it handles fewer "
-              "slices; experimental."),
+      boolean("MAGI_ATTENTION_AUTO_RANGE_MERGE", "0", kPerformance, kImplemented,
+              "Before planning, merge slices whose union is exactly one slice (side by side on the same rows, or "
+              "stacked on the same edges; zero-area ones dropped: magi::merge_slices) so that the kernels handle "
+              "fewer, longer slices with the same kept cells; every backend, and in distributed attention also the "
+              "global mask before dispatch. In deterministic mode only merges that cannot change a bit: neighbours "
+              "in the slice list (the earlier left of or above the later) meeting at a multiple of 128 on cuda, 96 "
+              "on the CPU engine, none on the GPU reference engine; the distributed global mask stays as given."),
       boolean("MAGI_ATTENTION_CATGQA", "0", kPerformance,
               not_yet("planned: GPU flex-attention backward kernel (concatenated GQA heads)"),
               "In the GPU backward kernel, process the query heads that share one kv head together "

@@ -241,5 +241,24 @@ TEST(CliRun, MaskWithMatchingTotalsRuns) {
   EXPECT_NE(ok.out.find("wrote out.npy lse.npy"), std::string::npos) << ok.out;
 }
 
+TEST(CliRun, SummaryShowsTheSlicesLeftByAutoRangeMerge) {
+  const uint64_t seed = magi::test::fresh_seed();
+  std::mt19937_64 rng(seed);
+  TempDir dir;
+  const Problem p = random_problem(rng, SinkLayout::None);
+  auto args = write_inputs(dir, p, DType::F32, SinkLayout::None, false);
+  // Four full quarters of the grid: one slice once merged.
+  const std::string quarters = R"({"q_ranges": [[0, 24], [0, 24], [24, 48], [24, 48]],
+                                   "k_ranges": [[0, 32], [32, 64], [0, 32], [32, 64]], "attn_type_map": [0, 0, 0, 0]})";
+  write_file(dir / "mask.json", std::vector<unsigned char>(quarters.begin(), quarters.end()));
+  const CliResult merged = run_cli(args, {"MAGI_ATTENTION_AUTO_RANGE_MERGE=1"});
+  ASSERT_EQ(merged.exit_code, 0) << describe(merged);
+  EXPECT_NE(merged.out.find("magi-attn run: 4 slices (1 after range merge), area 3072"), std::string::npos)
+      << merged.out;
+  const CliResult plain = run_cli(args);
+  ASSERT_EQ(plain.exit_code, 0) << describe(plain);
+  EXPECT_NE(plain.out.find("magi-attn run: 4 slices, area 3072"), std::string::npos) << plain.out;
+}
+
 }  // namespace
 }  // namespace magi::cli::test

@@ -254,6 +254,17 @@ TEST_P(DistRunErrors, ValidInputsRun) {
   EXPECT_TRUE(fs::exists(dir_ / "out/out.npy"));
 }
 
+TEST_P(DistRunErrors, SummaryShowsTheSlicesLeftByAutoRangeMerge) {
+  // Two causal row bands on one diagonal: one slice merged. The ranks inherit the variable through mpirun.
+  write_text("mask.json", R"({"q_ranges": [[0, 12], [12, 32]], "k_ranges": [[0, 20], [0, 40]],
+                             "attn_type_map": ["causal", "causal"]})");
+  setenv("MAGI_ATTENTION_AUTO_RANGE_MERGE", "1", 1);
+  const auto ranks = run_ranks(GetParam(), valid_args());
+  unsetenv("MAGI_ATTENTION_AUTO_RANGE_MERGE");
+  for (const CliResult& r : ranks) ASSERT_EQ(r.exit_code, 0) << describe_ranks(ranks);
+  EXPECT_NE(ranks[0].out.find(", 2 slices (1 after range merge), area "), std::string::npos) << ranks[0].out;
+}
+
 TEST_P(DistRunErrors, MissingInputFile) {
   auto args = valid_args();
   args[6] = dir_ / "nowhere.npy";  // --k

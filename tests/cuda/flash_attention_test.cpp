@@ -704,6 +704,93 @@ TEST(CudaBackend, DkDvAreTheSameAtPairAlignedAddresses) {
   }
 }
 
+// MAGI_ATTENTION_AUTO_RANGE_MERGE in deterministic mode: slices merged at multiples of cuda::kTileMultiple (list
+// neighbours, in order) give the same work items, so forward and backward are bitwise those of the mask as given:
+// directly on two plans, and through the API toggling the variable. Outside deterministic mode any exact merge
+// runs within the SPEC bounds.
+struct MergeableMask {
+  std::string name;
+  Mask mask;
+  bool always_merges;  // at multiples of cuda::kTileMultiple (the random one may happen not to)
+};
+std::vector<MergeableMask> mergeable_masks(std::mt19937_64& rng) {
+  std::vector<MergeableMask> out;
+  out.push_back({"cut rectangles 700x900", random_cut_rectangles(rng, 700, 900, 16, 4, cuda::kTileMultiple), false});
+  const Mask docs = masks::varlen_causal(cu_seqlens_of({640, 200, 384}));
+  Mask banded{{}, docs.total_q, docs.total_k};
+  for (const Slice& s : docs.slices) row_bands(s, cuda::kTileMultiple, banded.slices);
+  out.push_back({"varlen causal in row bands of 128", banded, true});
+  out.push_back({"2x2 full blocks of 256",
+                 Mask{{make_slice(0, 256, 0, 256, MaskType::Full), make_slice(0, 256, 256, 512, MaskType::Full),
+                       make_slice(256, 512, 0, 256, MaskType::Full), make_slice(256, 512, 256, 512, MaskType::Full)},
+                      512, 512},
+                 true});
+  return out;
+}
+
+TEST(CudaBackend, AutoRangeMergeKeepsDeterministicBits) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  int index = 0;
+  for (const auto& [name, mask, always_merges] : mergeable_masks(rng)) {
+    const Mask merged = merge_slices(mask, MergeRule{cuda::kTileMultiple});
+    for (int32_t d : {64, 128, 256}) {
+      if (!cuda::head_dim_supported(d)) continue;
+      CaseConfig c = config(d == 64 ? DType::F16 : DType::BF16, 4, 2, d);
+      if (index % 2 == 0) c.sink_layout = SinkLayout::SH;
+      if (index % 3 == 0) c.softcap = 30.0;
+      CaseData data = make_case(mask, c, seed + index++);
+      DeviceCase dev(data, c);
+      const std::string context = name + " (" + std::to_string(mask.slices.size()) + " -> " +
+                                  std::to_string(merged.slices.size()) + " slices), " + c.describe() + ", seed " +
+                                  std::to_string(seed);
+      std::vector<std::vector<std::pair<std::string, HostTensor>>> results;
+      for (const Mask* m : {&mask, &merged}) {
+        auto plan = test_plan(*m, c.heads_q, c.heads_kv, d);
+        dev.poison();
+        cuda::forward(*plan, dev.forward_args(), cuda_options(c, true), nullptr);
+        cuda::backward(*plan, dev.backward_args(), cuda_options(c, true), nullptr);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        results.push_back(dev.results());
+      }
+      for (size_t i = 0; i < results[0].size(); ++i)
+        EXPECT_TRUE(check_bitwise_equal(results[0][i].first, results[0][i].second, results[1][i].second, context));
+
+      // The API with the variable off, then on: the same bits.
+      AttentionOptions options = c.options();
+      options.backend = Backend::Cuda;
+      options.deterministic = true;
+      std::vector<std::vector<std::pair<std::string, HostTensor>>> api;
+      for (const char* on : {"0", "1"}) {
+        setenv("MAGI_ATTENTION_AUTO_RANGE_MERGE", on, 1);
+        env::reset_for_testing();
+        dev.poison();
+        magi::forward(mask, dev.forward_args(), options);
+        magi::backward(mask, dev.backward_args(), options);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        api.push_back(dev.results());
+      }
+      unsetenv("MAGI_ATTENTION_AUTO_RANGE_MERGE");
+      env::reset_for_testing();
+      for (size_t i = 0; i < api[0].size(); ++i)
+        EXPECT_TRUE(check_bitwise_equal(api[0][i].first, api[0][i].second, api[1][i].second, context + ", API"));
+    }
+    if (always_merges) EXPECT_LT(merged.slices.size(), mask.slices.size()) << name;
+  }
+}
+
+TEST(CudaBackend, AutoRangeMergedMasksMatchReference) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  std::vector<MergeableMask> all = mergeable_masks(rng);
+  all.push_back({"cut rectangles 500x600, anywhere", random_cut_rectangles(rng, 500, 600, 12, 4, 1), false});
+  int index = 0;
+  for (const auto& [name, mask, always_merges] : all) {
+    const CaseConfig c = index % 2 == 0 ? config(DType::BF16, 4, 2, 128) : config(DType::F16, 2, 1, 64);
+    EXPECT_TRUE(check_cuda_case(merge_slices(mask), c, seed + index++, name + ", merged"));
+  }
+}
+
 TEST(CudaBackend, PlanRejectsUncompiledHeadDim) {
   EXPECT_FALSE(cuda::head_dim_supported(0));
   EXPECT_FALSE(cuda::head_dim_supported(12));

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
 #include <random>
 #include <string>
 
@@ -38,6 +39,8 @@ struct Case {
   int32_t ranks_per_node = 0;  // > 0: hierarchical comm
   bool env_options = false;    // leave the dsink op, hierarchical comm and routes to the environment
   bool qo_comm = false, flatten = false, forward_high_precision = false;  // routes (qo_plan.hpp)
+  Backend backend = Backend::Reference;
+  std::optional<bool> deterministic;
 };
 
 struct Global {
@@ -88,7 +91,8 @@ DType lse_dtype(DType dtype) { return dtype == DType::F64 ? DType::F64 : DType::
 
 AttentionOptions options_of(const Case& c) {
   AttentionOptions o;
-  o.backend = Backend::Reference;
+  o.backend = c.backend;
+  o.deterministic = c.deterministic;
   o.sink_layout = c.sink;
   o.num_threads = 1;
   return o;
@@ -539,6 +543,43 @@ TEST(DistAttn, QueryOutputRoutesAreBitwiseDeterministicAndFromTheEnvironment) {
   unsetenv("MAGI_ATTENTION_FLATTEN_HEAD_GROUPS");
   env::reset_for_testing();
   EXPECT_FALSE(make_runtime_key(c.mask, c.heads, test::world_ptr(), config_of(c)).summary().qo_comm);
+}
+
+// MAGI_ATTENTION_AUTO_RANGE_MERGE: the global mask merged before dispatch matches one device; in deterministic mode
+// the global mask stays as given and the stage calls merge only where their bits cannot change.
+TEST(DistAttn, AutoRangeMergeMatchesOneDeviceAndKeepsDeterministicBits) {
+  setenv("MAGI_ATTENTION_AUTO_RANGE_MERGE", "1", 1);
+  env::reset_for_testing();
+  Case c{"auto range merge: 128 small slices forming a full mask", small_slices_full()};
+  c.deterministic = false;
+  check_case(c);
+  EXPECT_EQ(make_runtime_key(c.mask, c.heads, test::world_ptr(), config_of(c)).summary().planned_slices, 1);
+
+  // Causal documents cut into row bands of 96 (the CPU tiles): merged back whole outside deterministic mode.
+  Case d{"auto range merge, deterministic: causal documents in row bands",
+         masks::varlen_causal(test::cu_seqlens_of({384, 200, 192}))};
+  std::vector<Slice> bands;
+  for (const Slice& s : d.mask.slices) test::row_bands(s, 96, bands);
+  d.mask.slices = bands;
+  d.backend = Backend::Cpu;  // fp32 sums: a moved tile edge would show in the bits
+  d.dtype = DType::F32;
+  d.deterministic = true;
+  d.chunk_size = 64;  // chunks cut the bands: merged global slices would give other stage masks
+  d.overlap_degree = 2;
+  const uint64_t seed = test::shared_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  Global g = make_inputs(d, seed);
+  const Outputs merged = distributed(d, g);
+  EXPECT_EQ(make_runtime_key(d.mask, d.heads, test::world_ptr(), config_of(d)).summary().planned_slices,
+            static_cast<int64_t>(d.mask.slices.size()))
+      << "deterministic mode keeps the global mask";
+  unsetenv("MAGI_ATTENTION_AUTO_RANGE_MERGE");
+  env::reset_for_testing();
+  const Outputs plain = distributed(d, g);
+  for (auto [x, y, name] : {std::tuple{&merged.out, &plain.out, "out"}, {&merged.lse, &plain.lse, "lse"},
+                            {&merged.dq, &plain.dq, "dq"}, {&merged.dk, &plain.dk, "dk"},
+                            {&merged.dv, &plain.dv, "dv"}})
+    EXPECT_EQ(x->bytes(), y->bytes()) << name << " differs with MAGI_ATTENTION_AUTO_RANGE_MERGE=1";
 }
 
 TEST(DistAttn, RuntimeLruEvictsTheOldest) {

@@ -175,6 +175,8 @@ TEST(EnvRegistry, ImplementedAreExactlyWhatThisBuildHonours) {
                                                      "MAGI_ATTENTION_FLATTEN_HEAD_GROUPS",
                                                      "MAGI_ATTENTION_FORWARD_HIGH_PRECISION_REDUCE",
                                                      "MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT",
+                                                     // every backend's plans and the distributed runtime key
+                                                     "MAGI_ATTENTION_AUTO_RANGE_MERGE",
                                                      // GPU kernels
                                                      "MAGI_ATTENTION_FFA_FORWARD_SM_MARGIN",
                                                      "MAGI_ATTENTION_FFA_BACKWARD_SM_MARGIN",

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <tuple>
 
 namespace magi::test {
@@ -184,6 +185,62 @@ Mask random_rectangles(std::mt19937_64& rng, int32_t total_q, int32_t total_k, i
     mask.slices.push_back(make_slice(b.qs, b.qe, b.ks, b.ke, static_cast<MaskType>(type(rng))));
   }
   std::shuffle(mask.slices.begin(), mask.slices.end(), rng);
+  return mask;
+}
+
+void cut_slice(std::mt19937_64& rng, const Slice& s, int depth, int32_t align, std::vector<Slice>& pieces) {
+  std::uniform_int_distribution<int> coin(0, 3);
+  const auto point = [&](int32_t lo, int32_t hi) -> std::optional<int32_t> {  // strictly inside (lo, hi)
+    if (hi - lo < 2) return std::nullopt;
+    if (align <= 1) return std::uniform_int_distribution<int32_t>(lo + 1, hi - 1)(rng);
+    const int32_t first = (lo / align + 1) * align, last = (hi - 1) / align * align;
+    if (first > last) return std::nullopt;
+    return first + align * std::uniform_int_distribution<int32_t>(0, (last - first) / align)(rng);
+  };
+  const bool inv = s.type == MaskType::InvCausal || s.type == MaskType::BiCausal;
+  const bool causal = s.type == MaskType::Causal || s.type == MaskType::BiCausal;
+  if (depth > 0 && coin(rng) != 0) {
+    if (coin(rng) < 2) {  // rows: the diagonals carry on
+      if (const auto r = point(s.q.start, s.q.end)) {
+        const Slice top{{s.q.start, *r}, {s.k.start, causal ? s.k.end - (s.q.end - *r) : s.k.end}, s.type};
+        const Slice bottom{{*r, s.q.end}, {inv ? s.k.start + (*r - s.q.start) : s.k.start, s.k.end}, s.type};
+        if (top.k.start <= top.k.end && bottom.k.start <= bottom.k.end && area(top) > 0 && area(bottom) > 0) {
+          cut_slice(rng, top, depth - 1, align, pieces);
+          cut_slice(rng, bottom, depth - 1, align, pieces);
+          return;
+        }
+      }
+    } else if (const auto c = point(s.k.start, s.k.end)) {  // keys: a straight seam every row crosses
+      const int32_t sq = s.q.size();
+      const Slice left{s.q, {s.k.start, *c}, inv ? MaskType::InvCausal : MaskType::Full};
+      const Slice right{s.q, {*c, s.k.end}, causal ? MaskType::Causal : MaskType::Full};
+      if ((!inv || *c - s.k.start >= sq - 1) && (!causal || s.k.end - *c >= sq - 1) && area(left) > 0 &&
+          area(right) > 0) {
+        cut_slice(rng, left, depth - 1, align, pieces);
+        cut_slice(rng, right, depth - 1, align, pieces);
+        return;
+      }
+    }
+  }
+  pieces.push_back(s);
+}
+
+void row_bands(const Slice& s, int32_t step, std::vector<Slice>& pieces) {
+  const bool inv = s.type == MaskType::InvCausal || s.type == MaskType::BiCausal;
+  const bool causal = s.type == MaskType::Causal || s.type == MaskType::BiCausal;
+  for (int32_t r0 = s.q.start, r1 = 0; r0 < s.q.end; r0 = r1) {
+    r1 = std::min(s.q.end, (r0 / step + 1) * step);
+    pieces.push_back({{r0, r1},
+                      {inv ? s.k.start + (r0 - s.q.start) : s.k.start, causal ? s.k.end - (s.q.end - r1) : s.k.end},
+                      s.type});
+  }
+}
+
+Mask random_cut_rectangles(std::mt19937_64& rng, int32_t total_q, int32_t total_k, int32_t slices, int depth,
+                           int32_t align) {
+  const Mask whole = random_rectangles(rng, total_q, total_k, slices);
+  Mask mask{{}, total_q, total_k};
+  for (const Slice& s : whole.slices) cut_slice(rng, s, depth, align, mask.slices);
   return mask;
 }
 

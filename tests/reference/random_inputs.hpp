@@ -48,6 +48,16 @@ class HostTensor {
 // disjoint boxes, each box gets a random type, and some are shrunk or dropped (leaving rows uncovered).
 Mask random_rectangles(std::mt19937_64& rng, int32_t total_q, int32_t total_k, int32_t slices);
 
+// Cuts `slice` into pieces of non-zero area whose union is exactly its cells (merge_slices' rules in reverse: row
+// bands along the diagonals, key cuts where every row crosses), up to `depth` levels, appended in cut order (left
+// before right, top before bottom). With align > 1 the cuts fall on multiples of `align`, where there are any.
+void cut_slice(std::mt19937_64& rng, const Slice& slice, int depth, int32_t align, std::vector<Slice>& pieces);
+// Row bands of `slice` cut at the multiples of `step` along its edges (diagonals carry on): exactly its cells.
+void row_bands(const Slice& slice, int32_t step, std::vector<Slice>& pieces);
+// random_rectangles whose slices are cut as above (in cut order, slice by slice): a mask rich in exact merges.
+Mask random_cut_rectangles(std::mt19937_64& rng, int32_t total_q, int32_t total_k, int32_t slices, int depth,
+                           int32_t align);
+
 // Helpers to write masks by hand.
 Slice make_slice(int32_t qs, int32_t qe, int32_t ks, int32_t ke, MaskType type);
 std::vector<int32_t> cu_seqlens_of(const std::vector<int32_t>& lengths);

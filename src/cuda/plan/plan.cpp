@@ -33,6 +33,18 @@ constexpr int kCompiledTiles[] = {
 #endif
     0};
 
+// kTileMultiple (backend.hpp) against every tile shape a plan may use.
+constexpr bool every_tile_divides(int length) {
+  for (int d : {64, 128, 256}) {
+    for (int q : {detail::kFwdTileQ, detail::kFwdSmallTileQ})
+      if (length % q != 0 || length % detail::fwd_tile_k(d, q) != 0) return false;
+    if (length % detail::kDkdvTileQ != 0 || length % detail::dkdv_tile_k(d) != 0) return false;
+    if (length % detail::dq_tile_q(d) != 0 || length % detail::dq_tile_k(d) != 0) return false;
+    if (length % sm90::kForwardTileQ != 0 || length % sm90::forward_tile_k(d) != 0) return false;
+  }
+  return true;
+}
+static_assert(every_tile_divides(kTileMultiple), "a tile shape no longer divides cuda::kTileMultiple");
 
 // Host form of one list before upload.
 struct HostList {

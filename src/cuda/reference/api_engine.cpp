@@ -25,6 +25,10 @@ class ReferenceEngine final : public Engine {
                               static_cast<cudaStream_t>(call.stream));
   }
 
+  // A forward block sums its row's terms per thread in chunks that start where each slice's kept keys start: slices
+  // merged side by side move those edges (and the bits), so deterministic mode merges nothing here.
+  int32_t exact_merge_multiple() const override { return 0; }
+
  private:
   static cuda::reference::Options options(const Call& call) {
     return {call.softmax_scale, call.softcap, call.sink_layout};
@@ -32,9 +36,10 @@ class ReferenceEngine final : public Engine {
 
   std::shared_ptr<cuda::reference::Plan> plan_for(const Mask& mask, const Call& call, int32_t device) const {
     const Shapes& s = call.shapes;
-    return plans_.get(Keyed{plan_key(mask, s, device), call.stream}, [&] {
+    return plans_.get(Keyed{plan_key(mask, s, device, 0, call.range_merge), call.stream}, [&] {
       validate(mask);
-      return cuda::reference::make_plan(mask, s.hq, s.hkv, s.d, device);
+      return cuda::reference::make_plan(call.range_merge ? merge_slices(mask, *call.range_merge) : mask, s.hq,
+                                        s.hkv, s.d, device);
     });
   }
 
