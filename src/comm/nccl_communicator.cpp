@@ -248,10 +248,24 @@ void NcclCommunicator::enqueue_allgather(const void* send, int64_t bytes, void* 
   await_launch(ncclAllGather(send, recv, static_cast<size_t>(bytes), ncclUint8, comm_, stream), "allgather");
 }
 
+// The blocking interface takes no stream: its work on the (non-blocking) comm stream starts after what the
+// caller left on the legacy default stream (a cudaMemset or kernel launch without a stream), as a blocking call
+// on the default stream would.
+void NcclCommunicator::after_default_stream() {
+  cuda::DeviceGuard scope(device_);
+  cudaEvent_t event = nullptr;
+  check_cuda(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate");
+  check_cuda(cudaEventRecord(event, cudaStreamLegacy), "cudaEventRecord");
+  const cudaError_t code = cudaStreamWaitEvent(stream_, event, 0);
+  cudaEventDestroy(event);
+  check_cuda(code, "cudaStreamWaitEvent");
+}
+
 std::unique_ptr<Request> NcclCommunicator::start_all_to_all_v(const void* send, std::span<const int64_t> send_counts,
                                                               std::span<const int64_t> send_displs, void* recv,
                                                               std::span<const int64_t> recv_counts,
                                                               std::span<const int64_t> recv_displs) {
+  after_default_stream();
   enqueue_all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs, stream_);
   cuda::DeviceGuard scope(device_);
   return std::make_unique<NcclRequest>(*this, "all_to_all_v");
@@ -266,6 +280,7 @@ void NcclCommunicator::allgather(const void* send, int64_t bytes, void* recv) {
                          attributes.type == cudaMemoryTypeDevice;
   cudaGetLastError();  // a host pointer may leave an error behind on older runtimes
   if (on_device) {
+    after_default_stream();
     enqueue_allgather(send, bytes, recv, stream_);
   } else {
     // Host bytes (fingerprints, flags, timings): through a device scratch buffer.

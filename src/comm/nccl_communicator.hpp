@@ -72,6 +72,8 @@ class NcclCommunicator final : public Communicator {
   void abort();
 
   cudaStream_t comm_stream() const { return stream_; }
+  // Makes the comm stream wait for the work pending on the legacy default stream (the blocking interface's order).
+  void after_default_stream();
   int32_t cuda_device() const { return device_; }
 
  private:
