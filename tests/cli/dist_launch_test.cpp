@@ -115,7 +115,13 @@ TEST(DistLaunch, ARankThatNeverJoinsFailsEveryRankWithinTheTimeout) {
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_LT(seconds, 30.0);
   expect_one_line_error(ranks[0], {"rank(s) 2 did not join within 3 s"});
-  expect_one_line_error(ranks[1], {"rank 1 of 3", "timed out after 3 s"});
+  // Rank 1 waits for rank 0 with its own 3 s: it times out, or (a loaded machine starting it late) sees rank 0 give
+  // up first and close the connection. Either is one clear error within the timeout.
+  expect_one_line_error(ranks[1], {"rank 1 of 3"});
+  const std::string rank1 = ranks[1].err_lines().empty() ? "" : ranks[1].err_lines()[0];
+  EXPECT_TRUE(rank1.find("timed out after 3 s") != std::string::npos ||
+              rank1.find("connection closed by the peer (peer rank 0)") != std::string::npos)
+      << rank1;
   const auto lonely = launch({torchrun_env(1, 2, free_port())}, args);
   expect_one_line_error(lonely[0], {"rank 0 at 127.0.0.1", "did not accept within 3 s"});
 }
