@@ -91,6 +91,23 @@ std::vector<EngineCase> shape_and_feature_cases() {
   scaled.sink_len = 1;
   add("causal_sq_gt_sk", fixed_mask(cases::causal_sq_gt_sk(MaskType::Causal)), scaled);
 
+  // Large head dims (issue 24's set: 264 and 520 fall between tiles on the GPU; any D here), small T: full, causal
+  // blocks, uneven documents, random slices and q-overlap, with GQA, softcap and both sink layouts.
+  const DType large_dtypes[] = {T::BF16, T::F16, T::F32, T::F64};
+  int large = 0;
+  for (int32_t dim : {264, 320, 512, 520, 1024}) {
+    CaseConfig c = config_for(large_dtypes[large++ % 4], 2, 1, dim);
+    add("full_160", fixed_mask(cases::full(160)), c);
+    add("block_causal_192_b48", fixed_mask(cases::block_causal(192, 48)), c);
+    add("random_96x128_n20", random_rectangles_mask(96, 128, 20), c);
+    c = config_for(large_dtypes[large++ % 4], 4, 2, dim);
+    c.softcap = 2.5;
+    c.sink_layout = large % 2 ? SinkLayout::SSH : SinkLayout::SH;
+    c.sink_len = 2;
+    add("mixed_types_q_overlap", fixed_mask(cases::mixed_types_q_overlap()), c);
+    add("varlen_full_10_uneven_docs", fixed_mask(cases::varlen_full_uneven_docs()), c);
+  }
+
   for (DType d : {T::F32, T::BF16}) {
     CaseConfig c = config_for(d, 2, 1, 64);
     c.backend = Backend::Reference;

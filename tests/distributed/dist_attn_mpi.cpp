@@ -582,6 +582,19 @@ TEST(DistAttn, AutoRangeMergeMatchesOneDeviceAndKeepsDeterministicBits) {
     EXPECT_EQ(x->bytes(), y->bytes()) << name << " differs with MAGI_ATTENTION_AUTO_RANGE_MERGE=1";
 }
 
+// Head dims past the GPU kernels' 256 (issue 24): the host runtime takes any D.
+TEST(DistAttn, LargeHeadDimsMatchSingleDevice) {
+  for (const auto& [dim, dtype] : {std::pair{520, DType::F64}, {1024, DType::BF16}}) {
+    Case c{"varlen causal D " + std::to_string(dim), masks::varlen_causal(test::cu_seqlens_of({150, 40, 110})),
+           {2, 1, dim}};
+    c.dtype = dtype;
+    c.chunk_size = 25;
+    c.overlap_degree = 2;
+    check_case(c);
+    if (HasFatalFailure()) return;
+  }
+}
+
 TEST(DistAttn, RuntimeLruEvictsTheOldest) {
   setenv("MAGI_ATTENTION_DIST_ATTN_RUNTIME_DICT_SIZE", "2", 1);
   env::reset_for_testing();
