@@ -15,17 +15,6 @@ struct Piece {
   int32_t shift = 0;
 };
 
-// Sorted, merged union of ranges.
-std::vector<Range> merged(std::vector<Range> ranges) {
-  std::sort(ranges.begin(), ranges.end(), [](Range a, Range b) { return a.start < b.start; });
-  std::vector<Range> out;
-  for (Range r : ranges) {
-    if (r.empty()) continue;
-    if (!out.empty() && r.start <= out.back().end) out.back().end = std::max(out.back().end, r.end);
-    else out.push_back(r);
-  }
-  return out;
-}
 
 void append_rows(std::vector<int32_t>& out, const std::vector<Range>& ranges, const Partition& k) {
   for (Range r : ranges)
@@ -105,6 +94,17 @@ void add_hierarchical_routes(CommPlan& plan, const Dispatch& d, int32_t ranks_pe
 }
 
 }  // namespace
+
+std::vector<Range> merged(std::vector<Range> ranges) {
+  std::sort(ranges.begin(), ranges.end(), [](Range a, Range b) { return a.start < b.start; });
+  std::vector<Range> out;
+  for (Range r : ranges) {
+    if (r.empty()) continue;
+    if (!out.empty() && r.start <= out.back().end) out.back().end = std::max(out.back().end, r.end);
+    else out.push_back(r);
+  }
+  return out;
+}
 
 std::vector<WorkBand> work_bands(const Mask& mask, const Dispatch& d, int32_t rank) {
   const int32_t cs = d.q.chunk_size;

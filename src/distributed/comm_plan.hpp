@@ -47,6 +47,9 @@ struct CommPlan {
 CommPlan make_comm_plan(const Mask& mask, const Dispatch& dispatch, int32_t overlap_degree, int32_t ranks_per_node = 0,
                         const std::vector<std::vector<bool>>* qo = nullptr);
 
+// Sorted, merged union of ranges (empty ones dropped).
+std::vector<Range> merged(std::vector<Range> ranges);
+
 // The non-empty (q chunk x slice) bands of `rank`'s q rows, in chunk then slice order: global coordinates,
 // columns tightened to the kept keys.
 struct WorkBand {

@@ -13,16 +13,6 @@ namespace {
 // move compute otherwise, and a few percent of compute buys back more in exchanged rows on long documents.
 constexpr double kBalanceSlack = 0.02;
 
-std::vector<Range> merged(std::vector<Range> ranges) {
-  std::sort(ranges.begin(), ranges.end(), [](Range a, Range b) { return a.start < b.start; });
-  std::vector<Range> out;
-  for (Range r : ranges) {
-    if (r.empty()) continue;
-    if (!out.empty() && r.start <= out.back().end) out.back().end = std::max(out.back().end, r.end);
-    else out.push_back(r);
-  }
-  return out;
-}
 
 int64_t count(const std::vector<Range>& ranges) {
   int64_t n = 0;
