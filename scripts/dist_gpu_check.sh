@@ -7,7 +7,8 @@
 #                                  [--bench-args "..."]
 #   --ranks: the rank counts to run (each on the first N GPUs; default: every GPU).
 #   The benchmark runs once per line of BENCH_SETS (default: GQA 64:8 heads, the reference system's published
-#   distributed setting, then 16:16), each with --bench-args appended.
+#   distributed setting, then 16:16), each with --bench-args appended; a line's leading NAME=value words set
+#   the environment of that run (e.g. "MAGI_ATTENTION_QO_COMM=1 --heads 16 --kv-heads 16").
 # Env: BUILD_DIR (default build-dist-gpu), OUT (logs; default $BUILD_DIR/out), GTEST_FILTER.
 # Build dependencies without a system copy travel in ignored folders: build-deps/usr (GoogleTest, Google
 # Benchmark, nlohmann_json; docs/cuda_notes.md) and build-nccl-deps/mpi (OpenMPI headers + libraries,
@@ -133,12 +134,15 @@ if [ $RUN_BENCH = 1 ]; then
     while IFS= read -r args; do
       [ -n "$args" ] || continue
       t0=$(date +%s)
+      envs=""
+      while [[ $args =~ ^([A-Z_][A-Z0-9_]*=[^ ]*)\ *(.*)$ ]]; do envs+="${BASH_REMATCH[1]} "; args=${BASH_REMATCH[2]}; done
+      echo "## cp $n ${envs}$args" >> "$LOGS/bench.log"
       # shellcheck disable=SC2086
       # stdin from /dev/null: mpirun would otherwise swallow the rest of BENCH_SETS.
-      timeout 420 bash -c "$(declare -f launch); MPI_SHIM='$MPI_SHIM' launch $n '$(program dist_attn_gpu_bench)' $args $BENCH_ARGS" \
+      timeout 420 bash -c "$(declare -f launch); MPI_SHIM='$MPI_SHIM' launch $n ${envs:+env $envs}'$(program dist_attn_gpu_bench)' $args $BENCH_ARGS" \
         >> "$LOGS/bench.log" 2>&1 < /dev/null
       rc=$?
-      note "dist_attn_gpu_bench cp $n $args ($(launch_mode $n)): rc $rc, $(( $(date +%s) - t0 )) s"
+      note "dist_attn_gpu_bench cp $n ${envs}$args ($(launch_mode $n)): rc $rc, $(( $(date +%s) - t0 )) s"
     done <<< "$BENCH_SETS"
   done
   grep -vE "^\|" "$LOGS/bench.log" | grep -iE "error|exception|failed" | head -20
@@ -149,5 +153,5 @@ echo "==== summary"
 for line in "${SUMMARY[@]}"; do echo "$line"; done
 if [ $RUN_BENCH = 1 ]; then
   echo
-  grep -E "^device:|^\||^TFLOP" "$LOGS/bench.log"
+  grep -E "^## |^device:|^\||^TFLOP" "$LOGS/bench.log"
 fi

@@ -81,6 +81,32 @@ __global__ void sum_rows_kernel(float* acc, int64_t rows, int64_t elems, const i
   }
 }
 
+// One warp per (row, head); rows that received nothing cost one offsets read.
+template <class T>
+__global__ void merge_rows_kernel(float* acc_out, float* acc_lse, int64_t rows, int32_t heads, int32_t head_dim,
+                                  const int32_t* offsets, const int32_t* index, const T* received_out,
+                                  const float* received_lse) {
+  const int64_t warp = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (warp >= rows * heads) return;
+  const int64_t row = warp / heads;
+  const int32_t head = static_cast<int32_t>(warp - row * heads);
+  const int32_t first = offsets[row], last = offsets[row + 1];
+  if (first == last) return;
+  float* out = acc_out + warp * head_dim;
+  float lse = acc_lse[warp];
+  for (int32_t j = first; j < last; ++j) {
+    const int64_t part = int64_t{index[j]} * heads + head;
+    const auto w = merge_weights<float>(lse, received_lse[part]);
+    const T* values = received_out + part * head_dim;
+    for (int32_t d = lane; d < head_dim; d += 32)
+      out[d] = (w.w1 == 0.f ? 0.f : w.w1 * out[d]) + (w.w2 == 0.f ? 0.f : w.w2 * to_float(values[d]));
+    lse = w.lse;
+  }
+  __syncwarp();
+  if (lane == 0) acc_lse[warp] = lse;
+}
+
 }  // namespace
 
 void gather_rows(const void* src, const int32_t* index, int64_t rows, int64_t row_bytes, void* dst,
@@ -135,6 +161,28 @@ void sum_rows(float* acc, int64_t rows, int64_t elems, const int32_t* offsets, c
       break;
   }
   check_launch("sum_rows");
+}
+
+void merge_rows(float* acc_out, float* acc_lse, int64_t rows, int32_t heads, int32_t head_dim, const int32_t* offsets,
+                const int32_t* index, const void* received_out, Element type, const float* received_lse,
+                cudaStream_t stream) {
+  if (rows == 0 || heads == 0) return;
+  const unsigned blocks = blocks_for(rows * heads * 32);
+  switch (type) {
+    case Element::F32:
+      merge_rows_kernel<<<blocks, kThreads, 0, stream>>>(acc_out, acc_lse, rows, heads, head_dim, offsets, index,
+                                                         static_cast<const float*>(received_out), received_lse);
+      break;
+    case Element::BF16:
+      merge_rows_kernel<<<blocks, kThreads, 0, stream>>>(acc_out, acc_lse, rows, heads, head_dim, offsets, index,
+                                                         static_cast<const __nv_bfloat16*>(received_out), received_lse);
+      break;
+    case Element::F16:
+      merge_rows_kernel<<<blocks, kThreads, 0, stream>>>(acc_out, acc_lse, rows, heads, head_dim, offsets, index,
+                                                         static_cast<const __half*>(received_out), received_lse);
+      break;
+  }
+  check_launch("merge_rows");
 }
 
 void convert(const float* src, void* dst, Element type, int64_t n, cudaStream_t stream) {

@@ -31,6 +31,13 @@ void add_into(float* acc, const float* part, int64_t n, cudaStream_t stream);
 void sum_rows(float* acc, int64_t rows, int64_t elems, const int32_t* offsets, const int32_t* index,
               const void* received, Element type, cudaStream_t stream);
 
+// Group-reduce lse merge (the q/out route's partial results coming back): for each row r of acc_out ([rows,
+// heads, head_dim] fp32) / acc_lse ([rows, heads] fp32), merges received rows index[offsets[r] .. offsets[r + 1])
+// of (received_out [*, heads, head_dim] in `type`, received_lse [*, heads] fp32) in that order.
+void merge_rows(float* acc_out, float* acc_lse, int64_t rows, int32_t heads, int32_t head_dim, const int32_t* offsets,
+                const int32_t* index, const void* received_out, Element type, const float* received_lse,
+                cudaStream_t stream);
+
 // dst (type) = src (fp32), n elements (16-bit types: cuda::convert).
 void convert(const float* src, void* dst, Element type, int64_t n, cudaStream_t stream);
 

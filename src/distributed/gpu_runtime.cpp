@@ -14,6 +14,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -132,38 +133,95 @@ void require_device_rows(const TensorView& t, const char* name, int64_t rows, in
 }  // namespace
 
 // The kv group-cast of one stage, seen from this rank, with the transposed routes of the dk/dv reduce.
+// Row routes of one exchange seen from this rank, on the device: the rows it sends (gathered by send_index,
+// destinations ascending) and, for the transposed exchange that brings results back, which returned rows belong
+// to each local row (CSR, in send order: a fixed summation / merge order). Used for each kv stage (local kv rows:
+// the fetch, then the dk/dv reduce) and for the q/out route (local q rows: q out, partial out/lse or dq back).
 struct StageRoutes {
   std::vector<int64_t> send_rows, recv_rows;  // per rank
   int64_t total_send = 0, total_recv = 0;
-  DeviceMemory send_index;      // [total_send] local kv rows, destinations ascending
-  DeviceMemory reduce_offsets;  // [local kv rows + 1] CSR: partial rows coming back to each local row
-  DeviceMemory reduce_index;    // [total_send] positions in the reduce receive buffer, ascending per row
+  DeviceMemory send_index;      // [total_send] local rows, destinations ascending
+  DeviceMemory reduce_offsets;  // [local rows + 1] CSR: returned rows of each local row
+  DeviceMemory reduce_index;    // [total_send] positions in the return buffer, ascending per row
 };
+
+StageRoutes device_routes(const comm::RowRoutes& routes, int32_t cp, int64_t local_rows) {
+  StageRoutes stage;
+  std::vector<int32_t> send_index;
+  std::vector<std::vector<int32_t>> contributions(static_cast<size_t>(local_rows));
+  for (int32_t dst = 0; dst < cp; ++dst) {
+    stage.send_rows.push_back(static_cast<int64_t>(routes.send_rows[dst].size()));
+    for (int32_t row : routes.send_rows[dst]) {
+      contributions[row].push_back(static_cast<int32_t>(send_index.size()));
+      send_index.push_back(row);
+    }
+  }
+  stage.recv_rows = routes.recv_rows;
+  stage.total_send = routes.total_send_rows();
+  stage.total_recv = routes.total_recv_rows();
+  std::vector<int32_t> offsets{0}, index;
+  for (const auto& rows : contributions) {
+    index.insert(index.end(), rows.begin(), rows.end());
+    offsets.push_back(static_cast<int32_t>(index.size()));
+  }
+  stage.send_index = upload(send_index);
+  stage.reduce_offsets = upload(offsets);
+  stage.reduce_index = upload(index);
+  return stage;
+}
+
+// One head class of the runtime (ClassPlan): kv heads [kv0, kv0 + hkc) and their q heads [h0, h0 + hc). A class
+// that is not every head works on contiguous copies of its heads (q, k, v; out, dout, lse) and accumulators of its
+// own, copied in from and back into the whole ones.
+struct HeadClassState {
+  int32_t kv0 = 0, hkc = 0, h0 = 0, hc = 0;
+  bool whole = true;
+  std::vector<StageRoutes> stages;
+  std::vector<std::unique_ptr<Event>> fetched, computed;
+  bool qo = false;  // some rank pair of this class takes the q/out route (the same on every rank)
+  bool qo_ran = false;  // this backward call: this rank computed q/out route work (its dk/dv are to be added)
+  StageRoutes qo_routes;
+  const Mask* qo_mask = nullptr;  // this rank as executor: its buffer rows x its kv rows
+  Event inputs_ready, qo_cast, qo_computed, qo_returned, accumulators_ready, reduced;
+
+  // Staging for one input dtype.
+  std::vector<DeviceMemory> send_k, send_v, k, v, part_dk, part_dv, reduce_k, reduce_v;
+  DeviceMemory heads[6];        // not whole: q, k, v, out, dout, lse of the class's heads
+  DeviceMemory acc[5];          // not whole: out, lse (forward) / dq, dk, dv (backward) accumulators; see kAcc*
+  DeviceMemory qo_send[4], qo_recv[4];  // q/out route: q, out, dout, lse rows sent / received
+  DeviceMemory qo_part_out, qo_part_lse, qo_ret_out, qo_ret_lse;  // forward partials computed / returned
+  DeviceMemory qo_part_dq, qo_ret_dq, qo_dk, qo_dv;               // backward
+};
+enum ClassInput { kInQ, kInK, kInV, kInOut, kInDout, kInLse };
+enum ClassAcc { kAccOut, kAccLse, kAccDq = 0, kAccDk = 1, kAccDv = 2 };
 
 struct State {
   int32_t device = 0;
   comm::NcclCommunicator* nccl = nullptr;
   cudaStream_t compute = nullptr;
-  std::vector<StageRoutes> stages;
-  Event start, host_done, done, reduced;
-  std::vector<std::unique_ptr<Event>> fetched, computed;
+  std::vector<std::unique_ptr<HeadClassState>> classes;
+  Event start, host_done, done;
   std::mutex mutex;  // one call at a time per runtime: the buffers are shared
 
   // Staging buffers for one input dtype.
   bool allocated = false;
   DType dtype = DType::BF16, wire = DType::BF16;
-  std::vector<DeviceMemory> send_k, send_v, k, v, part_dk, part_dv, reduce_k, reduce_v;
   DeviceMemory acc_out, acc_lse, acc_max, part_max, acc_dq, acc_dk, acc_dv;
   DeviceMemory host_dk, host_dv;  // MAGI_ATTENTION_BWD_HIDE_TAIL_REDUCE: the local stage's dk/dv, added last
   // MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT=0 only: one remote stage's out / lse (fp32), reused by every
   // stage (the compute stream merges it before the next stage writes it).
   DeviceMemory part_out, part_lse;
 
-  // MAGI_ATTENTION_PROFILE_DIR only: timing events, a start and an end per span of one call (at most 3 per
-  // stage + 2: exchanges, stage kernels, reductions, the local stage, the stores) and the anchor that ties
-  // them to wall-clock time. Created on the first profiled call, reused by later ones.
+  // MAGI_ATTENTION_PROFILE_DIR only: timing events, a start and an end per span of one call and the anchor that
+  // ties them to wall-clock time. Created on the first profiled call, reused by later ones.
   std::vector<std::unique_ptr<Event>> span_events;
   std::unique_ptr<Event> anchor;
+
+  size_t max_spans() const {
+    size_t n = 4;
+    for (const auto& c : classes) n += 3 * c->stages.size() + 4;
+    return n;
+  }
 
   ~State() {
     if (compute != nullptr) {
@@ -184,34 +242,25 @@ std::shared_ptr<State> make_state(const DistAttnRuntime& rt) {
   state->device = nccl.cuda_device();
   state->nccl = &nccl;
   check(cudaStreamCreateWithFlags(&state->compute, cudaStreamNonBlocking), "cudaStreamCreate");
-  const int32_t cp = nccl.size();
-  const int32_t local_k = rt.dispatch().k.local_tokens();
-  for (int32_t s = 0; s < rt.plan().num_stages(); ++s) {
-    const comm::RowRoutes& routes = rt.plan().routes[rt.rank()][s];
-    StageRoutes stage;
-    std::vector<int32_t> send_index;
-    std::vector<std::vector<int32_t>> contributions(static_cast<size_t>(local_k));
-    for (int32_t dst = 0; dst < cp; ++dst) {
-      stage.send_rows.push_back(static_cast<int64_t>(routes.send_rows[dst].size()));
-      for (int32_t row : routes.send_rows[dst]) {
-        contributions[row].push_back(static_cast<int32_t>(send_index.size()));
-        send_index.push_back(row);
-      }
+  const int32_t cp = nccl.size(), group = rt.heads().heads_q / rt.heads().heads_kv;
+  const int64_t local_q = rt.dispatch().q.local_tokens(), local_k = rt.dispatch().k.local_tokens();
+  for (const ClassPlan& plan : rt.classes()) {
+    auto& c = *state->classes.emplace_back(std::make_unique<HeadClassState>());
+    c.kv0 = plan.kv_head_begin;
+    c.hkc = plan.kv_head_end - plan.kv_head_begin;
+    c.h0 = c.kv0 * group;
+    c.hc = c.hkc * group;
+    c.whole = c.hkc == rt.heads().heads_kv;
+    for (int32_t s = 0; s < plan.plan.num_stages(); ++s) {
+      c.stages.push_back(device_routes(plan.plan.routes[rt.rank()][s], cp, local_k));
+      c.fetched.push_back(std::make_unique<Event>());
+      c.computed.push_back(std::make_unique<Event>());
     }
-    stage.recv_rows = routes.recv_rows;
-    stage.total_send = routes.total_send_rows();
-    stage.total_recv = routes.total_recv_rows();
-    std::vector<int32_t> offsets{0}, index;
-    for (const auto& rows : contributions) {
-      index.insert(index.end(), rows.begin(), rows.end());
-      offsets.push_back(static_cast<int32_t>(index.size()));
+    c.qo = plan.qo.any;
+    if (c.qo) {
+      c.qo_routes = device_routes(plan.qo.routes[rt.rank()], cp, local_q);
+      c.qo_mask = &plan.qo.masks[rt.rank()];
     }
-    stage.send_index = upload(send_index);
-    stage.reduce_offsets = upload(offsets);
-    stage.reduce_index = upload(index);
-    state->stages.push_back(std::move(stage));
-    state->fetched.push_back(std::make_unique<Event>());
-    state->computed.push_back(std::make_unique<Event>());
   }
   // Host work with synchronous uploads: wall time measures it exactly.
   if (Timeline* timeline = Timeline::of(rt.rank()))
@@ -230,8 +279,7 @@ class Tracer {
   Tracer(const DistAttnRuntime& rt, State& st, std::string_view phase)
       : timeline_(Timeline::of(rt.rank())), st_(st), phase_(phase) {
     if (timeline_ == nullptr || !st.span_events.empty()) return;
-    const size_t pairs = 3 * st.stages.size() + 2;
-    for (size_t i = 0; i < 2 * pairs; ++i) st.span_events.push_back(std::make_unique<Event>(cudaEventDefault));
+    for (size_t i = 0; i < 2 * st.max_spans(); ++i) st.span_events.push_back(std::make_unique<Event>(cudaEventDefault));
     st.anchor = std::make_unique<Event>(cudaEventDefault);
   }
 
@@ -240,9 +288,16 @@ class Tracer {
     if (timeline_ == nullptr) return -1;
     if (2 * (spans_.size() + 1) > st_.span_events.size())
       throw Error("distributed attention profiling: more spans than events (internal)");
-    spans_.push_back({what, stage, lane});
+    spans_.push_back({what, stage, lane, {}});
     const int span = static_cast<int>(spans_.size()) - 1;
     check(cudaEventRecord(*st_.span_events[2 * span], stream), "cudaEventRecord (profiling)");
+    return span;
+  }
+  // A span of one head class's work: named with its kv heads unless the class is every head.
+  int open(std::string_view what, int64_t stage, std::string_view lane, cudaStream_t stream, const HeadClassState& c) {
+    const int span = open(what, stage, lane, stream);
+    if (span >= 0 && !c.whole)
+      spans_.back().heads = " (kv heads " + std::to_string(c.kv0) + "-" + std::to_string(c.kv0 + c.hkc - 1) + ")";
     return span;
   }
   void close(int span, cudaStream_t stream) {
@@ -268,6 +323,7 @@ class Tracer {
       std::string name(phase_);
       if (s.stage >= 0) name += " stage " + std::to_string(s.stage);
       (name += ' ') += s.what;
+      name += s.heads;
       timeline_->add(std::move(name), s.lane, at(*st_.span_events[2 * i]), at(*st_.span_events[2 * i + 1]));
     }
     timeline_->write();
@@ -284,6 +340,7 @@ class Tracer {
     std::string_view what;
     int64_t stage;
     std::string_view lane;
+    std::string heads;
   };
   Timeline* timeline_;
   State& st_;
@@ -291,25 +348,66 @@ class Tracer {
   std::vector<Pending> spans_;
 };
 
+
 void ensure_buffers(const DistAttnRuntime& rt, State& st, DType dtype, DType wire) {
   if (st.allocated && st.dtype == dtype && st.wire == wire) return;
   const double start = Timeline::now_us();
   const HeadShape& h = rt.heads();
   const int64_t lq = rt.dispatch().q.local_tokens(), lk = rt.dispatch().k.local_tokens();
-  const int64_t kv_row = int64_t{h.heads_kv} * h.head_dim, q_elems = lq * h.heads_q * h.head_dim;
+  const int64_t d = h.head_dim, q_elems = lq * h.heads_q * d, kv_elems = lk * h.heads_kv * d;
   const auto bytes = [](int64_t n, DType t) { return static_cast<size_t>(n * dtype_size(t)); };
+  const DType fwd_wire = rt.route_options().forward_high_precision ? DType::F32 : dtype;
   st.allocated = false;
-  for (auto* list : {&st.send_k, &st.send_v, &st.k, &st.v, &st.part_dk, &st.part_dv, &st.reduce_k, &st.reduce_v})
-    list->clear();
-  for (const StageRoutes& stage : st.stages) {
-    st.send_k.emplace_back(bytes(stage.total_send * kv_row, dtype));
-    st.send_v.emplace_back(bytes(stage.total_send * kv_row, dtype));
-    st.k.emplace_back(bytes(stage.total_recv * kv_row, dtype));
-    st.v.emplace_back(bytes(stage.total_recv * kv_row, dtype));
-    st.part_dk.emplace_back(bytes(stage.total_recv * kv_row, wire));
-    st.part_dv.emplace_back(bytes(stage.total_recv * kv_row, wire));
-    st.reduce_k.emplace_back(bytes(stage.total_send * kv_row, wire));
-    st.reduce_v.emplace_back(bytes(stage.total_send * kv_row, wire));
+  for (auto& cp : st.classes) {
+    HeadClassState& c = *cp;
+    const int64_t kv_row = int64_t{c.hkc} * d, q_row = int64_t{c.hc} * d;
+    for (auto* list : {&c.send_k, &c.send_v, &c.k, &c.v, &c.part_dk, &c.part_dv, &c.reduce_k, &c.reduce_v})
+      list->clear();
+    for (const StageRoutes& stage : c.stages) {
+      c.send_k.emplace_back(bytes(stage.total_send * kv_row, dtype));
+      c.send_v.emplace_back(bytes(stage.total_send * kv_row, dtype));
+      c.k.emplace_back(bytes(stage.total_recv * kv_row, dtype));
+      c.v.emplace_back(bytes(stage.total_recv * kv_row, dtype));
+      c.part_dk.emplace_back(bytes(stage.total_recv * kv_row, wire));
+      c.part_dv.emplace_back(bytes(stage.total_recv * kv_row, wire));
+      c.reduce_k.emplace_back(bytes(stage.total_send * kv_row, wire));
+      c.reduce_v.emplace_back(bytes(stage.total_send * kv_row, wire));
+    }
+    for (auto& m : c.heads) m = DeviceMemory();
+    for (auto& m : c.acc) m = DeviceMemory();
+    if (!c.whole) {
+      c.heads[kInQ] = DeviceMemory(bytes(lq * q_row, dtype));
+      c.heads[kInK] = DeviceMemory(bytes(lk * kv_row, dtype));
+      c.heads[kInV] = DeviceMemory(bytes(lk * kv_row, dtype));
+      c.heads[kInOut] = DeviceMemory(bytes(lq * q_row, dtype));
+      c.heads[kInDout] = DeviceMemory(bytes(lq * q_row, dtype));
+      c.heads[kInLse] = DeviceMemory(bytes(lq * c.hc, DType::F32));
+      // forward out / lse and backward dq share acc[0]; lse and dk share acc[1] (a call is one or the other)
+      c.acc[0] = DeviceMemory(bytes(lq * q_row, DType::F32));
+      c.acc[1] = DeviceMemory(bytes(std::max(lq * c.hc, lk * kv_row), DType::F32));
+      c.acc[2] = DeviceMemory(bytes(lk * kv_row, DType::F32));
+    }
+    for (DeviceMemory* m : {&c.qo_send[0], &c.qo_send[1], &c.qo_send[2], &c.qo_send[3], &c.qo_recv[0], &c.qo_recv[1],
+                            &c.qo_recv[2], &c.qo_recv[3], &c.qo_part_out, &c.qo_part_lse, &c.qo_ret_out, &c.qo_ret_lse,
+                            &c.qo_part_dq, &c.qo_ret_dq, &c.qo_dk, &c.qo_dv})
+      *m = DeviceMemory();
+    if (c.qo) {
+      const int64_t sent = c.qo_routes.total_send, got = c.qo_routes.total_recv;
+      for (int i = 0; i < 3; ++i) {
+        c.qo_send[i] = DeviceMemory(bytes(sent * q_row, dtype));
+        c.qo_recv[i] = DeviceMemory(bytes(got * q_row, dtype));
+      }
+      c.qo_send[3] = DeviceMemory(bytes(sent * c.hc, DType::F32));
+      c.qo_recv[3] = DeviceMemory(bytes(got * c.hc, DType::F32));
+      c.qo_part_out = DeviceMemory(bytes(got * q_row, fwd_wire));
+      c.qo_part_lse = DeviceMemory(bytes(got * c.hc, DType::F32));
+      c.qo_ret_out = DeviceMemory(bytes(sent * q_row, fwd_wire));
+      c.qo_ret_lse = DeviceMemory(bytes(sent * c.hc, DType::F32));
+      c.qo_part_dq = DeviceMemory(bytes(got * q_row, wire));
+      c.qo_ret_dq = DeviceMemory(bytes(sent * q_row, wire));
+      c.qo_dk = DeviceMemory(bytes(lk * kv_row, DType::F32));
+      c.qo_dv = DeviceMemory(bytes(lk * kv_row, DType::F32));
+    }
   }
   st.acc_out = DeviceMemory(bytes(q_elems, DType::F32));
   st.acc_lse = DeviceMemory(bytes(lq * h.heads_q, DType::F32));
@@ -319,8 +417,8 @@ void ensure_buffers(const DistAttnRuntime& rt, State& st, DType dtype, DType wir
   st.part_out = DeviceMemory(partials ? bytes(q_elems, DType::F32) : 0);
   st.part_lse = DeviceMemory(partials ? bytes(lq * h.heads_q, DType::F32) : 0);
   st.acc_dq = DeviceMemory(bytes(q_elems, DType::F32));
-  st.acc_dk = DeviceMemory(bytes(lk * kv_row, DType::F32));
-  st.acc_dv = DeviceMemory(bytes(lk * kv_row, DType::F32));
+  st.acc_dk = DeviceMemory(bytes(kv_elems, DType::F32));
+  st.acc_dv = DeviceMemory(bytes(kv_elems, DType::F32));
   st.dtype = dtype;
   st.wire = wire;
   st.allocated = true;
@@ -346,25 +444,113 @@ void check_inputs(const DistAttnRuntime& rt, const State& st, const TensorView& 
     throw InvalidArgument("k, v: dtype must equal q's (" + std::string(to_string(q.dtype)) + ")");
 }
 
-// Enqueues every stage's kv fetch on the comm stream (gather the rows each peer needs, then one NCCL
-// group per stage for k and v); stage s's completion is st.fetched[s].
-void enqueue_fetches(const DistAttnRuntime& rt, State& st, const TensorView& k, const TensorView& v, Tracer& trace) {
+// Heads [first, first + count) of `whole` ([rows, heads, elems_per_head] of esize bytes) to or from the contiguous
+// `part` ([rows, count, elems_per_head]).
+void copy_heads(const void* whole, void* part, int64_t rows, int32_t heads, int32_t first, int32_t count,
+                int64_t head_bytes, bool into_whole, cudaStream_t stream) {
+  if (rows == 0 || count == 0) return;
+  const size_t whole_pitch = static_cast<size_t>(heads * head_bytes), part_pitch = static_cast<size_t>(count * head_bytes);
+  auto* slice = static_cast<char*>(const_cast<void*>(whole)) + first * head_bytes;
+  if (into_whole)
+    check(cudaMemcpy2DAsync(slice, whole_pitch, part, part_pitch, part_pitch, static_cast<size_t>(rows),
+                            cudaMemcpyDeviceToDevice, stream), "cudaMemcpy2DAsync (head class)");
+  else
+    check(cudaMemcpy2DAsync(part, part_pitch, slice, whole_pitch, part_pitch, static_cast<size_t>(rows),
+                            cudaMemcpyDeviceToDevice, stream), "cudaMemcpy2DAsync (head class)");
+}
+
+// One NCCL group of all-to-all-v's with the same row counts per rank: (send, recv, row bytes) each.
+struct RowExchange {
+  const void* send;
+  void* recv;
+  int64_t row_bytes;
+};
+void exchange_rows(State& st, const std::vector<int64_t>& send_rows, const std::vector<int64_t>& recv_rows,
+                   std::initializer_list<RowExchange> buffers, const char* what) {
   const cudaStream_t comm = st.nccl->comm_stream();
-  const int64_t row_bytes = int64_t{rt.heads().heads_kv} * rt.heads().head_dim * dtype_size(k.dtype);
-  for (size_t s = 0; s < st.stages.size(); ++s) {
-    const int span = trace.open("k/v exchange", static_cast<int64_t>(s), "comm", comm);
-    const StageRoutes& stage = st.stages[s];
-    gather_rows(k.data, stage.send_index.as<int32_t>(), stage.total_send, row_bytes, st.send_k[s].get(), comm);
-    gather_rows(v.data, stage.send_index.as<int32_t>(), stage.total_send, row_bytes, st.send_v[s].get(), comm);
-    const auto send = times(stage.send_rows, row_bytes), recv = times(stage.recv_rows, row_bytes);
-    const auto send_displs = displacements(send), recv_displs = displacements(recv);
-    if (ncclGroupStart() != ncclSuccess) throw comm::CommError("ncclGroupStart failed");
-    st.nccl->enqueue_all_to_all_v(st.send_k[s].get(), send, send_displs, st.k[s].get(), recv, recv_displs, comm);
-    st.nccl->enqueue_all_to_all_v(st.send_v[s].get(), send, send_displs, st.v[s].get(), recv, recv_displs, comm);
-    st.nccl->await_launch(ncclGroupEnd(), "kv group-cast");  // non-blocking: enqueued only after this
-    trace.close(span, comm);
-    check(cudaEventRecord(*st.fetched[s], comm), "cudaEventRecord");
+  if (ncclGroupStart() != ncclSuccess) throw comm::CommError("ncclGroupStart failed");
+  for (const RowExchange& b : buffers) {
+    const auto send = times(send_rows, b.row_bytes), recv = times(recv_rows, b.row_bytes);
+    st.nccl->enqueue_all_to_all_v(b.send, send, displacements(send), b.recv, recv, displacements(recv), comm);
   }
+  st.nccl->await_launch(ncclGroupEnd(), what);  // non-blocking: enqueued only after this
+}
+
+// The class's tensors: the caller's when the class is every head, else its contiguous head copies.
+struct ClassTensors {
+  TensorView q, k, v, out, dout, lse;
+};
+
+// On the comm stream, for every class in order: its head copies, the q/out route's cast (q, and with `backward`
+// out, dout and lse) and its kv fetches (gather the rows each peer needs, one NCCL group per stage for k and v).
+// Class c's inputs are ready at c.inputs_ready, its cast at c.qo_cast, stage s's kv at c.fetched[s].
+std::vector<ClassTensors> enqueue_inputs(const DistAttnRuntime& rt, State& st, const TensorView& q, const TensorView& k,
+                                         const TensorView& v, const TensorView* out, const TensorView* dout,
+                                         const TensorView* lse, Tracer& trace) {
+  const cudaStream_t comm = st.nccl->comm_stream();
+  const int64_t lq = rt.dispatch().q.local_tokens(), lk = rt.dispatch().k.local_tokens();
+  const int32_t d = rt.heads().head_dim, hq = rt.heads().heads_q, hkv = rt.heads().heads_kv;
+  const int64_t esize = dtype_size(q.dtype);
+  std::vector<ClassTensors> tensors;
+  for (auto& cp : st.classes) {
+    HeadClassState& c = *cp;
+    ClassTensors& t = tensors.emplace_back();
+    const bool backward = out != nullptr;
+    if (c.whole) {
+      t = {q, k, v, backward ? *out : TensorView{}, backward ? *dout : TensorView{}, backward ? *lse : TensorView{}};
+    } else {
+      const auto take = [&](ClassInput i, const TensorView& whole, int64_t rows, int32_t heads, int32_t first,
+                            int32_t count, int64_t head_bytes) {
+        copy_heads(whole.data, c.heads[i].get(), rows, heads, first, count, head_bytes, false, comm);
+        return whole.ndim == 3 ? device_view(c.heads[i].get(), whole.dtype, {rows, count, d}, st.device)
+                               : device_view(c.heads[i].get(), whole.dtype, {rows, count}, st.device);
+      };
+      t.q = take(kInQ, q, lq, hq, c.h0, c.hc, d * esize);
+      t.k = take(kInK, k, lk, hkv, c.kv0, c.hkc, d * esize);
+      t.v = take(kInV, v, lk, hkv, c.kv0, c.hkc, d * esize);
+      if (backward) {
+        t.out = take(kInOut, *out, lq, hq, c.h0, c.hc, d * esize);
+        t.dout = take(kInDout, *dout, lq, hq, c.h0, c.hc, d * esize);
+        t.lse = take(kInLse, *lse, lq, hq, c.h0, c.hc, 4);
+      }
+    }
+    check(cudaEventRecord(c.inputs_ready, comm), "cudaEventRecord");
+    if (c.qo) {
+      const int span = trace.open("q/out route: exchange of q rows", -1, "comm", comm, c);
+      const StageRoutes& r = c.qo_routes;
+      const int64_t q_row = int64_t{c.hc} * d * esize;
+      const int32_t* index = r.send_index.as<int32_t>();
+      gather_rows(t.q.data, index, r.total_send, q_row, c.qo_send[0].get(), comm);
+      if (backward) {
+        gather_rows(t.out.data, index, r.total_send, q_row, c.qo_send[1].get(), comm);
+        gather_rows(t.dout.data, index, r.total_send, q_row, c.qo_send[2].get(), comm);
+        gather_rows(t.lse.data, index, r.total_send, int64_t{c.hc} * 4, c.qo_send[3].get(), comm);
+        exchange_rows(st, r.send_rows, r.recv_rows,
+                      {{c.qo_send[0].get(), c.qo_recv[0].get(), q_row}, {c.qo_send[1].get(), c.qo_recv[1].get(), q_row},
+                       {c.qo_send[2].get(), c.qo_recv[2].get(), q_row},
+                       {c.qo_send[3].get(), c.qo_recv[3].get(), int64_t{c.hc} * 4}},
+                      "q/out route cast");
+      } else {
+        exchange_rows(st, r.send_rows, r.recv_rows, {{c.qo_send[0].get(), c.qo_recv[0].get(), q_row}},
+                      "q/out route cast");
+      }
+      trace.close(span, comm);
+      check(cudaEventRecord(c.qo_cast, comm), "cudaEventRecord");
+    }
+    const int64_t row_bytes = int64_t{c.hkc} * d * esize;
+    for (size_t s = 0; s < c.stages.size(); ++s) {
+      const int span = trace.open("k/v exchange", static_cast<int64_t>(s), "comm", comm, c);
+      const StageRoutes& stage = c.stages[s];
+      gather_rows(t.k.data, stage.send_index.as<int32_t>(), stage.total_send, row_bytes, c.send_k[s].get(), comm);
+      gather_rows(t.v.data, stage.send_index.as<int32_t>(), stage.total_send, row_bytes, c.send_v[s].get(), comm);
+      exchange_rows(st, stage.send_rows, stage.recv_rows,
+                    {{c.send_k[s].get(), c.k[s].get(), row_bytes}, {c.send_v[s].get(), c.v[s].get(), row_bytes}},
+                    "kv group-cast");
+      trace.close(span, comm);
+      check(cudaEventRecord(*c.fetched[s], comm), "cudaEventRecord");
+    }
+  }
+  return tensors;
 }
 
 // The caller's pending work on its stream precedes ours.
@@ -373,6 +559,9 @@ void begin(State& st, cudaStream_t caller) {
   check(cudaStreamWaitEvent(st.compute, st.start, 0), "cudaStreamWaitEvent");
   check(cudaStreamWaitEvent(st.nccl->comm_stream(), st.start, 0), "cudaStreamWaitEvent");
 }
+
+void wait(cudaStream_t stream, cudaEvent_t event) { check(cudaStreamWaitEvent(stream, event, 0), "cudaStreamWaitEvent"); }
+void record(cudaEvent_t event, cudaStream_t stream) { check(cudaEventRecord(event, stream), "cudaEventRecord"); }
 
 // Global max of max_logits over ranks (host round trip: [Hq] floats).
 void reduce_max_logits(State& st, const TensorView& max_logits, int32_t heads) {
@@ -390,7 +579,7 @@ void forward(const DistAttnRuntime& rt, State& st, const ForwardArgs& a, cudaStr
   check_inputs(rt, st, a.q, a.k, a.v);
   const HeadShape& h = rt.heads();
   const int64_t lq = rt.dispatch().q.local_tokens();
-  const int32_t hq = h.heads_q, hkv = h.heads_kv, d = h.head_dim, dev = st.device;
+  const int32_t hq = h.heads_q, d = h.head_dim, dev = st.device;
   require_device_rows(a.out, "out", lq, 3, dev);
   require_device_rows(a.lse, "lse", lq, 2, dev);
   if (a.lse.dtype != DType::F32) throw InvalidArgument("lse: must be fp32 for device tensors");
@@ -398,20 +587,23 @@ void forward(const DistAttnRuntime& rt, State& st, const ForwardArgs& a, cudaStr
     throw InvalidArgument("out: dtype must be q's or fp32");
   const bool want_max = a.max_logits.ndim != 0;
   const bool with_sink = rt.config().attention.sink_layout != SinkLayout::None;
+  const DType fwd_wire = rt.route_options().forward_high_precision ? DType::F32 : a.q.dtype;
 
   std::lock_guard lock(st.mutex);
   DeviceGuard scope(dev);
   ensure_buffers(rt, st, a.q.dtype, rt.backward_high_precision() ? DType::F32 : a.q.dtype);
   Tracer trace(rt, st, "forward");
   begin(st, caller);
-  enqueue_fetches(rt, st, a.k, a.v, trace);
-  if (rt.config().overlap_degree == 0) check(cudaStreamWaitEvent(st.compute, *st.fetched[0], 0), "cudaStreamWaitEvent");
+  const cudaStream_t comm = st.nccl->comm_stream(), compute = st.compute;
+  const std::vector<ClassTensors> tensors = enqueue_inputs(rt, st, a.q, a.k, a.v, nullptr, nullptr, nullptr, trace);
+  if (rt.config().overlap_degree == 0 && !st.classes.front()->stages.empty())
+    wait(compute, *st.classes.front()->fetched[0]);
 
   const RankPlan& mine = rt.mine();
   AttentionOptions options = rt.config().attention;
-  // Host stage: own kv (and the sink, counted exactly once) straight into the accumulators.
+  // Host stage: own kv, every head (and the sink, counted exactly once) straight into the accumulators.
   if (!mine.host_mask.slices.empty() || with_sink) {
-    const int span = trace.open("local attention", -1, "compute", st.compute);
+    const int span = trace.open("local attention", -1, "compute", compute);
     ForwardArgs s;
     s.q = a.q;
     s.k = a.k;
@@ -420,61 +612,128 @@ void forward(const DistAttnRuntime& rt, State& st, const ForwardArgs& a, cudaStr
     s.out = device_view(st.acc_out.get(), DType::F32, {lq, hq, d}, dev);
     s.lse = device_view(st.acc_lse.get(), DType::F32, {lq, hq}, dev);
     if (want_max) s.max_logits = device_view(st.acc_max.get(), DType::F32, {hq}, dev);
-    magi::forward(mine.host_mask, s, options, st.compute);
-    trace.close(span, st.compute);
+    magi::forward(mine.host_mask, s, options, compute);
+    trace.close(span, compute);
   } else {
-    cuda::fill(st.acc_out.as<float>(), lq * hq * d, 0.f, st.compute);
-    cuda::fill(st.acc_lse.as<float>(), lq * hq, kNegInf, st.compute);
-    cuda::fill(st.acc_max.as<float>(), hq, kNegInf, st.compute);
+    cuda::fill(st.acc_out.as<float>(), lq * hq * d, 0.f, compute);
+    cuda::fill(st.acc_lse.as<float>(), lq * hq, kNegInf, compute);
+    cuda::fill(st.acc_max.as<float>(), hq, kNegInf, compute);
   }
   options.sink_layout = SinkLayout::None;
   // In place (MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT=1): each remote stage's kernel merges its result into
-  // the fp32 accumulators itself (prev_out / prev_lse); the last one writes the caller's out and lse, so no
-  // separate merge or conversion pass. Out of place: each stage writes part_out / part_lse, which lse_merge
-  // folds into the accumulators on the same stream; a final conversion writes out and lse.
+  // the fp32 accumulators itself (prev_out / prev_lse); with one class of every head and no q/out route the last
+  // one writes the caller's out and lse, so no separate merge or conversion pass. Out of place: each stage writes
+  // part_out / part_lse, which lse_merge folds into the accumulators on the same stream; a final conversion writes
+  // out and lse. The q/out route's partials come back to their owners and are merged after the class's stages.
   const bool in_place = rt.forward_inplace_correct();
-  int64_t last = -1;
-  for (size_t stage = 0; stage < st.stages.size(); ++stage)
-    if (in_place && !mine.stages[stage].mask.slices.empty()) last = static_cast<int64_t>(stage);
-  const TensorView acc_out = device_view(st.acc_out.get(), DType::F32, {lq, hq, d}, dev);
-  const TensorView acc_lse = device_view(st.acc_lse.get(), DType::F32, {lq, hq}, dev);
-  for (size_t stage = 0; stage < st.stages.size(); ++stage) {
-    check(cudaStreamWaitEvent(st.compute, *st.fetched[stage], 0), "cudaStreamWaitEvent");
-    const StagePlan& sp = mine.stages[stage];
-    if (sp.mask.slices.empty()) continue;
-    const int64_t rows = sp.buffer_rows;
-    const bool final_stage = static_cast<int64_t>(stage) == last;
-    const int span = trace.open(in_place ? "attention" : "attention + merge", static_cast<int64_t>(stage), "compute",
-                                st.compute);
-    ForwardArgs s;
-    s.q = a.q;
-    s.k = device_view(st.k[stage].get(), a.q.dtype, {rows, hkv, d}, dev);
-    s.v = device_view(st.v[stage].get(), a.q.dtype, {rows, hkv, d}, dev);
-    if (in_place) {
-      s.out = final_stage ? a.out : acc_out;
-      s.lse = final_stage ? a.lse : acc_lse;
-      s.prev_out = acc_out;
-      s.prev_lse = acc_lse;
-    } else {
-      s.out = device_view(st.part_out.get(), DType::F32, {lq, hq, d}, dev);
-      s.lse = device_view(st.part_lse.get(), DType::F32, {lq, hq}, dev);
+  bool stored = false;
+  for (size_t ci = 0; ci < st.classes.size(); ++ci) {
+    HeadClassState& c = *st.classes[ci];
+    const ClassTensors& t = tensors[ci];
+    const std::vector<StagePlan>& stages = rt.classes()[ci].plan.ranks[rt.rank()].stages;
+    wait(compute, c.inputs_ready);
+    float* acc_out = c.whole ? st.acc_out.as<float>() : c.acc[kAccOut].as<float>();
+    float* acc_lse = c.whole ? st.acc_lse.as<float>() : c.acc[kAccLse].as<float>();
+    if (!c.whole) {
+      copy_heads(st.acc_out.get(), acc_out, lq, hq, c.h0, c.hc, int64_t{d} * 4, false, compute);
+      copy_heads(st.acc_lse.get(), acc_lse, lq, hq, c.h0, c.hc, 4, false, compute);
     }
-    if (want_max) s.max_logits = device_view(st.part_max.get(), DType::F32, {hq}, dev);
-    magi::forward(sp.mask, s, options, st.compute);
-    if (!in_place)
-      lse_merge(st.acc_out.as<float>(), st.acc_lse.as<float>(), st.part_out.as<float>(), st.part_lse.as<float>(),
-                lq * hq, d, st.compute);
-    if (want_max) max_into(st.acc_max.as<float>(), st.part_max.as<float>(), hq, st.compute);
-    trace.close(span, st.compute);
+    const TensorView acc_out_view = device_view(acc_out, DType::F32, {lq, c.hc, d}, dev);
+    const TensorView acc_lse_view = device_view(acc_lse, DType::F32, {lq, c.hc}, dev);
+    const auto stage_max = [&](ForwardArgs& s) {
+      if (want_max) s.max_logits = device_view(st.part_max.get(), DType::F32, {c.hc}, dev);
+    };
+    const auto fold_max = [&] {
+      if (want_max) max_into(st.acc_max.as<float>() + c.h0, st.part_max.as<float>(), c.hc, compute);
+    };
+
+    // The q/out route: the q rows other ranks sent, against this rank's kv; partial out / lse go back.
+    if (c.qo) {
+      const int64_t rows = c.qo_routes.total_recv;
+      const int span = trace.open("q/out route attention", -1, "compute", compute, c);
+      wait(compute, c.qo_cast);
+      if (rows > 0 && c.qo_mask->slices.empty()) {  // rows sent for nothing: empty partials (weight 0)
+        check(cudaMemsetAsync(c.qo_part_out.get(), 0, static_cast<size_t>(rows * c.hc * d * dtype_size(fwd_wire)), compute),
+              "cudaMemsetAsync");
+        cuda::fill(c.qo_part_lse.as<float>(), rows * c.hc, kNegInf, compute);
+      } else if (rows > 0) {
+        ForwardArgs s;
+        s.q = device_view(c.qo_recv[0].get(), a.q.dtype, {rows, c.hc, d}, dev);
+        s.k = t.k;
+        s.v = t.v;
+        s.out = device_view(c.qo_part_out.get(), fwd_wire, {rows, c.hc, d}, dev);
+        s.lse = device_view(c.qo_part_lse.get(), DType::F32, {rows, c.hc}, dev);
+        stage_max(s);
+        magi::forward(*c.qo_mask, s, options, compute);
+        fold_max();
+      }
+      trace.close(span, compute);
+      record(c.qo_computed, compute);
+      wait(comm, c.qo_computed);
+      const int back = trace.open("q/out route: partial out / lse back", -1, "comm", comm, c);
+      const int64_t out_row = int64_t{c.hc} * d * dtype_size(fwd_wire);
+      exchange_rows(st, c.qo_routes.recv_rows, c.qo_routes.send_rows,
+                    {{c.qo_part_out.get(), c.qo_ret_out.get(), out_row},
+                     {c.qo_part_lse.get(), c.qo_ret_lse.get(), int64_t{c.hc} * 4}},
+                    "q/out route reduce");
+      trace.close(back, comm);
+      record(c.qo_returned, comm);
+    }
+
+    const bool direct = c.whole && !c.qo && in_place;  // the last stage may write the caller's out / lse
+    int64_t last = -1;
+    for (size_t stage = 0; stage < stages.size(); ++stage)
+      if (direct && !stages[stage].mask.slices.empty()) last = static_cast<int64_t>(stage);
+    for (size_t stage = 0; stage < stages.size(); ++stage) {
+      wait(compute, *c.fetched[stage]);
+      const StagePlan& sp = stages[stage];
+      if (sp.mask.slices.empty()) continue;
+      const int64_t rows = sp.buffer_rows;
+      const bool final_stage = static_cast<int64_t>(stage) == last;
+      const int span = trace.open(in_place ? "attention" : "attention + merge", static_cast<int64_t>(stage), "compute",
+                                  compute, c);
+      ForwardArgs s;
+      s.q = t.q;
+      s.k = device_view(c.k[stage].get(), a.q.dtype, {rows, c.hkc, d}, dev);
+      s.v = device_view(c.v[stage].get(), a.q.dtype, {rows, c.hkc, d}, dev);
+      if (in_place) {
+        s.out = final_stage ? a.out : acc_out_view;
+        s.lse = final_stage ? a.lse : acc_lse_view;
+        s.prev_out = acc_out_view;
+        s.prev_lse = acc_lse_view;
+      } else {
+        s.out = device_view(st.part_out.get(), DType::F32, {lq, c.hc, d}, dev);
+        s.lse = device_view(st.part_lse.get(), DType::F32, {lq, c.hc}, dev);
+      }
+      stage_max(s);
+      magi::forward(sp.mask, s, options, compute);
+      if (!in_place)
+        lse_merge(acc_out, acc_lse, st.part_out.as<float>(), st.part_lse.as<float>(), lq * c.hc, d, compute);
+      fold_max();
+      trace.close(span, compute);
+    }
+    stored = stored || last >= 0;
+    if (c.qo) {
+      wait(compute, c.qo_returned);
+      const int span = trace.open("q/out route: merge of returned partials", -1, "compute", compute, c);
+      merge_rows(acc_out, acc_lse, lq, c.hc, d, c.qo_routes.reduce_offsets.as<int32_t>(),
+                 c.qo_routes.reduce_index.as<int32_t>(), c.qo_ret_out.get(), element(fwd_wire),
+                 c.qo_ret_lse.as<float>(), compute);
+      trace.close(span, compute);
+    }
+    if (!c.whole) {
+      copy_heads(st.acc_out.get(), acc_out, lq, hq, c.h0, c.hc, int64_t{d} * 4, true, compute);
+      copy_heads(st.acc_lse.get(), acc_lse, lq, hq, c.h0, c.hc, 4, true, compute);
+    }
   }
-  if (last < 0) {
-    const int span = trace.open("store out / lse", -1, "compute", st.compute);
-    convert(st.acc_out.as<float>(), a.out.data, element(a.out.dtype), lq * hq * d, st.compute);
-    convert(st.acc_lse.as<float>(), a.lse.data, element(DType::F32), lq * hq, st.compute);
-    trace.close(span, st.compute);
+  if (!stored) {
+    const int span = trace.open("store out / lse", -1, "compute", compute);
+    convert(st.acc_out.as<float>(), a.out.data, element(a.out.dtype), lq * hq * d, compute);
+    convert(st.acc_lse.as<float>(), a.lse.data, element(DType::F32), lq * hq, compute);
+    trace.close(span, compute);
   }
-  check(cudaEventRecord(st.done, st.compute), "cudaEventRecord");
-  check(cudaStreamWaitEvent(caller, st.done, 0), "cudaStreamWaitEvent");
+  record(st.done, compute);
+  wait(caller, st.done);
   st.nccl->wait_event(st.done, "distributed attention forward");
   if (want_max) {
     const double start = Timeline::now_us();
@@ -492,6 +751,9 @@ void backward(const DistAttnRuntime& rt, State& st, const BackwardArgs& a, cudaS
   for (auto [t, name] : {std::pair{&a.out, "out"}, {&a.dout, "dout"}, {&a.dq, "dq"}}) require_device_rows(*t, name, lq, 3, dev);
   for (auto [t, name] : {std::pair{&a.dk, "dk"}, {&a.dv, "dv"}}) require_device_rows(*t, name, lk, 3, dev);
   require_device_rows(a.lse, "lse", lq, 2, dev);
+  if (a.lse.dtype != DType::F32) throw InvalidArgument("lse: must be fp32 for device tensors");
+  for (auto [t, name] : {std::pair{&a.out, "out"}, {&a.dout, "dout"}})
+    if (t->dtype != a.q.dtype) throw InvalidArgument(std::string(name) + ": dtype must equal q's");
   for (auto [t, name] : {std::pair{&a.dq, "dq"}, {&a.dk, "dk"}, {&a.dv, "dv"}})
     if (t->dtype != a.q.dtype && t->dtype != DType::F32)
       throw InvalidArgument(std::string(name) + ": dtype must be q's or fp32");
@@ -504,101 +766,175 @@ void backward(const DistAttnRuntime& rt, State& st, const BackwardArgs& a, cudaS
   ensure_buffers(rt, st, a.q.dtype, wire);
   Tracer trace(rt, st, "backward");
   begin(st, caller);
-  enqueue_fetches(rt, st, a.k, a.v, trace);
-  if (rt.config().overlap_degree == 0) check(cudaStreamWaitEvent(st.compute, *st.fetched[0], 0), "cudaStreamWaitEvent");
+  const cudaStream_t comm = st.nccl->comm_stream(), compute = st.compute;
+  const std::vector<ClassTensors> tensors = enqueue_inputs(rt, st, a.q, a.k, a.v, &a.out, &a.dout, &a.lse, trace);
+  if (rt.config().overlap_degree == 0 && !st.classes.front()->stages.empty())
+    wait(compute, *st.classes.front()->fetched[0]);
 
   const RankPlan& mine = rt.mine();
   const AttentionOptions local_options = rt.config().attention;
-  // The local stage (own kv, and the sink) runs first, hiding the first fetch; with
+  // The local stage (own kv, every head, and the sink) runs first, hiding the first fetch; with
   // MAGI_ATTENTION_BWD_HIDE_TAIL_REDUCE last, hiding the last dk/dv reduction instead: then it adds its dq into the
-  // running sum and writes dk/dv to buffers of its own, added once the reductions are done (they write acc_dk/dv
-  // on the comm stream meanwhile).
-  const bool hide_tail = env::get_bool("MAGI_ATTENTION_BWD_HIDE_TAIL_REDUCE") && !st.stages.empty();
+  // running sum and writes dk/dv to buffers of its own, added once the reductions are done (they write the dk/dv
+  // accumulators on the comm stream meanwhile).
+  const bool any_stage = std::any_of(st.classes.begin(), st.classes.end(), [](const auto& c) { return !c->stages.empty(); });
+  const bool hide_tail = env::get_bool("MAGI_ATTENTION_BWD_HIDE_TAIL_REDUCE") && any_stage;
   const bool host_work = !mine.host_mask.slices.empty() || with_sink;
   if (hide_tail && host_work && st.host_dk.get() == nullptr && lk * kv_row > 0) {
     st.host_dk = DeviceMemory(static_cast<size_t>(lk * kv_row) * sizeof(float));
     st.host_dv = DeviceMemory(static_cast<size_t>(lk * kv_row) * sizeof(float));
   }
   const auto local_stage = [&](bool last) {
-    const int span = trace.open("local attention", -1, "compute", st.compute);
+    const int span = trace.open("local attention", -1, "compute", compute);
     BackwardArgs s = a;
     s.dq = device_view(st.acc_dq.get(), DType::F32, {lq, hq, d}, dev);
     s.accumulate_dq = last;
     s.dk = device_view((last ? st.host_dk : st.acc_dk).get(), DType::F32, {lk, hkv, d}, dev);
     s.dv = device_view((last ? st.host_dv : st.acc_dv).get(), DType::F32, {lk, hkv, d}, dev);
-    magi::backward(mine.host_mask, s, local_options, st.compute);
-    trace.close(span, st.compute);
+    magi::backward(mine.host_mask, s, local_options, compute);
+    trace.close(span, compute);
   };
   if (host_work && !hide_tail) {
     local_stage(false);
   } else {
-    cuda::fill(st.acc_dq.as<float>(), lq * hq * d, 0.f, st.compute);
-    cuda::fill(st.acc_dk.as<float>(), lk * kv_row, 0.f, st.compute);
-    cuda::fill(st.acc_dv.as<float>(), lk * kv_row, 0.f, st.compute);
+    cuda::fill(st.acc_dq.as<float>(), lq * hq * d, 0.f, compute);
+    cuda::fill(st.acc_dk.as<float>(), lk * kv_row, 0.f, compute);
+    cuda::fill(st.acc_dv.as<float>(), lk * kv_row, 0.f, compute);
   }
-  check(cudaEventRecord(st.host_done, st.compute), "cudaEventRecord");
+  record(st.host_done, compute);
   AttentionOptions options = local_options;
   options.sink_layout = SinkLayout::None;
 
-  const cudaStream_t comm = st.nccl->comm_stream();
-  const int64_t wire_row = kv_row * dtype_size(wire);
-  for (size_t stage = 0; stage < st.stages.size(); ++stage) {
-    check(cudaStreamWaitEvent(st.compute, *st.fetched[stage], 0), "cudaStreamWaitEvent");
-    const StagePlan& sp = mine.stages[stage];
-    const int64_t rows = sp.buffer_rows;
-    if (!sp.mask.slices.empty()) {
-      const int span = trace.open("attention", static_cast<int64_t>(stage), "compute", st.compute);
+  // Per class: the q/out route's work (its partial dq goes back to the q owners; its dk/dv are this rank's own),
+  // then the kv stages, each stage's partial dk/dv going back to their owners while the next one computes.
+  for (size_t ci = 0; ci < st.classes.size(); ++ci) {
+    HeadClassState& c = *st.classes[ci];
+    const ClassTensors& t = tensors[ci];
+    const std::vector<StagePlan>& stages = rt.classes()[ci].plan.ranks[rt.rank()].stages;
+    const int64_t c_kv_row = int64_t{c.hkc} * d, wire_row = c_kv_row * dtype_size(wire);
+    wait(compute, c.inputs_ready);
+    float* acc_dq = c.whole ? st.acc_dq.as<float>() : c.acc[kAccDq].as<float>();
+    float* acc_dk = c.whole ? st.acc_dk.as<float>() : c.acc[kAccDk].as<float>();
+    float* acc_dv = c.whole ? st.acc_dv.as<float>() : c.acc[kAccDv].as<float>();
+    if (!c.whole) {
+      copy_heads(st.acc_dq.get(), acc_dq, lq, hq, c.h0, c.hc, int64_t{d} * 4, false, compute);
+      copy_heads(st.acc_dk.get(), acc_dk, lk, hkv, c.kv0, c.hkc, int64_t{d} * 4, false, compute);
+      copy_heads(st.acc_dv.get(), acc_dv, lk, hkv, c.kv0, c.hkc, int64_t{d} * 4, false, compute);
+    }
+    record(c.accumulators_ready, compute);
+
+    if (c.qo) {
+      const int64_t rows = c.qo_routes.total_recv;
+      const int span = trace.open("q/out route attention", -1, "compute", compute, c);
+      wait(compute, c.qo_cast);
+      c.qo_ran = rows > 0 && !c.qo_mask->slices.empty();
+      if (c.qo_ran) {
       BackwardArgs s = a;
-      s.k = device_view(st.k[stage].get(), a.q.dtype, {rows, hkv, d}, dev);
-      s.v = device_view(st.v[stage].get(), a.q.dtype, {rows, hkv, d}, dev);
       s.sink = {};
       s.dsink = {};
-      s.dq = device_view(st.acc_dq.get(), DType::F32, {lq, hq, d}, dev);
-      s.accumulate_dq = true;  // the kernels add into the running sum (no partial buffer, no add pass)
-      s.dk = device_view(st.part_dk[stage].get(), wire, {rows, hkv, d}, dev);
-      s.dv = device_view(st.part_dv[stage].get(), wire, {rows, hkv, d}, dev);
-      magi::backward(sp.mask, s, options, st.compute);
-      trace.close(span, st.compute);
-    } else if (rows > 0) {
-      check(cudaMemsetAsync(st.part_dk[stage].get(), 0, static_cast<size_t>(rows * wire_row), st.compute), "cudaMemsetAsync");
-      check(cudaMemsetAsync(st.part_dv[stage].get(), 0, static_cast<size_t>(rows * wire_row), st.compute), "cudaMemsetAsync");
+      s.accumulate_dq = false;
+      s.q = device_view(c.qo_recv[0].get(), a.q.dtype, {rows, c.hc, d}, dev);
+      s.out = device_view(c.qo_recv[1].get(), a.q.dtype, {rows, c.hc, d}, dev);
+      s.dout = device_view(c.qo_recv[2].get(), a.q.dtype, {rows, c.hc, d}, dev);
+      s.lse = device_view(c.qo_recv[3].get(), DType::F32, {rows, c.hc}, dev);
+      s.k = t.k;
+      s.v = t.v;
+      s.dq = device_view(c.qo_part_dq.get(), wire, {rows, c.hc, d}, dev);
+      s.dk = device_view(c.qo_dk.get(), DType::F32, {lk, c.hkc, d}, dev);
+      s.dv = device_view(c.qo_dv.get(), DType::F32, {lk, c.hkc, d}, dev);
+      magi::backward(*c.qo_mask, s, options, compute);
+      } else if (rows > 0) {  // rows sent for nothing: zero partial dq
+        check(cudaMemsetAsync(c.qo_part_dq.get(), 0, static_cast<size_t>(rows * c.hc * d * dtype_size(wire)), compute),
+              "cudaMemsetAsync");
+      }
+      trace.close(span, compute);
+      record(c.qo_computed, compute);
+      wait(comm, c.qo_computed);
+      const int back = trace.open("q/out route: partial dq back", -1, "comm", comm, c);
+      exchange_rows(st, c.qo_routes.recv_rows, c.qo_routes.send_rows,
+                    {{c.qo_part_dq.get(), c.qo_ret_dq.get(), int64_t{c.hc} * d * dtype_size(wire)}},
+                    "q/out route reduce");
+      trace.close(back, comm);
+      record(c.qo_returned, comm);
     }
-    check(cudaEventRecord(*st.computed[stage], st.compute), "cudaEventRecord");
 
-    // Partial dk/dv back to their owners: the stage's cast in reverse, then a fixed-order sum.
-    const StageRoutes& routes = st.stages[stage];
-    check(cudaStreamWaitEvent(comm, *st.computed[stage], 0), "cudaStreamWaitEvent");
-    const int reduce_span = trace.open("dk/dv reduce", static_cast<int64_t>(stage), "comm", comm);
-    const auto send = times(routes.recv_rows, wire_row), recv = times(routes.send_rows, wire_row);
-    const auto send_displs = displacements(send), recv_displs = displacements(recv);
-    if (ncclGroupStart() != ncclSuccess) throw comm::CommError("ncclGroupStart failed");
-    st.nccl->enqueue_all_to_all_v(st.part_dk[stage].get(), send, send_displs, st.reduce_k[stage].get(), recv,
-                                  recv_displs, comm);
-    st.nccl->enqueue_all_to_all_v(st.part_dv[stage].get(), send, send_displs, st.reduce_v[stage].get(), recv,
-                                  recv_displs, comm);
-    st.nccl->await_launch(ncclGroupEnd(), "dk/dv group-reduce");  // non-blocking: enqueued only after this
-    if (stage == 0) check(cudaStreamWaitEvent(comm, st.host_done, 0), "cudaStreamWaitEvent");
-    sum_rows(st.acc_dk.as<float>(), lk, kv_row, routes.reduce_offsets.as<int32_t>(), routes.reduce_index.as<int32_t>(),
-             st.reduce_k[stage].get(), element(wire), comm);
-    sum_rows(st.acc_dv.as<float>(), lk, kv_row, routes.reduce_offsets.as<int32_t>(), routes.reduce_index.as<int32_t>(),
-             st.reduce_v[stage].get(), element(wire), comm);
-    trace.close(reduce_span, comm);
+    for (size_t stage = 0; stage < stages.size(); ++stage) {
+      wait(compute, *c.fetched[stage]);
+      const StagePlan& sp = stages[stage];
+      const int64_t rows = sp.buffer_rows;
+      if (!sp.mask.slices.empty()) {
+        const int span = trace.open("attention", static_cast<int64_t>(stage), "compute", compute, c);
+        BackwardArgs s = a;
+        s.sink = {};
+        s.dsink = {};
+        s.q = t.q;
+        s.out = t.out;
+        s.dout = t.dout;
+        s.lse = t.lse;
+        s.k = device_view(c.k[stage].get(), a.q.dtype, {rows, c.hkc, d}, dev);
+        s.v = device_view(c.v[stage].get(), a.q.dtype, {rows, c.hkc, d}, dev);
+        s.dq = device_view(acc_dq, DType::F32, {lq, c.hc, d}, dev);
+        s.accumulate_dq = true;  // the kernels add into the running sum (no partial buffer, no add pass)
+        s.dk = device_view(c.part_dk[stage].get(), wire, {rows, c.hkc, d}, dev);
+        s.dv = device_view(c.part_dv[stage].get(), wire, {rows, c.hkc, d}, dev);
+        magi::backward(sp.mask, s, options, compute);
+        trace.close(span, compute);
+      } else if (rows > 0) {
+        check(cudaMemsetAsync(c.part_dk[stage].get(), 0, static_cast<size_t>(rows * wire_row), compute), "cudaMemsetAsync");
+        check(cudaMemsetAsync(c.part_dv[stage].get(), 0, static_cast<size_t>(rows * wire_row), compute), "cudaMemsetAsync");
+      }
+      record(*c.computed[stage], compute);
+
+      // Partial dk/dv back to their owners: the stage's cast in reverse, then a fixed-order sum.
+      const StageRoutes& routes = c.stages[stage];
+      wait(comm, *c.computed[stage]);
+      const int reduce_span = trace.open("dk/dv reduce", static_cast<int64_t>(stage), "comm", comm, c);
+      exchange_rows(st, routes.recv_rows, routes.send_rows,
+                    {{c.part_dk[stage].get(), c.reduce_k[stage].get(), wire_row},
+                     {c.part_dv[stage].get(), c.reduce_v[stage].get(), wire_row}},
+                    "dk/dv group-reduce");
+      if (stage == 0) wait(comm, c.accumulators_ready);  // after the local stage and the class's copies
+      sum_rows(acc_dk, lk, c_kv_row, routes.reduce_offsets.as<int32_t>(), routes.reduce_index.as<int32_t>(),
+               c.reduce_k[stage].get(), element(wire), comm);
+      sum_rows(acc_dv, lk, c_kv_row, routes.reduce_offsets.as<int32_t>(), routes.reduce_index.as<int32_t>(),
+               c.reduce_v[stage].get(), element(wire), comm);
+      trace.close(reduce_span, comm);
+    }
+    record(c.reduced, comm);
+    if (c.qo) {  // the partial dq of this rank's rows computed elsewhere, in source order
+      wait(compute, c.qo_returned);
+      sum_rows(acc_dq, lq, int64_t{c.hc} * d, c.qo_routes.reduce_offsets.as<int32_t>(),
+               c.qo_routes.reduce_index.as<int32_t>(), c.qo_ret_dq.get(), element(wire), compute);
+    }
+    if (!c.whole) copy_heads(st.acc_dq.get(), acc_dq, lq, hq, c.h0, c.hc, int64_t{d} * 4, true, compute);
   }
-  check(cudaEventRecord(st.reduced, comm), "cudaEventRecord");
   if (hide_tail && host_work) local_stage(true);
   // dq is complete once the last stage has computed: its conversion runs while the dk/dv reduce is on the wire.
-  const int store_span = trace.open("store dq / dk / dv", -1, "compute", st.compute);
-  convert(st.acc_dq.as<float>(), a.dq.data, element(a.dq.dtype), lq * hq * d, st.compute);
-  check(cudaStreamWaitEvent(st.compute, st.reduced, 0), "cudaStreamWaitEvent");
-  if (hide_tail && host_work) {
-    add_into(st.acc_dk.as<float>(), st.host_dk.as<float>(), lk * kv_row, st.compute);
-    add_into(st.acc_dv.as<float>(), st.host_dv.as<float>(), lk * kv_row, st.compute);
+  const int store_span = trace.open("store dq / dk / dv", -1, "compute", compute);
+  convert(st.acc_dq.as<float>(), a.dq.data, element(a.dq.dtype), lq * hq * d, compute);
+  for (auto& cp : st.classes) {  // the classes' dk / dv: reductions done, the q/out route's own part, back in place
+    HeadClassState& c = *cp;
+    wait(compute, c.reduced);
+    float* acc_dk = c.whole ? st.acc_dk.as<float>() : c.acc[kAccDk].as<float>();
+    float* acc_dv = c.whole ? st.acc_dv.as<float>() : c.acc[kAccDv].as<float>();
+    if (c.qo && c.qo_ran) {
+      add_into(acc_dk, c.qo_dk.as<float>(), lk * c.hkc * d, compute);
+      add_into(acc_dv, c.qo_dv.as<float>(), lk * c.hkc * d, compute);
+    }
+    if (!c.whole) {
+      copy_heads(st.acc_dk.get(), acc_dk, lk, hkv, c.kv0, c.hkc, int64_t{d} * 4, true, compute);
+      copy_heads(st.acc_dv.get(), acc_dv, lk, hkv, c.kv0, c.hkc, int64_t{d} * 4, true, compute);
+    }
   }
-  convert(st.acc_dk.as<float>(), a.dk.data, element(a.dk.dtype), lk * kv_row, st.compute);
-  convert(st.acc_dv.as<float>(), a.dv.data, element(a.dv.dtype), lk * kv_row, st.compute);
-  trace.close(store_span, st.compute);
-  check(cudaEventRecord(st.done, st.compute), "cudaEventRecord");
-  check(cudaStreamWaitEvent(caller, st.done, 0), "cudaStreamWaitEvent");
+  if (hide_tail && host_work) {
+    add_into(st.acc_dk.as<float>(), st.host_dk.as<float>(), lk * kv_row, compute);
+    add_into(st.acc_dv.as<float>(), st.host_dv.as<float>(), lk * kv_row, compute);
+  }
+  convert(st.acc_dk.as<float>(), a.dk.data, element(a.dk.dtype), lk * kv_row, compute);
+  convert(st.acc_dv.as<float>(), a.dv.data, element(a.dv.dtype), lk * kv_row, compute);
+  trace.close(store_span, compute);
+  record(st.done, compute);
+  wait(caller, st.done);
   st.nccl->wait_event(st.done, "distributed attention backward");
 
   // A shared (sh) sink is replicated on every rank, so its gradient is partial per rank.

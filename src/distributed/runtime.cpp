@@ -264,19 +264,11 @@ bool on_device(const TensorView& q) {
 #endif
 }
 
-void require_kv_routes_on_device(const DistAttnRuntime& rt) {
-  if (rt.beyond_kv())
-    throw NotAvailable("distributed attention on CUDA tensors moves k/v only: this runtime key was planned with "
-                       "query/output routes (MAGI_ATTENTION_QO_COMM / MAGI_ATTENTION_FLATTEN_HEAD_GROUPS), which the "
-                       "host runtime runs (allowed here: both unset, or CPU tensors)");
-}
-
 }  // namespace
 
 void DistAttnRuntime::forward(const ForwardArgs& a, [[maybe_unused]] StreamHandle stream) const {
   if (on_device(a.q)) {
 #if MAGI_ATTN_WITH_NCCL
-    require_kv_routes_on_device(*this);
     gpu::forward(*this, gpu_state(), a, static_cast<cudaStream_t>(stream));
 #endif
     return;
@@ -497,7 +489,6 @@ void DistAttnRuntime::forward(const ForwardArgs& a, [[maybe_unused]] StreamHandl
 void DistAttnRuntime::backward(const BackwardArgs& a, [[maybe_unused]] StreamHandle stream) const {
   if (on_device(a.q)) {
 #if MAGI_ATTN_WITH_NCCL
-    require_kv_routes_on_device(*this);
     gpu::backward(*this, gpu_state(), a, static_cast<cudaStream_t>(stream));
 #endif
     return;

@@ -49,8 +49,6 @@ class DistAttnRuntime {
   const CommPlan& plan() const { return classes_.front().plan; }
   const RankPlan& mine() const { return plan().ranks[static_cast<size_t>(rank_)]; }
   const std::vector<ClassPlan>& classes() const { return classes_; }
-  // Some work takes the q/out route or head classes differ (MAGI_ATTENTION_QO_COMM, FLATTEN_HEAD_GROUPS).
-  bool beyond_kv() const { return classes_.size() > 1 || classes_.front().qo.any; }
   const RouteOptions& route_options() const { return switches_.routes; }
   comm::Communicator& comm() const { return *comm_; }
   const std::shared_ptr<comm::Communicator>& comm_ptr() const { return comm_; }

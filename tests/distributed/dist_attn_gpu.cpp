@@ -92,6 +92,7 @@ struct Results {
 
 struct Problem {
   Mask mask;
+  HeadShape heads;
   HostTensor q, k, v, dout;
   test::ReferenceForward ref_fwd;
   test::ReferenceGrads ref_grads;
@@ -106,20 +107,21 @@ AttentionOptions options(bool deterministic) {
 }
 
 // Global inputs from the shared seed (same on every rank), the fp64 reference and the single-GPU result.
-Problem make_problem(const Mask& mask, uint64_t seed) {
+Problem make_problem(const Mask& mask, uint64_t seed, const HeadShape& heads = kHeads) {
   Problem p;
   p.mask = mask;
+  p.heads = heads;
   std::mt19937_64 rng(seed);
-  const int64_t t = mask.total_q, hq = kHeads.heads_q, hkv = kHeads.heads_kv, d = kHeads.head_dim;
+  const int64_t t = mask.total_q, hq = heads.heads_q, hkv = heads.heads_kv, d = heads.head_dim;
   p.q = HostTensor::from_values(test::random_normal(rng, static_cast<size_t>(t * hq * d), kDtype), kDtype, {t, hq, d});
   p.k = HostTensor::from_values(test::random_normal(rng, static_cast<size_t>(t * hkv * d), kDtype), kDtype, {t, hkv, d});
   p.v = HostTensor::from_values(test::random_normal(rng, static_cast<size_t>(t * hkv * d), kDtype), kDtype, {t, hkv, d});
   p.dout = HostTensor::from_values(test::random_normal(rng, static_cast<size_t>(t * hq * d), kDtype), kDtype, {t, hq, d});
   test::ReferenceProblem ref;
   ref.mask = mask;
-  ref.heads_q = kHeads.heads_q;
-  ref.heads_kv = kHeads.heads_kv;
-  ref.head_dim = kHeads.head_dim;
+  ref.heads_q = heads.heads_q;
+  ref.heads_kv = heads.heads_kv;
+  ref.head_dim = heads.head_dim;
   ref.q = p.q.values();
   ref.k = p.k.values();
   ref.v = p.v.values();
@@ -157,6 +159,7 @@ struct DistRun {
   bool high_precision = true;
   bool deterministic = false;
   int32_t chunk_size = 128;
+  bool qo_comm = false, flatten_head_groups = false, forward_high_precision = false;
 };
 
 // dispatch -> calc_attn -> calc_attn_backward -> undispatch; every output poisoned first.
@@ -168,9 +171,12 @@ Results run_distributed(const Problem& p, const DistRun& run, Results* local = n
   config.attention = options(run.deterministic);
   config.backward_high_precision_reduce = run.high_precision;
   config.comm_timeout_seconds = 120.0;
-  const RuntimeKey key = make_runtime_key(p.mask, kHeads, world_slot(), config);
+  config.qo_comm = run.qo_comm;
+  config.flatten_head_groups = run.flatten_head_groups;
+  config.forward_high_precision_reduce = run.forward_high_precision;
+  const RuntimeKey key = make_runtime_key(p.mask, p.heads, world_slot(), config);
   const int64_t t = p.mask.total_q, lq = key.local_q_tokens(), lk = key.local_k_tokens();
-  const int64_t hq = kHeads.heads_q, hkv = kHeads.heads_kv, d = kHeads.head_dim;
+  const int64_t hq = p.heads.heads_q, hkv = p.heads.heads_kv, d = p.heads.head_dim;
 
   DeviceTensor gq(p.q), gk(p.k), gv(p.v), gdout(p.dout);
   DeviceTensor q(kDtype, {lq, hq, d}), k(kDtype, {lk, hkv, d}), v(kDtype, {lk, hkv, d}), dout(kDtype, {lq, hq, d});
@@ -567,32 +573,39 @@ TEST(DistAttnGpuRoll, MatchesRollingTheGlobalTensor) {
     }
 }
 
-// Plans with query/output routes are the host runtime's: device tensors get NotAvailable naming the switch.
-TEST(DistAttnGpuErrors, QueryOutputRoutesAreRefusedOnDeviceTensors) {
-  if (world().size() < 2) GTEST_SKIP() << "one GPU: a single rank has no rank pairs to route (cp 1)";
-  // 32 documents of 64 rows, and the first 64 rows also see every key: their chunk's work is handed out.
+// MAGI_ATTENTION_QO_COMM and MAGI_ATTENTION_FLATTEN_HEAD_GROUPS on device tensors: 32 documents of 64 rows whose
+// first 64 rows also see every key, so their chunk's work is handed to the kv owners (q rows out, partial out / lse
+// back; backward q, out, dout, lse out, partial dq back), and 2 kv heads, so flattening may split the heads into
+// classes. Matches the single GPU and the reference; deterministic runs are bitwise equal.
+TEST(DistAttnGpuRoutes, QueryOutputRoutesAndHeadClassesMatchSingleGpuAndAreDeterministic) {
+  static const uint64_t seed = shared_seed();
   Mask mask = masks::varlen_causal(test::cu_seqlens_of(std::vector<int32_t>(32, 64)));
   mask.slices.push_back(test::make_slice(0, 64, 64, 2048, MaskType::Full));
-  DistConfig config;
-  config.chunk_size = 64;
-  config.qo_comm = true;
-  config.flatten_head_groups = true;
-  const RuntimeKey key = make_runtime_key(mask, kHeads, world_slot(), config);
-  const int64_t lq = key.local_q_tokens(), lk = key.local_k_tokens();
-  DeviceTensor q(kDtype, {lq, kHeads.heads_q, kHeads.head_dim}), k(kDtype, {lk, kHeads.heads_kv, kHeads.head_dim}),
-      out(kDtype, {lq, kHeads.heads_q, kHeads.head_dim}), lse(DType::F32, {lq, kHeads.heads_q});
-  ForwardArgs f;
-  f.q = q.view();
-  f.k = k.view();
-  f.v = k.view();
-  f.out = out.view();
-  f.lse = lse.view();
-  ASSERT_GT(key.summary().qo_units, 0) << "the solver routed nothing: the test would prove nothing";
-  try {
-    calc_attn(key, f);
-    ADD_FAILURE() << "expected NotAvailable";
-  } catch (const NotAvailable& e) {
-    EXPECT_NE(std::string(e.what()).find("MAGI_ATTENTION_QO_COMM"), std::string::npos) << e.what();
+  const HeadShape heads{4, 2, 128};
+  static const Problem p = make_problem(mask, seed, heads);
+  for (const bool flatten : {false, true}) {
+    DistConfig config;
+    config.chunk_size = 64;
+    config.qo_comm = true;
+    config.flatten_head_groups = flatten;
+    const RuntimeKey key = make_runtime_key(mask, heads, world_slot(), config);
+    if (world().size() >= 2)
+      ASSERT_GT(key.summary().qo_units, 0) << "the solver routed nothing: the test would prove nothing";
+    for (int32_t overlap : {0, 2}) {
+      DistRun run{overlap, true, false, 64, true, flatten, overlap == 2};
+      const std::string context = std::string(flatten ? "qo + flattened" : "qo") + " cp" +
+                                  std::to_string(world().size()) + " overlap" + std::to_string(overlap) + " seed " +
+                                  std::to_string(seed);
+      judge(p, run_distributed(p, run), context, true);
+    }
+    DistRun run{2, false, true, 64, true, flatten, false};
+    Results first, second;
+    run_distributed(p, run, &first);
+    run_distributed(p, run, &second);
+    const std::string context = std::string(flatten ? "qo + flattened" : "qo") + ", seed " + std::to_string(seed);
+    for (auto [name, x, y] : {std::tuple{"out", &first.out, &second.out}, {"lse", &first.lse, &second.lse},
+                              {"dq", &first.dq, &second.dq}, {"dk", &first.dk, &second.dk}, {"dv", &first.dv, &second.dv}})
+      EXPECT_TRUE(test::check_bitwise_equal(name, *x, *y, context));
   }
 }
 
