@@ -379,8 +379,8 @@ void ensure_buffers(const DistAttnRuntime& rt, State& st, DType dtype, DType wir
       c.heads[kInQ] = DeviceMemory(bytes(lq * q_row, dtype));
       c.heads[kInK] = DeviceMemory(bytes(lk * kv_row, dtype));
       c.heads[kInV] = DeviceMemory(bytes(lk * kv_row, dtype));
-      c.heads[kInOut] = DeviceMemory(bytes(lq * q_row, dtype));
-      c.heads[kInDout] = DeviceMemory(bytes(lq * q_row, dtype));
+      c.heads[kInOut] = DeviceMemory(bytes(lq * q_row, DType::F32));  // out and dout: q's dtype or fp32
+      c.heads[kInDout] = DeviceMemory(bytes(lq * q_row, DType::F32));
       c.heads[kInLse] = DeviceMemory(bytes(lq * c.hc, DType::F32));
       // forward out / lse and backward dq share acc[0]; lse and dk share acc[1] (a call is one or the other)
       c.acc[0] = DeviceMemory(bytes(lq * q_row, DType::F32));
@@ -393,9 +393,9 @@ void ensure_buffers(const DistAttnRuntime& rt, State& st, DType dtype, DType wir
       *m = DeviceMemory();
     if (c.qo) {
       const int64_t sent = c.qo_routes.total_send, got = c.qo_routes.total_recv;
-      for (int i = 0; i < 3; ++i) {
-        c.qo_send[i] = DeviceMemory(bytes(sent * q_row, dtype));
-        c.qo_recv[i] = DeviceMemory(bytes(got * q_row, dtype));
+      for (int i = 0; i < 3; ++i) {  // q; out and dout (q's dtype or fp32)
+        c.qo_send[i] = DeviceMemory(bytes(sent * q_row, i == 0 ? dtype : DType::F32));
+        c.qo_recv[i] = DeviceMemory(bytes(got * q_row, i == 0 ? dtype : DType::F32));
       }
       c.qo_send[3] = DeviceMemory(bytes(sent * c.hc, DType::F32));
       c.qo_recv[3] = DeviceMemory(bytes(got * c.hc, DType::F32));
@@ -509,8 +509,8 @@ std::vector<ClassTensors> enqueue_inputs(const DistAttnRuntime& rt, State& st, c
       t.k = take(kInK, k, lk, hkv, c.kv0, c.hkc, d * esize);
       t.v = take(kInV, v, lk, hkv, c.kv0, c.hkc, d * esize);
       if (backward) {
-        t.out = take(kInOut, *out, lq, hq, c.h0, c.hc, d * esize);
-        t.dout = take(kInDout, *dout, lq, hq, c.h0, c.hc, d * esize);
+        t.out = take(kInOut, *out, lq, hq, c.h0, c.hc, d * dtype_size(out->dtype));
+        t.dout = take(kInDout, *dout, lq, hq, c.h0, c.hc, d * dtype_size(dout->dtype));
         t.lse = take(kInLse, *lse, lq, hq, c.h0, c.hc, 4);
       }
     }
@@ -522,12 +522,15 @@ std::vector<ClassTensors> enqueue_inputs(const DistAttnRuntime& rt, State& st, c
       const int32_t* index = r.send_index.as<int32_t>();
       gather_rows(t.q.data, index, r.total_send, q_row, c.qo_send[0].get(), comm);
       if (backward) {
-        gather_rows(t.out.data, index, r.total_send, q_row, c.qo_send[1].get(), comm);
-        gather_rows(t.dout.data, index, r.total_send, q_row, c.qo_send[2].get(), comm);
+        const int64_t out_row = int64_t{c.hc} * d * dtype_size(out->dtype);
+        const int64_t dout_row = int64_t{c.hc} * d * dtype_size(dout->dtype);
+        gather_rows(t.out.data, index, r.total_send, out_row, c.qo_send[1].get(), comm);
+        gather_rows(t.dout.data, index, r.total_send, dout_row, c.qo_send[2].get(), comm);
         gather_rows(t.lse.data, index, r.total_send, int64_t{c.hc} * 4, c.qo_send[3].get(), comm);
         exchange_rows(st, r.send_rows, r.recv_rows,
-                      {{c.qo_send[0].get(), c.qo_recv[0].get(), q_row}, {c.qo_send[1].get(), c.qo_recv[1].get(), q_row},
-                       {c.qo_send[2].get(), c.qo_recv[2].get(), q_row},
+                      {{c.qo_send[0].get(), c.qo_recv[0].get(), q_row},
+                       {c.qo_send[1].get(), c.qo_recv[1].get(), out_row},
+                       {c.qo_send[2].get(), c.qo_recv[2].get(), dout_row},
                        {c.qo_send[3].get(), c.qo_recv[3].get(), int64_t{c.hc} * 4}},
                       "q/out route cast");
       } else {
@@ -753,7 +756,8 @@ void backward(const DistAttnRuntime& rt, State& st, const BackwardArgs& a, cudaS
   require_device_rows(a.lse, "lse", lq, 2, dev);
   if (a.lse.dtype != DType::F32) throw InvalidArgument("lse: must be fp32 for device tensors");
   for (auto [t, name] : {std::pair{&a.out, "out"}, {&a.dout, "dout"}})
-    if (t->dtype != a.q.dtype) throw InvalidArgument(std::string(name) + ": dtype must equal q's");
+    if (t->dtype != a.q.dtype && t->dtype != DType::F32)
+      throw InvalidArgument(std::string(name) + ": dtype must be q's or fp32");
   for (auto [t, name] : {std::pair{&a.dq, "dq"}, {&a.dk, "dk"}, {&a.dv, "dv"}})
     if (t->dtype != a.q.dtype && t->dtype != DType::F32)
       throw InvalidArgument(std::string(name) + ": dtype must be q's or fp32");
@@ -834,8 +838,8 @@ void backward(const DistAttnRuntime& rt, State& st, const BackwardArgs& a, cudaS
       s.dsink = {};
       s.accumulate_dq = false;
       s.q = device_view(c.qo_recv[0].get(), a.q.dtype, {rows, c.hc, d}, dev);
-      s.out = device_view(c.qo_recv[1].get(), a.q.dtype, {rows, c.hc, d}, dev);
-      s.dout = device_view(c.qo_recv[2].get(), a.q.dtype, {rows, c.hc, d}, dev);
+      s.out = device_view(c.qo_recv[1].get(), a.out.dtype, {rows, c.hc, d}, dev);
+      s.dout = device_view(c.qo_recv[2].get(), a.dout.dtype, {rows, c.hc, d}, dev);
       s.lse = device_view(c.qo_recv[3].get(), DType::F32, {rows, c.hc}, dev);
       s.k = t.k;
       s.v = t.v;

@@ -415,6 +415,7 @@ TEST(CudaBackend, ForwardTileChoicesMatchReference) {
   for (const Mask* mask : {&rectangles, &documents}) {
     for (int32_t tile : tiles) {
       for (int32_t d : {64, 128, 256}) {  // D 256: 8 warps x 128 x 64, or 4 warps x 64 x 32
+        if (!cuda::head_dim_supported(d)) continue;  // a build with fewer head-dim tiles
         CaseConfig c = config(index % 2 ? DType::F16 : DType::BF16, 4, 2, d);
         if (index % 3 == 0) c.sink_layout = SinkLayout::SSH;
         if (index % 4 == 1) c.softcap = 15.0;
