@@ -134,6 +134,8 @@ void routes_case(benchmark::State& state, const Mask& mask, magi::dist::HeadShap
   state.counters["qo_over_kv_only"] = static_cast<double>(whole.bytes) / whole.kv_only_bytes;
   state.counters["qo_flat_over_kv_only"] = static_cast<double>(flat.bytes) / flat.kv_only_bytes;
   state.counters["qo_flat_max_area_over_kv_only"] = max_of(flat.rank_area) / max_of(d.rank_area);
+  // Each head class costs the device runtime its own exchanges and kernel launches.
+  state.counters["qo_flat_head_classes"] = static_cast<double>(magi::dist::head_classes(flat, heads.heads_kv).size());
 }
 
 const bool registered = [] {
