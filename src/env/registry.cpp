@@ -132,12 +132,12 @@ std::vector<Variable> make_registry() {
               "Let distributed attention move q, out, lse, do and dq between ranks, not only k/v: per rank pair "
               "the planner picks the route that moves fewer bytes (q rows to the kv owner, partial out / lse and "
               "dq back) while the busiest rank's compute grows by 2% at most, and reports both (magi-attn "
-              "dist-run); host "
-              "(CPU) tensors: the device runtime moves k/v only and refuses such a plan; experimental."),
+              "dist-run); host and device tensors; experimental (on NVLink at cp 2-4 it did not pay: "
+              "docs/performance.md)."),
       boolean("MAGI_ATTENTION_FLATTEN_HEAD_GROUPS", "0", kPerformance, kImplemented,
-              "Decide distributed attention's routes per (rank pair, kv head group) and move head-group units "
-              "of the busiest rank's work to the kv owners (query/output route) while that lowers the busiest "
-              "rank's compute; host (CPU) tensors, like MAGI_ATTENTION_QO_COMM; experimental."),
+              "Decide distributed attention's routes per (rank pair, kv head group; at most 4 groups) and move "
+              "head-group units of the busiest rank's work to the kv owners (query/output route) while that "
+              "lowers the busiest rank's compute; host and device tensors; experimental."),
       boolean("MAGI_ATTENTION_AUTO_RANGE_MERGE", "0", kPerformance, kImplemented,
               "Before planning, merge slices whose union is exactly one slice (side by side on the same rows, or "
               "stacked on the same edges; zero-area ones dropped: magi::merge_slices) so that the kernels handle "
