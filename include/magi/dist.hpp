@@ -50,7 +50,7 @@ struct DistConfig {
   // Query/output routes (unset = MAGI_ATTENTION_QO_COMM): where it moves fewer bytes, a rank hands the attention
   // of its q rows against another rank's kv to that rank (q travels, partial out / lse come back; backward: q,
   // out, dout, lse travel, partial dq comes back) instead of fetching the kv, while the busiest rank's compute grows
-  // by 2% at most. Host tensors (the device runtime moves k/v only).
+  // by 2% at most. Host and device tensors.
   std::optional<bool> qo_comm;
   // Unset = MAGI_ATTENTION_FLATTEN_HEAD_GROUPS: routes are chosen per (rank pair, kv head group), and head-group
   // units of the busiest rank's work move to the kv owner while that lowers the busiest rank's compute.
