@@ -236,6 +236,9 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
 
   const bool sm90 = tuning.forward_family != KernelFamily::Sm80 && sm90_forward_available(head_dim, device);
+  if (tuning.forward_family == KernelFamily::Sm90 && detail::is_large_head_dim(plan->padded_d))
+    throw NotAvailable("cuda plan: the Hopper (sm_90a) forward stops at head dim 256 (head dim " +
+                       std::to_string(head_dim) + " runs the portable family; allowed families here: auto, sm80)");
   if (tuning.forward_family == KernelFamily::Sm90 && !sm90)
     throw NotAvailable("cuda plan: the Hopper (sm_90a) forward is not available here (it needs a build for 90a "
                        "with the CUTLASS headers and a device of compute capability 9.0; allowed families "
