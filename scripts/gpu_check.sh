@@ -13,7 +13,8 @@
 #   --profile: Nsight Compute counters of the default forward kernel (D 128: full, causal, varlen causal): tensor
 #              pipe and issue utilisation, the leading stall reasons (ncu_*.csv, profile.txt).
 # Env: HEAD_DIMS (MAGI_ATTN_CUDA_HEAD_DIMS; default: the build's default, "all" with --large-d), BUILD_TARGETS
-#   (default: every target the script runs), BUILD_DIR (default build-gpu), OUT (logs/CSV; default $BUILD_DIR/out), TESTS_REGEX (ctest -R) for the tests; not GTEST_FILTER,
+#   (default: every target the script runs), PEERS_TIMEOUT (seconds for --large-d's peers; default 900),
+#   BUILD_DIR (default build-gpu), OUT (logs/CSV; default $BUILD_DIR/out), TESTS_REGEX (ctest -R) for the tests; not GTEST_FILTER,
 #   which the build's test discovery would obey too (an empty or narrow one lists no tests); SANITIZE_FAMILIES
 #   (e.g. "ffa_sm90") for the sanitizers' kernel families (default: every family built), SANITIZE_FILTER their
 #   gtest filter.
@@ -139,7 +140,8 @@ if [ $RUN_BENCH = 1 ] && [ $LARGE_D = 1 ]; then
   grep -E "^# magi" "$LOGS/bench_magi.err" | sort -u | head -30
   PEER_ARGS=(--large-d)
   [ $RUN_PEERS = 1 ] || PEER_ARGS=(--skip-all)
-  python3 "$ROOT/scripts/bench_peers.py" "$LOGS/cases.json" "${PEER_ARGS[@]}" > "$LOGS/bench_peers.csv" 2> "$LOGS/bench_peers.err"
+  timeout "${PEERS_TIMEOUT:-900}" python3 "$ROOT/scripts/bench_peers.py" "$LOGS/cases.json" "${PEER_ARGS[@]}" \
+    > "$LOGS/bench_peers.csv" 2> "$LOGS/bench_peers.err"
   note "peers rc $? ($(( $(date +%s) - t0 )) s); $(grep -c '^#' "$LOGS/bench_peers.err") peer errors"
   grep '^#' "$LOGS/bench_peers.err" | cut -c1-300 | head -10
   python3 - "$LOGS/bench_magi.csv" "$LOGS/bench_magi_safe.csv" "$LOGS/bench_peers.csv" <<'PY' | tee "$LOGS/table.txt"
