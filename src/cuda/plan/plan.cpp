@@ -41,6 +41,19 @@ constexpr bool every_tile_divides(int length) {
 }
 static_assert(every_tile_divides(kTileMultiple), "a tile shape no longer divides cuda::kTileMultiple");
 
+// The large-D forward's variants against the parts' per-block shared memory: the resident one fits the A100
+// (163 KB) and the streamed one sm_86 / sm_89 (99 KB) at every tile; the deep one fits Hopper (227 KB).
+constexpr bool large_variants_fit() {
+  for (int d : {320, 384, 512, 576, 768, 1024}) {
+    if (detail::large_fwd_smem_bytes(d, detail::kLargeFwdResident) > 163 * 1024) return false;
+    if (detail::large_fwd_smem_bytes(d, detail::kLargeFwdStreamed) > 99 * 1024) return false;
+    if (detail::large_fwd_smem_bytes(d, detail::kLargeFwdDeep) > 227 * 1024) return false;
+    if (detail::large_fwd_col_warps(d) == 0) return false;
+  }
+  return true;
+}
+static_assert(large_variants_fit(), "a large-D forward variant no longer fits the shared memory it is meant for");
+
 // Host form of one list before upload.
 struct HostList {
   std::vector<detail::TileInfo> tiles;  // heaviest first, then grouped (group_tiles_sharing_data)

@@ -11,17 +11,20 @@ namespace magi::cuda {
 namespace {
 
 using detail::kLargeFwdDeep;
-using detail::kLargeFwdResident;
 
-// Measured choices (flash_bench, bf16, 16 heads, 8k tokens, full and causal; scripts/gpu_check.sh --large-d).
-// Devices and tiles without an entry take the safe variant (large_fwd_default_variant: Q resident with a 2-stage
-// ring where it fits, else Q streamed), which is also what every entry is measured against.
+// Measured choices (flash_bench --large-d: bf16, 16 heads, one 8k-token sequence, full / causal, and long-tailed
+// documents over 8k tokens for varlen causal; scripts/gpu_check.sh --large-d). Devices and tiles without an entry
+// take the safe variant (large_fwd_default_variant: Q resident with a 2-stage ring where it fits, else Q streamed),
+// which every entry was measured against in the same run.
 constexpr TunedForwardConfig kTunedForward[] = {
-    // Hopper (H100 / H200: 227 KB per block). Deep ring (3 stages, 32-key V chunks up to D 512) vs the safe
-    // variant: see docs/cuda_notes.md "Large head dims" for the A/B this entry rests on.
-    {90, 227 * 1024, 320, kLargeFwdDeep, "H100 A/B, docs/cuda_notes.md (large head dims)"},
-    {90, 227 * 1024, 512, kLargeFwdDeep, "H100 A/B, docs/cuda_notes.md (large head dims)"},
-    {90, 227 * 1024, 1024, kLargeFwdDeep, "H100 A/B, docs/cuda_notes.md (large head dims)"},
+    // Hopper (227 KB per block), measured on an H200 (2026-11-26), deep vs safe forward TFLOP/s:
+    //   D 320: full 152 vs 98, causal 153 vs 105, varlen causal 118 vs 87
+    //   D 512: full 178 vs 120, causal 178 vs 127, varlen causal 137 vs 105
+    //   D 1024: full 115 vs 71, causal 118 vs 74, varlen causal 99 vs 68
+    // (384, 576, 768 not measured: they keep the safe variant.)
+    {90, 227 * 1024, 320, kLargeFwdDeep, "H200: deep 152/153/118 vs safe 98/105/87 TFLOP/s (full/causal/varlen)"},
+    {90, 227 * 1024, 512, kLargeFwdDeep, "H200: deep 178/178/137 vs safe 120/127/105 TFLOP/s (full/causal/varlen)"},
+    {90, 227 * 1024, 1024, kLargeFwdDeep, "H200: deep 115/118/99 vs safe 71/74/68 TFLOP/s (full/causal/varlen)"},
 };
 
 }  // namespace
