@@ -3,13 +3,21 @@
 for batch full/causal, torch's FA2 kernel through its varlen op for the document masks it expresses (varlen full
 and causal, sliding window), and compiled FlexAttention for the document masks.
 
+With --large-d (flash_bench --large-d's cases, D > 256): torch SDPA's memory-efficient backend (sdpa_mem) and
+ffpa-attn 0.2.4 (ffpa, its Triton forward and its own backward routing; the wheel from build-deps/wheels is
+pip-installed without dependencies into a temporary directory: the device has no network) on full and causal.
+
 Reads the cases JSON written by flash_bench (--cases) and prints CSV rows in flash_bench's format.
 FLOPs use the same accounting (SPEC section 6): fwd = 4 * area * H * D, bwd = 2.5 * fwd, where area is
 the mask's kept-cell count from the JSON.
 """
 import argparse
+import glob
 import json
+import os
+import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -68,6 +76,60 @@ def varlen_peers(name, case, cu, total, d, heads, reps):
         print(f"# sdpa_flash {name} D{d}: {e}", file=sys.stderr)
 
 
+def import_ffpa():
+    """ffpa_attn from its wheel in build-deps/wheels (pip install --no-deps into a temporary target), or None with
+    the reason on stderr."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    wheels = sorted(glob.glob(os.path.join(root, "build-deps", "wheels", "ffpa_attn-*.whl")))
+    if not wheels:
+        print("# ffpa unavailable: no build-deps/wheels/ffpa_attn-*.whl", file=sys.stderr)
+        return None
+    target = tempfile.mkdtemp(prefix="ffpa_")
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", target,
+                        wheels[-1]], capture_output=True, text=True)
+    if r.returncode != 0:
+        print(f"# ffpa unavailable: pip install failed: {r.stderr.strip()[-300:]}", file=sys.stderr)
+        return None
+    sys.path.insert(0, target)
+    try:
+        import ffpa_attn
+        return ffpa_attn
+    except Exception as e:  # noqa: BLE001
+        print(f"# ffpa unavailable: import failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+
+
+def large_d_peers(spec, reps):
+    """D > 256 peers on full / causal: SDPA memory-efficient, ffpa-attn (Triton forward)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+    ffpa = import_ffpa()
+    seq, batch, heads = spec["seq"], spec["batch"], spec["heads"]
+    for d in spec["dims"]:
+        for case in spec["cases"]:
+            name, area = case["name"], case["area"]
+            if name not in ("full", "causal"):
+                continue
+            causal = name == "causal"
+            q, k, v = (torch.randn(batch, heads, seq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                       for _ in range(3))
+
+            def sdpa_mem():
+                with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal), (q, k, v)
+
+            def ffpa_fwd():
+                return ffpa.ffpa_attn_func(q, k, v, is_causal=causal, forward_backend="triton"), (q, k, v)
+            peers = [("sdpa_mem", sdpa_mem)] + ([("ffpa", ffpa_fwd)] if ffpa is not None else [])
+            for label, fwd in peers:
+                try:
+                    row(label, name, seq * batch, d, area, heads, *measure(fwd, reps))
+                except Exception as e:  # noqa: BLE001
+                    print(f"# {label} {name} D{d}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+            del q, k, v
+            torch.cuda.empty_cache()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("cases")
@@ -75,11 +137,15 @@ def main():
     parser.add_argument("--no-flex", action="store_true")
     parser.add_argument("--skip-all", action="store_true", help="print only the CSV header")
     parser.add_argument("--flex-dims", default="128")
+    parser.add_argument("--large-d", action="store_true", help="the D > 256 peers (sdpa_mem, ffpa) only")
     args = parser.parse_args()
     print("impl,mask,tokens,head_dim,fwd_tflops,bwd_tflops,fwd_ms,bwd_ms", flush=True)
     if args.skip_all:
         return
     spec = json.load(open(args.cases))
+    if args.large_d:
+        large_d_peers(spec, args.reps)
+        return
     seq, batch, heads = spec["seq"], spec["batch"], spec["heads"]
     total = seq * batch
     dev = "cuda"

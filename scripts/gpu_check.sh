@@ -5,11 +5,16 @@
 # same run; a short table is printed last.
 #
 # usage: scripts/gpu_check.sh [--arch "80;90a"] [--skip-tests] [--skip-sanitizer] [--skip-python] [--skip-bench]
-#                             [--skip-peers] [--quick] [--profile]
+#                             [--skip-peers] [--quick] [--profile] [--large-d]
 #   --quick: D=128 only in the benchmark, FlexAttention only on varlen causal.
+#   --large-d: the benchmark at the large head dims instead (flash_bench --large-d: D 320 / 512 / 1024, full and
+#              causal over 8k tokens, varlen causal documents; the tuned table's variant beside the safe one,
+#              MAGI_ATTENTION_CUDA_IGNORE_TUNED_CONFIGS=1) and its peers (SDPA memory-efficient, ffpa-attn 0.2.4).
 #   --profile: Nsight Compute counters of the default forward kernel (D 128: full, causal, varlen causal): tensor
 #              pipe and issue utilisation, the leading stall reasons (ncu_*.csv, profile.txt).
-# Env: BUILD_DIR (default build-gpu), OUT (logs/CSV; default $BUILD_DIR/out), TESTS_REGEX (ctest -R) for the tests; not GTEST_FILTER,
+# Env: HEAD_DIMS (MAGI_ATTN_CUDA_HEAD_DIMS; default: the build's default, "all" with --large-d), BUILD_TARGETS
+#   (default: every target the script runs), PEERS_TIMEOUT (seconds for --large-d's peers; default 900),
+#   BUILD_DIR (default build-gpu), OUT (logs/CSV; default $BUILD_DIR/out), TESTS_REGEX (ctest -R) for the tests; not GTEST_FILTER,
 #   which the build's test discovery would obey too (an empty or narrow one lists no tests); SANITIZE_FAMILIES
 #   (e.g. "ffa_sm90") for the sanitizers' kernel families (default: every family built), SANITIZE_FILTER their
 #   gtest filter.
@@ -18,7 +23,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=${BUILD_DIR:-$ROOT/build-gpu}
 LOGS=${OUT:-$BUILD/out}
 ARCH="80;90a"
-RUN_TESTS=1 RUN_SANITIZER=1 RUN_PYTHON=1 RUN_BENCH=1 RUN_PEERS=1 QUICK=0 RUN_PROFILE=0
+RUN_TESTS=1 RUN_SANITIZER=1 RUN_PYTHON=1 RUN_BENCH=1 RUN_PEERS=1 QUICK=0 RUN_PROFILE=0 LARGE_D=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --arch) ARCH="$2"; shift ;;
@@ -29,7 +34,8 @@ while [ $# -gt 0 ]; do
     --skip-peers) RUN_PEERS=0 ;;
     --quick) QUICK=1 ;;
     --profile) RUN_PROFILE=1 ;;
-    *) echo "gpu_check.sh: unknown argument '$1' (allowed: --arch A, --skip-tests, --skip-sanitizer, --skip-python, --skip-bench, --skip-peers, --quick, --profile)" >&2; exit 2 ;;
+    --large-d) LARGE_D=1 ;;
+    *) echo "gpu_check.sh: unknown argument '$1' (allowed: --arch A, --skip-tests, --skip-sanitizer, --skip-python, --skip-bench, --skip-peers, --quick, --profile, --large-d)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -47,17 +53,19 @@ PREFIX_ARGS=()
 [ -d "$ROOT/build-deps/usr" ] && PREFIX_ARGS=(-DCMAKE_PREFIX_PATH="$ROOT/build-deps/usr")
 GEN=()
 command -v ninja >/dev/null && GEN=(-G Ninja)
+HEAD_DIMS=${HEAD_DIMS:-$([ $LARGE_D = 1 ] && echo all || echo default)}
 t0=$(date +%s)
 cmake -S "$ROOT" -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DMAGI_ATTN_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES="$ARCH" "${PREFIX_ARGS[@]}" > "$LOGS/configure.log" 2>&1 \
+  -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DMAGI_ATTN_CUDA_HEAD_DIMS="$HEAD_DIMS" "${PREFIX_ARGS[@]}" > "$LOGS/configure.log" 2>&1 \
   || { tail -30 "$LOGS/configure.log"; echo "configure FAILED"; exit 1; }
 TARGETS=(flash_attention_test flash_bench api_overhead_bench magi-attn)
 # Distributed attention on device tensors (cp = the visible GPUs, 1 here on a one-GPU machine) where NCCL is built.
 grep -q "skipped (no NCCL engine)" "$LOGS/configure.log" || TARGETS+=(dist_attn_gpu nccl_engine_gpu)
+[ -n "${BUILD_TARGETS:-}" ] && read -r -a TARGETS <<< "$BUILD_TARGETS"
 cmake --build "$BUILD" -j"$(nproc)" --target "${TARGETS[@]}" > "$LOGS/build.log" 2>&1 \
   || { grep -E "error|Error" "$LOGS/build.log" | head -40; echo "build FAILED"; exit 1; }
 grep -E "spill|ptxas warning" "$LOGS/build.log" | sort -u | head -20
-note "build ($ARCH): $(( $(date +%s) - t0 )) s"
+note "build ($ARCH, head dims $HEAD_DIMS): $(( $(date +%s) - t0 )) s"
 
 TEST_BIN="$BUILD/tests/cuda/flash_attention_test"
 if [ $RUN_TESTS = 1 ]; then
@@ -122,7 +130,39 @@ if [ $RUN_PYTHON = 1 ]; then
   tail -8 "$LOGS/overhead.txt"
 fi
 
-if [ $RUN_BENCH = 1 ]; then
+if [ $RUN_BENCH = 1 ] && [ $LARGE_D = 1 ]; then
+  # Large head dims: the plan's variant (tuned table) and the safe one, then the peers; one table.
+  t0=$(date +%s)
+  "$BUILD/bench/cuda/flash_bench" --large-d --cases "$LOGS/cases.json" > "$LOGS/bench_magi.csv" 2> "$LOGS/bench_magi.err"
+  note "flash_bench --large-d rc $? ($(( $(date +%s) - t0 )) s)"
+  MAGI_ATTENTION_CUDA_IGNORE_TUNED_CONFIGS=1 "$BUILD/bench/cuda/flash_bench" --large-d --impl magi_safe \
+    > "$LOGS/bench_magi_safe.csv" 2>> "$LOGS/bench_magi.err"
+  grep -E "^# magi" "$LOGS/bench_magi.err" | sort -u | head -30
+  PEER_ARGS=(--large-d)
+  [ $RUN_PEERS = 1 ] || PEER_ARGS=(--skip-all)
+  timeout "${PEERS_TIMEOUT:-900}" python3 "$ROOT/scripts/bench_peers.py" "$LOGS/cases.json" "${PEER_ARGS[@]}" \
+    > "$LOGS/bench_peers.csv" 2> "$LOGS/bench_peers.err"
+  note "peers rc $? ($(( $(date +%s) - t0 )) s); $(grep -c '^#' "$LOGS/bench_peers.err") peer errors"
+  grep '^#' "$LOGS/bench_peers.err" | cut -c1-300 | head -10
+  python3 - "$LOGS/bench_magi.csv" "$LOGS/bench_magi_safe.csv" "$LOGS/bench_peers.csv" <<'PY' | tee "$LOGS/table.txt"
+import csv, sys
+rows, order = {}, []
+for path in sys.argv[1:]:
+    for r in csv.DictReader(l for l in open(path) if not l.startswith("#")):
+        key = (r["mask"], int(r["head_dim"]))
+        if key not in rows: rows[key] = {}; order.append(key)
+        rows[key][r["impl"]] = (float(r["fwd_tflops"]), float(r["bwd_tflops"]))
+impls = ["magi", "magi_safe", "sdpa_mem", "ffpa"]
+print("\nTFLOP/s fwd/bwd (bf16, 16 heads, 1 x 8k tokens; varlen causal: long-tailed documents), same GPU, same run")
+print(f"{'mask':16s} {'D':>5s} " + " ".join(f"{i:>13s}" for i in impls))
+for key in order:
+    cells = []
+    for i in impls:
+        v = rows[key].get(i)
+        cells.append(f"{v[0]:6.0f}/{v[1]:<6.0f}" if v else f"{'-':>13s}")
+    print(f"{key[0]:16s} {key[1]:5d} " + " ".join(cells))
+PY
+elif [ $RUN_BENCH = 1 ]; then
   t0=$(date +%s)
   PEER_ARGS=()
   BENCH_ARGS=(--deterministic)

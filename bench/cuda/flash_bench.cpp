@@ -4,11 +4,14 @@
 //
 // usage: flash_bench [--cases out.json] [--reps N] [--quick] [--only MASK] [--dims 64,128,256] [--seq 8192]
 //                    [--batch 2] [--deterministic] [--sm-margin N] [--impl NAME] [--fwd-tile-q 64|128]
-//                    [--family auto|sm80|sm90]
+//                    [--family auto|sm80|sm90] [--large-d] [--fwd-variant 0|1|2]
 //   --batch sequences of --seq tokens (16 heads, bf16); --quick = D 128 only. The backward runs in the default
 //   mode (dq by atomics); --deterministic also times the deterministic backward (rows `magi_det`).
 //   --sm-margin N: persistent grids leaving N SMs free (the API's default is 4 when
 //   CUDA_DEVICE_MAX_CONNECTIONS > 1); --impl names the rows (default `magi`).
+//   --large-d: the large head dims (D 320, 512, 1024 unless --dims), one sequence of --seq tokens (full, causal) and
+//   the long-tailed documents over the same tokens (varlen causal); a backward not built for D reports nan.
+//   --fwd-variant pins the large-D forward's variant (0 resident, 1 deep, 2 streamed; default: the plan's choice).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -26,6 +29,7 @@
 #include "common/arguments.hpp"
 #include "common/long_tailed_documents.hpp"
 #include "cuda/backend.hpp"
+#include "magi/error.hpp"
 #include "magi/flops.hpp"
 #include "magi/mask.hpp"
 
@@ -55,7 +59,7 @@ std::vector<int32_t> prefix(const std::vector<int32_t>& lengths) {
   return cu;
 }
 
-std::vector<Case> make_cases(int32_t seq, int32_t batch) {
+std::vector<Case> make_cases(int32_t seq, int32_t batch, bool large_d) {
   using namespace magi;
   const int32_t total = seq * batch;
   const std::vector<int32_t> batch_cu = prefix(std::vector<int32_t>(static_cast<size_t>(batch), seq));
@@ -63,6 +67,10 @@ std::vector<Case> make_cases(int32_t seq, int32_t batch) {
   std::vector<Case> cases;
   cases.push_back({"full", batch_cu, 0, 0, 0, masks::varlen_full(batch_cu)});
   cases.push_back({"causal", batch_cu, 0, 0, 0, masks::varlen_causal(batch_cu)});
+  if (large_d) {
+    cases.push_back({"varlen_causal", docs, 0, 0, 0, masks::varlen_causal(docs)});
+    return cases;
+  }
   cases.push_back({"varlen_full", docs, 0, 0, 0, masks::varlen_full(docs)});
   cases.push_back({"varlen_causal", docs, 0, 0, 0, masks::varlen_causal(docs)});
   cases.push_back({"sliding_window_1024", batch_cu, 1024, 0, 0, masks::varlen_sliding_window(batch_cu, 1024, 0)});
@@ -137,6 +145,7 @@ int main(int argc, char** argv) {
   std::string only, dims_arg;
   int32_t seq = 8192, batch = 2;
   bool deterministic_too = false;
+  bool large_d = false;
   int sm_margin = 0;
   std::string impl = "magi";
   magi::cuda::PlanTuning tuning;  // --fwd-tile-q pins the forward q tile (default: the planner's choice)
@@ -149,6 +158,8 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--seq") && i + 1 < argc) seq = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--batch") && i + 1 < argc) batch = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--deterministic")) deterministic_too = true;
+    else if (!std::strcmp(argv[i], "--large-d")) large_d = true, batch = 1;
+    else if (!std::strcmp(argv[i], "--fwd-variant") && i + 1 < argc) tuning.forward_variant = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--sm-margin") && i + 1 < argc) sm_margin = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--impl") && i + 1 < argc) impl = argv[++i];
     else if (!std::strcmp(argv[i], "--fwd-tile-q") && i + 1 < argc) tuning.forward_tile_q = std::atoi(argv[++i]);
@@ -167,9 +178,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   const int32_t heads = 16;
-  const std::vector<Case> cases = make_cases(seq, batch);
+  const std::vector<Case> cases = make_cases(seq, batch, large_d);
   const int32_t total = seq * batch;
-  std::vector<int32_t> dims = quick ? std::vector<int32_t>{128} : std::vector<int32_t>{64, 128, 256};
+  std::vector<int32_t> dims = large_d ? std::vector<int32_t>{320, 512, 1024}
+                              : quick ? std::vector<int32_t>{128}
+                                      : std::vector<int32_t>{64, 128, 256};
   if (!dims_arg.empty()) dims = magi::bench::parse_int_list(dims_arg);
 
   if (!cases_path.empty()) {
@@ -242,17 +255,24 @@ int main(int argc, char** argv) {
       if (!only.empty() && c.name != only) continue;
       auto plan = magi::cuda::make_plan(c.mask, heads, heads, d, 0, tuning);
       const magi::cuda::PlanStats ps = magi::cuda::stats(*plan);
-      std::fprintf(stderr, "# %s %s D %d: %s forward, %d x %d tiles\n", impl.c_str(), c.name.c_str(), d,
+      std::fprintf(stderr, "# %s %s D %d: %s forward, %d x %d tiles, variant %d\n", impl.c_str(), c.name.c_str(), d,
                    ps.forward_family == magi::cuda::KernelFamily::Sm90 ? "sm90" : "sm80", ps.forward_tile_q,
-                   ps.forward_tile_k);
+                   ps.forward_tile_k, ps.forward_variant);
       const double fwd_ms = time_ms([&] { magi::cuda::forward(*plan, fa, options, stream); }, reps, stream);
-      const double bwd_ms = time_ms([&] { magi::cuda::backward(*plan, ba, options, stream); }, reps, stream);
+      double bwd_ms = NAN;
+      bool backward_built = true;
+      try {
+        magi::cuda::require_backward_built(d);
+      } catch (const magi::NotAvailable&) {
+        backward_built = false;
+      }
+      if (backward_built) bwd_ms = time_ms([&] { magi::cuda::backward(*plan, ba, options, stream); }, reps, stream);
       const int64_t area = c.mask.area();
       const double fwd_tf = magi::flops_forward(area, heads, d) / (fwd_ms * 1e-3) / 1e12;
       const double bwd_tf = magi::flops_backward(area, heads, d) / (bwd_ms * 1e-3) / 1e12;
       std::printf("%s,%s,%d,%d,%.1f,%.1f,%.3f,%.3f\n", impl.c_str(), c.name.c_str(), total, d, fwd_tf, bwd_tf, fwd_ms,
                   bwd_ms);
-      if (deterministic_too) {
+      if (deterministic_too && backward_built) {
         magi::cuda::Options det = options;
         det.deterministic = true;
         const double det_ms = time_ms([&] { magi::cuda::backward(*plan, ba, det, stream); }, reps, stream);

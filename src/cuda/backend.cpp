@@ -16,6 +16,7 @@
 #include "cuda/sm80/tiles.hpp"
 #include "cuda/sm90/launch.hpp"
 #include "cuda/small_kernels.hpp"
+#include "cuda/tile_list.hpp"
 #include "magi/error.hpp"
 
 namespace magi::cuda {
@@ -153,6 +154,7 @@ unsigned char* scratch_for(const Workspace& given, int32_t device, cudaStream_t 
 int64_t workspace_bytes(const ForwardArgs&, const Options&) { return static_cast<int64_t>(kCounterBytes); }
 
 int64_t workspace_bytes(const BackwardArgs& a, const Options& o) {
+  require_backward_built(static_cast<int32_t>(a.q.shape[2]));
   const int32_t padded = padded_head_dim(static_cast<int32_t>(a.q.shape[2]));
   return static_cast<int64_t>(backward_layout(a, padded, device_smem_optin(a.q.device.index), o.deterministic).total);
 }
@@ -166,70 +168,64 @@ int dtype_tag(DType dtype) {
                      " is not supported by the portable kernels (allowed: bf16, fp16)");
 }
 
+// One dispatch over the compiled tiles (cuda/tile_list.hpp) per launcher.
+template <class F>
+void with_compiled_tile(int padded, const char* what, F&& f) {
+  if (!detail::dispatch_compiled_tile(padded, f))
+    throw NotAvailable(std::string("cuda backend: no ") + what + " kernel for head-dim tile " + std::to_string(padded));
+}
+
 template <int kDtype>
-void run_forward(int padded, const detail::FwdParams& p, int tile_q, int itemless, int margin, cudaStream_t stream) {
-  switch (padded) {
-#if MAGI_CUDA_HEAD_DIM_64
-    case 64: return detail::launch_forward<kDtype, 64>(p, tile_q, itemless, margin, stream);
-#endif
-#if MAGI_CUDA_HEAD_DIM_128
-    case 128: return detail::launch_forward<kDtype, 128>(p, tile_q, itemless, margin, stream);
-#endif
-#if MAGI_CUDA_HEAD_DIM_256
-    case 256: return detail::launch_forward<kDtype, 256>(p, tile_q, itemless, margin, stream);
-#endif
-    default: throw NotAvailable("cuda backend: no forward kernel for head-dim tile " + std::to_string(padded));
-  }
+void run_forward(int padded, const detail::FwdParams& p, int tile_q, int variant, int itemless, int margin,
+                 cudaStream_t stream) {
+  with_compiled_tile(padded, "forward", [&](auto d) {
+    detail::launch_forward<kDtype, decltype(d)::value>(p, tile_q, variant, itemless, margin, stream);
+  });
 }
 
 template <int kDtype>
 void run_forward_sm90(int padded, const detail::FwdParams& p, int margin, cudaStream_t stream) {
-  switch (padded) {
-#if MAGI_CUDA_SM90 && MAGI_CUDA_HEAD_DIM_64
-    case 64: return sm90::launch_forward<kDtype, 64>(p, margin, stream);
+  with_compiled_tile(padded, "sm_90a forward", [&](auto d) {
+    constexpr int kD = decltype(d)::value;
+#if MAGI_CUDA_SM90
+    if constexpr (!detail::is_large_head_dim(kD)) return sm90::launch_forward<kDtype, kD>(p, margin, stream);
 #endif
-#if MAGI_CUDA_SM90 && MAGI_CUDA_HEAD_DIM_128
-    case 128: return sm90::launch_forward<kDtype, 128>(p, margin, stream);
-#endif
-#if MAGI_CUDA_SM90 && MAGI_CUDA_HEAD_DIM_256
-    case 256: return sm90::launch_forward<kDtype, 256>(p, margin, stream);
-#endif
-    default: throw NotAvailable("cuda backend: no sm_90a forward kernel for head-dim tile " + std::to_string(padded));
-  }
+    (void)p, (void)margin, (void)stream;
+    throw NotAvailable("cuda backend: no sm_90a forward kernel for head-dim tile " + std::to_string(kD));
+  });
 }
 
 template <int kDtype>
 void run_forward_itemless(int padded, const detail::FwdParams& p, int tile_q, int itemless, cudaStream_t stream) {
-  switch (padded) {
-#if MAGI_CUDA_HEAD_DIM_64
-    case 64: return detail::launch_forward_itemless<kDtype, 64>(p, tile_q, itemless, stream);
-#endif
-#if MAGI_CUDA_HEAD_DIM_128
-    case 128: return detail::launch_forward_itemless<kDtype, 128>(p, tile_q, itemless, stream);
-#endif
-#if MAGI_CUDA_HEAD_DIM_256
-    case 256: return detail::launch_forward_itemless<kDtype, 256>(p, tile_q, itemless, stream);
-#endif
-    default: throw NotAvailable("cuda backend: no forward kernel for head-dim tile " + std::to_string(padded));
-  }
+  with_compiled_tile(padded, "forward", [&](auto d) {
+    detail::launch_forward_itemless<kDtype, decltype(d)::value>(p, tile_q, itemless, stream);
+  });
 }
+
+// The backward kernels exist up to head-dim tile 256. Issue 24's backward half replaces this one place (with the
+// large-D instantiations in src/cuda/CMakeLists.txt): until then a larger head dim gets NotAvailable, before
+// anything is launched or allocated.
+constexpr bool backward_built(int padded_d) { return !detail::is_large_head_dim(padded_d); }
 
 template <int kDtype>
 void run_backward(int padded, const detail::BwdParams& dkdv, int dkdv_blocks, const detail::BwdParams& dq,
                   int dq_blocks, int margin, cudaStream_t stream) {
-  switch (padded) {
-#if MAGI_CUDA_HEAD_DIM_64
-    case 64: return detail::launch_backward<kDtype, 64>(dkdv, dkdv_blocks, dq, dq_blocks, margin, stream);
-#endif
-#if MAGI_CUDA_HEAD_DIM_128
-    case 128: return detail::launch_backward<kDtype, 128>(dkdv, dkdv_blocks, dq, dq_blocks, margin, stream);
-#endif
-#if MAGI_CUDA_HEAD_DIM_256
-    case 256: return detail::launch_backward<kDtype, 256>(dkdv, dkdv_blocks, dq, dq_blocks, margin, stream);
-#endif
-    default: throw NotAvailable("cuda backend: no backward kernel for head-dim tile " + std::to_string(padded));
-  }
+  with_compiled_tile(padded, "backward", [&](auto d) {
+    constexpr int kD = decltype(d)::value;
+    if constexpr (backward_built(kD)) detail::launch_backward<kDtype, kD>(dkdv, dkdv_blocks, dq, dq_blocks, margin, stream);
+    else throw NotAvailable("cuda backend: no backward kernel for head-dim tile " + std::to_string(kD));
+  });
 }
+
+}  // namespace
+
+void require_backward_built(int32_t head_dim) {
+  if (!backward_built(padded_head_dim(head_dim)))
+    throw NotAvailable("cuda backend: backward at head dim " + std::to_string(head_dim) +
+                       " is not built yet (the forward runs up to the compiled tiles; the backward stops at 256)");
+}
+
+namespace {
 
 int32_t sink_kind(SinkLayout layout) {
   switch (layout) {
@@ -310,17 +306,19 @@ void forward(const Plan& plan, const ForwardArgs& a, const Options& o, cudaStrea
       else run_forward_itemless<detail::kFp16>(plan.padded_d, p, plan.fwd_tile_q, itemless, stream);
     }
   } else if (tag == detail::kBf16) {
-    run_forward<detail::kBf16>(plan.padded_d, p, plan.fwd_tile_q, itemless, o.sm_margin, stream);
+    run_forward<detail::kBf16>(plan.padded_d, p, plan.fwd_tile_q, plan.fwd_variant, itemless, o.sm_margin, stream);
   } else {
-    run_forward<detail::kFp16>(plan.padded_d, p, plan.fwd_tile_q, itemless, o.sm_margin, stream);
+    run_forward<detail::kFp16>(plan.padded_d, p, plan.fwd_tile_q, plan.fwd_variant, itemless, o.sm_margin, stream);
   }
   timer.end();
   timer.report(std::string(plan.fwd_family == KernelFamily::Sm90 ? "cuda forward (sm90)" : "cuda forward (sm80)") +
                ", " + std::to_string(plan.fwd_items) + " work items, " + std::to_string(plan.fwd_tile_q) + " x " +
-               std::to_string(plan.fwd_tile_k) + " tiles, head-dim tile " + std::to_string(plan.padded_d));
+               std::to_string(plan.fwd_tile_k) + " tiles, head-dim tile " + std::to_string(plan.padded_d) +
+               (plan.fwd_variant >= 0 ? ", large-D variant " + std::to_string(plan.fwd_variant) : std::string()));
 }
 
 void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStream_t stream) {
+  require_backward_built(plan.d);
   DeviceGuard guard(plan.device);
   // Checked before anything is launched: parts with ~100 KB per block (sm_86, sm_89) have no D 128 backward.
   const int dkdv_smem = detail::dkdv_smem_bytes(plan.padded_d, false);

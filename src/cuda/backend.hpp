@@ -48,6 +48,9 @@ bool sm90_forward_available(int32_t head_dim, int32_t device);
 struct PlanTuning {
   int32_t forward_tile_q = 0;  // rows per forward block: 0, 64 or (D <= 128) 128; the Hopper forward: 0 or 128
   KernelFamily forward_family = KernelFamily::Auto;  // Auto: Sm90 where available; a forced one must be
+  // Head-dim tiles above 256: the D-split forward's variant (LargeFwdVariant in src/cuda/sm80/tiles.hpp); -1 = the
+  // tuned table's choice for the device (plan/tuned_configs.cpp), else the one that fits.
+  int32_t forward_variant = -1;
 };
 
 // A length that every tile of every plan divides (both families, every head dim and tile choice; plan.cpp checks
@@ -64,6 +67,8 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
 // the API layer (shapes match the plan; a given workspace holds workspace_bytes and is 16-byte aligned).
 void forward(const Plan& plan, const ForwardArgs& args, const Options& options, cudaStream_t stream);
 void backward(const Plan& plan, const BackwardArgs& args, const Options& options, cudaStream_t stream);
+// NotAvailable unless this build has a backward kernel for head_dim (the API checks it first).
+void require_backward_built(int32_t head_dim);
 
 // Scratch bytes one call with these arguments needs (args.workspace may stay empty: the backend then uses its own).
 int64_t workspace_bytes(const ForwardArgs& args, const Options& options);
@@ -74,6 +79,7 @@ struct PlanStats {
   int32_t padded_head_dim = 0;
   int32_t forward_tile_q = 0, forward_tile_k = 0;
   KernelFamily forward_family = KernelFamily::Sm80;
+  int32_t forward_variant = -1;  // large head dims: the D-split forward's variant
   int64_t forward_items = 0, dkdv_items = 0, dq_items = 0;
   int64_t forward_tiles = 0, dkdv_tiles = 0, dq_tiles = 0;
   int64_t device_bytes = 0;

@@ -37,12 +37,17 @@ __device__ __forceinline__ void mask_cells(float (&s)[kNBlocks][4], const KeyInt
 // written.
 // row_max in logit units (times logit_scale: log2 units); row_sum is this lane's partial sum (the quad adds them).
 // block_max collects the rows' maxima in log2 units for max_logits.
+// Column-split accumulators (forward_large_kernel.cuh) pass their first column col0 and their width `cols`, and
+// take the rows' lse in lse_rows instead of having it stored (several warps share a row and must all read
+// prev_lse before one of them overwrites it).
 template <class T, int kDBlocks>
 __device__ __forceinline__ void finish_forward_rows(const FwdParams& p, float (&acc)[kDBlocks][4],
                                                     const float (&row_max)[2], const float (&row_sum)[2],
                                                     float logit_scale, int row0, int head, int lane,
-                                                    float& block_max) {
+                                                    float& block_max, int col0 = 0, int cols = kDBlocks * 8,
+                                                    float* lse_rows = nullptr) {
   const int64_t q_stride = int64_t{p.hq} * p.d;
+  const int col_end = min(p.d - col0, cols);  // this accumulator's columns that exist
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float sum = row_sum[r];
@@ -80,8 +85,9 @@ __device__ __forceinline__ void finish_forward_rows(const FwdParams& p, float (&
     __syncwarp();  // the row's four lanes have read prev_lse before lane 0 overwrites it (it may be lse)
     const bool row_valid = row < p.tq;
     if (row_valid) {
-      const int64_t base = int64_t{row} * q_stride + int64_t{head} * p.d;
-      if (lane % 4 == 0) p.lse[int64_t{row} * p.hq + head] = lse;
+      const int64_t base = int64_t{row} * q_stride + int64_t{head} * p.d + col0;
+      if (lse_rows != nullptr) lse_rows[r] = lse;
+      else if (lane % 4 == 0) p.lse[int64_t{row} * p.hq + head] = lse;
       // The row's whole partial result is loaded before the first store: out may alias prev_out, so the
       // compiler may not move a load above an earlier store, and interleaving them costs one memory
       // latency per element pair (measured: ~0.75 ms per merge stage at 16k rows x 64 heads).
@@ -90,7 +96,7 @@ __device__ __forceinline__ void finish_forward_rows(const FwdParams& p, float (&
 #pragma unroll
         for (int i = 0; i < kDBlocks; ++i) {
           const int col = i * 8 + (lane % 4) * 2;
-          prev[i] = col < p.d ? *reinterpret_cast<const float2*>(p.prev_out + base + col) : make_float2(0.f, 0.f);
+          prev[i] = col < col_end ? *reinterpret_cast<const float2*>(p.prev_out + base + col) : make_float2(0.f, 0.f);
         }
 #pragma unroll
         for (int i = 0; i < kDBlocks; ++i) {
@@ -100,7 +106,7 @@ __device__ __forceinline__ void finish_forward_rows(const FwdParams& p, float (&
         factor = 1.0f;
       }
     }
-    store_row_blocks<T, kDBlocks>(p.out, int64_t{row} * q_stride + int64_t{head} * p.d, acc, r, factor, p.d,
+    store_row_blocks<T, kDBlocks>(p.out, int64_t{row} * q_stride + int64_t{head} * p.d + col0, acc, r, factor, col_end,
                                   p.out_fp32, row_valid, lane);
   }
 }

@@ -72,6 +72,28 @@ __device__ __forceinline__ void for_each_work(int num_work, int32_t* counter, Bo
   }
 }
 
+// The second half of an online-softmax step for row half r, once its new maximum mx (>= row_max[r], logit units) is
+// known: s becomes the exp2 terms, this lane's row_sum is rescaled and grows, scale_old[r] is the accumulator's
+// factor. Also used where the maximum is combined across warps (forward_large_kernel.cuh).
+template <int kNBlocks>
+__device__ __forceinline__ void softmax_row_terms(float (&s)[kNBlocks][4], float (&row_max)[2], float (&row_sum)[2],
+                                                  float (&scale_old)[2], float logit_scale, int r, float mx) {
+  const float mx_finite = mx == -INFINITY ? 0.0f : mx;
+  const float base = mx_finite * logit_scale;  // log2 units
+  // The difference first: exactly 1 while the maximum stands (a contracted x * s - round(x * s) is not 0), so
+  // an item that leaves a row unchanged changes nothing and skipping its rescale is bitwise neutral.
+  scale_old[r] = fast_exp2((row_max[r] - mx_finite) * logit_scale);
+  row_max[r] = mx;
+  float sum = 0.0f;
+#pragma unroll
+  for (int nb = 0; nb < kNBlocks; ++nb) {
+    s[nb][2 * r] = fast_exp2(fmaf(s[nb][2 * r], logit_scale, -base));
+    s[nb][2 * r + 1] = fast_exp2(fmaf(s[nb][2 * r + 1], logit_scale, -base));
+    sum += s[nb][2 * r] + s[nb][2 * r + 1];
+  }
+  row_sum[r] = row_sum[r] * scale_old[r] + sum;
+}
+
 // One online-softmax step for this lane's two rows (r = 0: row0, r = 1: row0 + 8) of a strip of kNBlocks 8-column
 // blocks of logits s (the mma fragment layout: s[i][2 r + c], column 8 i + 2 (lane % 4) + c), raw or in log2 units
 // (softcapped): new row maxima (with kLazy, a row keeps its stale maximum until a logit exceeds it by more than
@@ -92,20 +114,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[kNBlocks][4], float (&
     if constexpr (kLazy) {
       if (mx <= row_max[r] + max_slack) mx = row_max[r];
     }
-    const float mx_finite = mx == -INFINITY ? 0.0f : mx;
-    const float base = mx_finite * logit_scale;  // log2 units
-    // The difference first: exactly 1 while the maximum stands (a contracted x * s - round(x * s) is not 0), so
-    // an item that leaves a row unchanged changes nothing and skipping its rescale is bitwise neutral.
-    scale_old[r] = fast_exp2((row_max[r] - mx_finite) * logit_scale);
-    row_max[r] = mx;
-    float sum = 0.0f;
-#pragma unroll
-    for (int nb = 0; nb < kNBlocks; ++nb) {
-      s[nb][2 * r] = fast_exp2(fmaf(s[nb][2 * r], logit_scale, -base));
-      s[nb][2 * r + 1] = fast_exp2(fmaf(s[nb][2 * r + 1], logit_scale, -base));
-      sum += s[nb][2 * r] + s[nb][2 * r + 1];
-    }
-    row_sum[r] = row_sum[r] * scale_old[r] + sum;
+    softmax_row_terms(s, row_max, row_sum, scale_old, logit_scale, r, mx);
   }
 }
 

@@ -202,6 +202,11 @@ std::vector<Variable> make_registry() {
       boolean("MAGI_ATTENTION_DETERMINISTIC_MODE", "0", kDebug, kImplemented,
               "Use only deterministic algorithms, so repeated runs give bitwise-identical results "
               "(the CPU engine always is)."),
+      boolean("MAGI_ATTENTION_CUDA_IGNORE_TUNED_CONFIGS", "0", kDebug, kImplemented,
+              "Ignore the table of measured per-device launch configurations shipped with the library "
+              "(src/cuda/plan/tuned_configs.cpp: the large head-dim forward's variant per compute capability "
+              "and head-dim tile) and take the safe choice that fits the device's shared memory instead; for "
+              "A/B runs. Read when a plan is made (plans are cached)."),
       boolean("MAGI_ATTENTION_PROFILE_MODE", "0", kDebug,
               kImplemented,
               "Print per-kernel GPU timings (CUDA events; synchronises) for every call; for development only."),

@@ -11,6 +11,8 @@
 #include "cuda/check.hpp"
 #include "cuda/sm80/tiles.hpp"
 #include "cuda/sm90/tiles.hpp"
+#include "cuda/tile_list.hpp"
+#include "cuda/plan/tuned_configs.hpp"
 #include "magi/error.hpp"
 #include "mask/tiling.hpp"
 
@@ -21,20 +23,13 @@ using detail::WorkItem;
 
 namespace {
 
-constexpr int kCompiledTiles[] = {
-#if MAGI_CUDA_HEAD_DIM_64
-    64,
-#endif
-#if MAGI_CUDA_HEAD_DIM_128
-    128,
-#endif
-#if MAGI_CUDA_HEAD_DIM_256
-    256,
-#endif
-    0};
+constexpr const int (&kCompiledTiles)[sizeof(detail::CompiledTiles::kValues) / sizeof(int)] =
+    detail::CompiledTiles::kValues;
 
 // kTileMultiple (backend.hpp) against every tile shape a plan may use.
 constexpr bool every_tile_divides(int length) {
+  for (int d : {320, 384, 512, 576, 768, 1024})
+    if (length % detail::large_fwd_tile_q(d) != 0 || length % detail::kLargeFwdTileK != 0) return false;
   for (int d : {64, 128, 256}) {
     for (int q : {detail::kFwdTileQ, detail::kFwdSmallTileQ})
       if (length % q != 0 || length % detail::fwd_tile_k(d, q) != 0) return false;
@@ -45,6 +40,19 @@ constexpr bool every_tile_divides(int length) {
   return true;
 }
 static_assert(every_tile_divides(kTileMultiple), "a tile shape no longer divides cuda::kTileMultiple");
+
+// The large-D forward's variants against the parts' per-block shared memory: the resident one fits the A100
+// (163 KB) and the streamed one sm_86 / sm_89 (99 KB) at every tile; the deep one fits Hopper (227 KB).
+constexpr bool large_variants_fit() {
+  for (int d : {320, 384, 512, 576, 768, 1024}) {
+    if (detail::large_fwd_smem_bytes(d, detail::kLargeFwdResident) > 163 * 1024) return false;
+    if (detail::large_fwd_smem_bytes(d, detail::kLargeFwdStreamed) > 99 * 1024) return false;
+    if (detail::large_fwd_smem_bytes(d, detail::kLargeFwdDeep) > 227 * 1024) return false;
+    if (detail::large_fwd_col_warps(d) == 0) return false;
+  }
+  return true;
+}
+static_assert(large_variants_fit(), "a large-D forward variant no longer fits the shared memory it is meant for");
 
 // Host form of one list before upload.
 struct HostList {
@@ -199,7 +207,8 @@ bool sm90_forward_available(int32_t head_dim, int32_t device) {
   check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
   check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute");
   check(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), "cudaDeviceGetAttribute");
-  return major == 9 && minor == 0 && sm90::forward_smem_bytes(padded_head_dim(head_dim)) <= smem;
+  const int32_t padded = padded_head_dim(head_dim);
+  return major == 9 && minor == 0 && !detail::is_large_head_dim(padded) && sm90::forward_smem_bytes(padded) <= smem;
 #else
   (void)head_dim;
   (void)device;
@@ -240,13 +249,24 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
 
   const bool sm90 = tuning.forward_family != KernelFamily::Sm80 && sm90_forward_available(head_dim, device);
+  if (tuning.forward_family == KernelFamily::Sm90 && detail::is_large_head_dim(plan->padded_d))
+    throw NotAvailable("cuda plan: the Hopper (sm_90a) forward stops at head dim 256 (head dim " +
+                       std::to_string(head_dim) + " runs the portable family; allowed families here: auto, sm80)");
   if (tuning.forward_family == KernelFamily::Sm90 && !sm90)
     throw NotAvailable("cuda plan: the Hopper (sm_90a) forward is not available here (it needs a build for 90a "
                        "with the CUTLASS headers and a device of compute capability 9.0; allowed families "
                        "here: auto, sm80)");
   plan->fwd_family = sm90 ? KernelFamily::Sm90 : KernelFamily::Sm80;
-  const int small_q = sm90 ? sm90::kForwardTileQ : detail::kFwdSmallTileQ;
-  const int large_q = sm90 ? sm90::kForwardTileQ
+  // Large head dims: one q tile, and the D-split kernel's variant for this device (plan/tuned_configs.cpp).
+  const bool large_d = detail::is_large_head_dim(plan->padded_d);
+  if (large_d) {
+    int major = 0, minor = 0;
+    check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
+    check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute");
+    plan->fwd_variant = large_forward_variant(major * 10 + minor, plan->smem_optin, plan->padded_d, tuning.forward_variant);
+  }
+  const int small_q = sm90 ? sm90::kForwardTileQ : large_d ? detail::large_fwd_tile_q(plan->padded_d) : detail::kFwdSmallTileQ;
+  const int large_q = sm90 || large_d ? small_q
                       : detail::fwd_smem_bytes(plan->padded_d, detail::kFwdTileQ) <= plan->smem_optin
                           ? detail::kFwdTileQ
                           : small_q;
@@ -257,7 +277,9 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
                           std::to_string(small_q) + (large_q != small_q ? ", " + std::to_string(large_q) : "") +
                           ")");
   auto forward_tiles = [&](int q) {
-    return tiling::by_q_tile(mask, q, sm90 ? sm90::forward_tile_k(plan->padded_d) : detail::fwd_tile_k(plan->padded_d, q));
+    return tiling::by_q_tile(mask, q, sm90      ? sm90::forward_tile_k(plan->padded_d)
+                                      : large_d ? detail::kLargeFwdTileK
+                                                : detail::fwd_tile_k(plan->padded_d, q));
   };
   int fwd_q = tuning.forward_tile_q != 0 ? tuning.forward_tile_q : large_q;
   tiling::TileLists fwd_tiles = forward_tiles(fwd_q);
@@ -338,6 +360,7 @@ PlanStats stats(const Plan& plan) {
   s.forward_tile_q = plan.fwd_tile_q;
   s.forward_tile_k = plan.fwd_tile_k;
   s.forward_family = plan.fwd_family;
+  s.forward_variant = plan.fwd_variant;
   s.forward_items = plan.fwd_items;
   s.dkdv_items = plan.dkdv_items;
   s.dq_items = plan.dq_items;

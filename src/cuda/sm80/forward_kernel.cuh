@@ -319,10 +319,10 @@ __global__ void __launch_bounds__(FwdConfig<kD, kTileQ>::kThreads, FwdConfig<kD,
 
 // The plan's item-less q tiles (the last of its order, from `first` on), one block per (tile, head).
 template <class T, int kD, int kTileQ>
-__global__ void __launch_bounds__(FwdConfig<kD, kTileQ>::kThreads) forward_itemless_kernel(const FwdParams p, int first) {
+__global__ void __launch_bounds__(fwd_block_warps(kD, kTileQ) * 32) forward_itemless_kernel(const FwdParams p, int first) {
   const int linear = static_cast<int>(blockIdx.x);
   const int tile = p.list.tiles[first + linear / p.hq].tile;
-  write_itemless_tile<T, kD, kTileQ, FwdConfig<kD, kTileQ>::kWarps>(p, tile * kTileQ, linear % p.hq);
+  write_itemless_tile<T, kD, kTileQ, fwd_block_warps(kD, kTileQ)>(p, tile * kTileQ, linear % p.hq);
 }
 
 }  // namespace magi::cuda::detail

@@ -11,10 +11,12 @@
 namespace magi::cuda::detail {
 
 // Persistent grids sized (SMs - sm_margin) x resident blocks per SM. tile_q: kFwdTileQ or
-// kFwdSmallTileQ (the rows per block of the plan's forward list). The last `itemless_tiles` tiles of the
+// kFwdSmallTileQ (the rows per block of the plan's forward list; large_fwd_tile_q for the large tiles, whose
+// `variant` is a LargeFwdVariant; ignored up to D 256). The last `itemless_tiles` tiles of the
 // list's order (tiles without work items; only without a sink) go to a copy kernel of their own.
 template <int kDtype, int kD>
-void launch_forward(const FwdParams& params, int tile_q, int itemless_tiles, int sm_margin, cudaStream_t stream);
+void launch_forward(const FwdParams& params, int tile_q, int variant, int itemless_tiles, int sm_margin,
+                    cudaStream_t stream);
 // Only the list's last `itemless_tiles` tiles (tile_q rows each, no work items): copies of the previous result or
 // empty rows. For the families whose attention kernel leaves them out.
 template <int kDtype, int kD>

@@ -99,8 +99,7 @@ __device__ __forceinline__ void load_tile_async(uint32_t smem, const T* global, 
                                                 int cols_valid, const T* fallback) {
   constexpr int kChunksPerRow = kCols / 8;
   constexpr int kTotal = kRows * kChunksPerRow;
-  static_assert(kTotal % kThreads == 0, "tile must divide evenly among threads");
-  if constexpr (kThreads % kChunksPerRow == 0 && (kThreads / kChunksPerRow) % 8 == 0) {
+  if constexpr (kTotal % kThreads == 0 && kThreads % kChunksPerRow == 0 && (kThreads / kChunksPerRow) % 8 == 0) {
     constexpr int kRowsPerPass = kThreads / kChunksPerRow;
     const int row0 = static_cast<int>(threadIdx.x) / kChunksPerRow;
     const int col = (static_cast<int>(threadIdx.x) % kChunksPerRow) * 8;
@@ -113,9 +112,11 @@ __device__ __forceinline__ void load_tile_async(uint32_t smem, const T* global, 
       cp_async16(dst + i * kRowsPerPass * kCols * 2, valid ? src + i * kRowsPerPass * row_stride : fallback, valid);
     }
   } else {
+    // Tiles that do not divide among the threads (large-D V chunks: 16 x 320 columns) leave the last pass partial.
 #pragma unroll
-    for (int i = 0; i < kTotal / kThreads; ++i) {
+    for (int i = 0; i < (kTotal + kThreads - 1) / kThreads; ++i) {
       const int index = i * kThreads + static_cast<int>(threadIdx.x);
+      if (kTotal % kThreads != 0 && index >= kTotal) break;
       const int row = index / kChunksPerRow;
       const int col = (index % kChunksPerRow) * 8;
       const bool valid = row < rows_valid && col < cols_valid;

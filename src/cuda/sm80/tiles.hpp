@@ -36,6 +36,65 @@ constexpr int fwd_tile_k(int padded_head_dim, int tile_q) {
 constexpr int fwd_smem_bytes(int padded_head_dim, int tile_q) {
   return (tile_q + 2 * fwd_tile_k(padded_head_dim, tile_q)) * padded_head_dim * 2;
 }
+// Large head dims (tiles above kMaxRegisterHeadDim: 320, 384, 512, 576, 768, 1024) run the D-split forward
+// (forward_large_kernel.cuh): 8 warps; S = Q K^T tiled over the warps by (16 rows x keys) with the full-D
+// reduction, K streamed in 64-column chunks; the fp32 O accumulator split over the warps by columns (and rows
+// where a warp's share would exceed kLargeFwdAccRegisters); P through shared memory as every O warp's A operand.
+constexpr int kMaxRegisterHeadDim = 256;
+constexpr bool is_large_head_dim(int padded_head_dim) { return padded_head_dim > kMaxRegisterHeadDim; }
+constexpr int kLargeFwdWarps = 8;
+constexpr int kLargeFwdTileK = 64;
+constexpr int kLargeFwdChunk = 64;          // columns of a K (and streamed Q) chunk: one swizzled 128-byte row
+constexpr int kLargeFwdAccRegisters = 128;  // fp32 O registers per thread, at most
+// q rows per block: 64 up to D 512 (a warp holds 64 rows x D / 8 columns), 32 above.
+constexpr int large_fwd_tile_q(int padded_head_dim) { return padded_head_dim <= 512 ? 64 : 32; }
+// Warps sharing the O columns: the most of 8, 4, 2, 1 whose column share is whole 16-column ldmatrix blocks and
+// whose row share (whole 16-row m-tiles) fits kLargeFwdAccRegisters. D 320: 4 (32 x 80), 384: 8 (64 x 48),
+// 512: 8 (64 x 64), 576: 4 (16 x 144), 768: 8 (32 x 96), 1024: 8 (32 x 128).
+constexpr int large_fwd_col_warps(int padded_head_dim) {
+  const int m = large_fwd_tile_q(padded_head_dim);
+  for (int c = kLargeFwdWarps; c >= 1; c /= 2) {
+    const int cols = padded_head_dim / c, rows = m * c / kLargeFwdWarps;
+    if (padded_head_dim % c == 0 && cols % 16 == 0 && rows % 16 == 0 && (rows / 16) * (cols / 8) * 4 <= kLargeFwdAccRegisters)
+      return c;
+  }
+  return 0;
+}
+// Compiled variants of the large-D forward (the planner picks one per device: plan/tuned_configs.cpp).
+// kLargeFwdResident: Q resident, a 2-stage ring of K chunks and 16-key V chunks (fits 163 KB, A100, at every D);
+// kLargeFwdDeep: Q resident, 3 stages, 32-key V chunks up to D 512 (needs up to 192 KB: H100 / H200);
+// kLargeFwdStreamed: Q streamed in chunks beside K (re-read from L2 per item), 2 stages (fits 99 KB: sm_86 / 89).
+enum LargeFwdVariant : int { kLargeFwdResident = 0, kLargeFwdDeep = 1, kLargeFwdStreamed = 2, kLargeFwdVariants = 3 };
+constexpr bool large_fwd_q_resident(int variant) { return variant != kLargeFwdStreamed; }
+constexpr int large_fwd_stages(int variant) { return variant == kLargeFwdDeep ? 3 : 2; }
+constexpr int large_fwd_v_keys(int padded_head_dim, int variant) {
+  return variant == kLargeFwdDeep && padded_head_dim <= 512 ? 32 : 16;
+}
+// Small per-block arrays: partial row maxima and sums per key warp, row scales, final row maxima.
+constexpr int large_fwd_row_bytes(int padded_head_dim) {
+  const int m = large_fwd_tile_q(padded_head_dim), key_warps = kLargeFwdWarps / (m / 16);
+  return (2 * key_warps + 2) * m * 4;
+}
+constexpr int large_fwd_smem_bytes(int padded_head_dim, int variant) {
+  const int d = padded_head_dim, m = large_fwd_tile_q(d), stages = large_fwd_stages(variant);
+  const int q = large_fwd_q_resident(variant) ? m * d : stages * m * kLargeFwdChunk;
+  const int k = stages * kLargeFwdTileK * kLargeFwdChunk;
+  const int v = stages * large_fwd_v_keys(d, variant) * d;
+  const int p = m * kLargeFwdTileK;
+  return (q + k + v + p) * 2 + large_fwd_row_bytes(d);
+}
+// The safe variant: the resident one where it fits, else the streamed one; -1 if none fits.
+constexpr int large_fwd_default_variant(int padded_head_dim, int smem_optin) {
+  if (large_fwd_smem_bytes(padded_head_dim, kLargeFwdResident) <= smem_optin) return kLargeFwdResident;
+  if (large_fwd_smem_bytes(padded_head_dim, kLargeFwdStreamed) <= smem_optin) return kLargeFwdStreamed;
+  return -1;
+}
+
+// Warps of a forward block of either kernel (the item-less copy kernel runs with as many).
+constexpr int fwd_block_warps(int padded_head_dim, int tile_q) {
+  return is_large_head_dim(padded_head_dim) ? kLargeFwdWarps : fwd_warps(padded_head_dim, tile_q);
+}
+
 // Backward: dk/dv blocks of 128 keys x 64-row q chunks up to D 128 (4 warp pairs; each chunk's dQ atomics
 // cover 128 keys: half the atomic traffic of 64-key tiles, measured 271 vs 203 bwd TFLOP/s on the H100), 64 keys
 // at D 256 (register budget); dq blocks of 4 warps.

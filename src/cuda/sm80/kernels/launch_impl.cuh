@@ -1,10 +1,14 @@
 // Launcher definitions, included by the per-(dtype, head dim) instantiation files only.
 #pragma once
 
+#include <string>
 #include <type_traits>
+
+#include "magi/error.hpp"
 
 #include "cuda/sm80/backward_kernel.cuh"
 #include "cuda/sm80/forward_kernel.cuh"
+#include "cuda/sm80/forward_large_kernel.cuh"
 #include "cuda/sm80/launch.hpp"
 
 namespace magi::cuda::detail {
@@ -41,36 +45,82 @@ void launch_forward_tiles(const FwdParams& params, int num_blocks, int sm_margin
   check_launch("forward_kernel");
 }
 
+// The large-D forward (forward_large_kernel.cuh), one variant.
+template <class T, int kD, int kVariant>
+void launch_large_tiles(const FwdParams& params, int num_blocks, int sm_margin, cudaStream_t stream) {
+  using Cfg = LargeFwdConfig<kD, kVariant>;
+  if (sm_margin <= 0) {
+    auto kernel = forward_large_kernel<T, kD, kVariant>;
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+    kernel<<<num_blocks, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(params);
+  } else {
+    auto kernel = forward_large_kernel_persistent<T, kD, kVariant>;
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+    const int grid = persistent_grid(kernel, Cfg::kThreads, Cfg::kSmemBytes, num_blocks, sm_margin);
+    cudaMemsetAsync(params.work_counter, 0, sizeof(int32_t), stream);
+    kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(params, num_blocks);
+  }
+  check_launch("forward_large_kernel");
+}
+template <class T, int kD>
+void launch_large_variant(const FwdParams& params, int variant, int num_blocks, int sm_margin, cudaStream_t stream) {
+  switch (variant) {
+    case kLargeFwdResident: return launch_large_tiles<T, kD, kLargeFwdResident>(params, num_blocks, sm_margin, stream);
+    case kLargeFwdDeep: return launch_large_tiles<T, kD, kLargeFwdDeep>(params, num_blocks, sm_margin, stream);
+    case kLargeFwdStreamed: return launch_large_tiles<T, kD, kLargeFwdStreamed>(params, num_blocks, sm_margin, stream);
+    default: throw Error("cuda forward: unknown large-D variant " + std::to_string(variant));
+  }
+}
+
 template <class T, int kD, int kTileQ>
 void launch_itemless_tiles(const FwdParams& params, int itemless_tiles, cudaStream_t stream) {
   if (itemless_tiles == 0) return;
-  forward_itemless_kernel<T, kD, kTileQ><<<itemless_tiles * params.hq, FwdConfig<kD, kTileQ>::kThreads, 0, stream>>>(
+  forward_itemless_kernel<T, kD, kTileQ><<<itemless_tiles * params.hq, fwd_block_warps(kD, kTileQ) * 32, 0, stream>>>(
       params, params.list.num_tiles - itemless_tiles);
   check_launch("forward_itemless_kernel");
 }
 
 // The list's tiles with items on the attention kernel, the item-less ones (the last of its order) on the copy kernel.
 template <class T, int kD, int kTileQ>
-void launch_forward_list(const FwdParams& params, int itemless_tiles, int sm_margin, cudaStream_t stream) {
+void launch_forward_list(const FwdParams& params, int variant, int itemless_tiles, int sm_margin, cudaStream_t stream) {
   FwdParams with_items = params;  // the attention kernel walks the tiles before the item-less ones
   with_items.list.num_tiles -= itemless_tiles;
   const int num_blocks = with_items.list.num_tiles * params.hq;
-  if (num_blocks > 0) launch_forward_tiles<T, kD, kTileQ>(with_items, num_blocks, sm_margin, stream);
+  if (num_blocks > 0) {
+    if constexpr (is_large_head_dim(kD)) launch_large_variant<T, kD>(with_items, variant, num_blocks, sm_margin, stream);
+    else launch_forward_tiles<T, kD, kTileQ>(with_items, num_blocks, sm_margin, stream);
+  }
   launch_itemless_tiles<T, kD, kTileQ>(params, itemless_tiles, stream);
+}
+
+// Calls f(std::integral_constant<int, q>{}) for the compiled q tile `tile_q` of head-dim tile kD.
+template <int kD, class F>
+void with_forward_tile_q(int tile_q, F&& f) {
+  if constexpr (is_large_head_dim(kD)) {
+    constexpr int kTileQ = large_fwd_tile_q(kD);
+    if (tile_q != kTileQ)
+      throw Error("cuda forward: head-dim tile " + std::to_string(kD) + " runs " + std::to_string(kTileQ) +
+                  "-row q tiles, not " + std::to_string(tile_q));
+    f(std::integral_constant<int, kTileQ>{});
+  } else {
+    if (tile_q == kFwdSmallTileQ) f(std::integral_constant<int, kFwdSmallTileQ>{});
+    else f(std::integral_constant<int, kFwdTileQ>{});
+  }
 }
 
 template <int kDtype, int kD>
 void launch_forward_itemless(const FwdParams& params, int tile_q, int itemless_tiles, cudaStream_t stream) {
-  using T = DtypeOf<kDtype>;
-  if (tile_q == kFwdSmallTileQ) return launch_itemless_tiles<T, kD, kFwdSmallTileQ>(params, itemless_tiles, stream);
-  launch_itemless_tiles<T, kD, kFwdTileQ>(params, itemless_tiles, stream);
+  with_forward_tile_q<kD>(tile_q, [&](auto q) {
+    launch_itemless_tiles<DtypeOf<kDtype>, kD, decltype(q)::value>(params, itemless_tiles, stream);
+  });
 }
 
 template <int kDtype, int kD>
-void launch_forward(const FwdParams& params, int tile_q, int itemless_tiles, int sm_margin, cudaStream_t stream) {
-  using T = DtypeOf<kDtype>;
-  if (tile_q == kFwdSmallTileQ) return launch_forward_list<T, kD, kFwdSmallTileQ>(params, itemless_tiles, sm_margin, stream);
-  launch_forward_list<T, kD, kFwdTileQ>(params, itemless_tiles, sm_margin, stream);
+void launch_forward(const FwdParams& params, int tile_q, int variant, int itemless_tiles, int sm_margin,
+                    cudaStream_t stream) {
+  with_forward_tile_q<kD>(tile_q, [&](auto q) {
+    launch_forward_list<DtypeOf<kDtype>, kD, decltype(q)::value>(params, variant, itemless_tiles, sm_margin, stream);
+  });
 }
 
 template <class T, int kD, bool kDq>

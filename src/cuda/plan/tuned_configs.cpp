@@ -1,0 +1,63 @@
+#include "cuda/plan/tuned_configs.hpp"
+
+#include <string>
+
+#include "cuda/sm80/tiles.hpp"
+#include "magi/env.hpp"
+#include "magi/error.hpp"
+
+namespace magi::cuda {
+
+namespace {
+
+using detail::kLargeFwdDeep;
+
+// Measured choices (flash_bench --large-d: bf16, 16 heads, one 8k-token sequence, full / causal, and long-tailed
+// documents over 8k tokens for varlen causal; scripts/gpu_check.sh --large-d). Devices and tiles without an entry
+// take the safe variant (large_fwd_default_variant: Q resident with a 2-stage ring where it fits, else Q streamed),
+// which every entry was measured against in the same run.
+constexpr TunedForwardConfig kTunedForward[] = {
+    // Hopper (227 KB per block), measured on an H200 (2026-11-26), deep vs safe forward TFLOP/s:
+    //   D 320: full 152 vs 98, causal 153 vs 105, varlen causal 118 vs 87
+    //   D 512: full 178 vs 120, causal 178 vs 127, varlen causal 137 vs 105
+    //   D 1024: full 115 vs 71, causal 118 vs 74, varlen causal 99 vs 68
+    // (384, 576, 768 not measured: they keep the safe variant.)
+    {90, 227 * 1024, 320, kLargeFwdDeep, "H200: deep 152/153/118 vs safe 98/105/87 TFLOP/s (full/causal/varlen)"},
+    {90, 227 * 1024, 512, kLargeFwdDeep, "H200: deep 178/178/137 vs safe 120/127/105 TFLOP/s (full/causal/varlen)"},
+    {90, 227 * 1024, 1024, kLargeFwdDeep, "H200: deep 115/118/99 vs safe 71/74/68 TFLOP/s (full/causal/varlen)"},
+};
+
+}  // namespace
+
+const TunedForwardConfig* find_tuned_forward_config(int32_t compute_capability, int32_t smem_optin,
+                                                    int32_t padded_head_dim) {
+  for (const TunedForwardConfig& c : kTunedForward)
+    if (c.compute_capability == compute_capability && smem_optin >= c.min_smem_optin &&
+        c.padded_head_dim == padded_head_dim)
+      return &c;
+  return nullptr;
+}
+
+int32_t large_forward_variant(int32_t compute_capability, int32_t smem_optin, int32_t padded_head_dim,
+                              int32_t requested) {
+  auto fits = [&](int32_t v) { return detail::large_fwd_smem_bytes(padded_head_dim, v) <= smem_optin; };
+  if (requested >= 0) {
+    if (requested >= detail::kLargeFwdVariants || !fits(requested))
+      throw InvalidArgument("cuda plan: forward_variant " + std::to_string(requested) + " is not available at head-dim tile " +
+                            std::to_string(padded_head_dim) + " on this device (allowed: -1, 0 resident, 1 deep, 2 "
+                            "streamed, where they fit " + std::to_string(smem_optin) + " bytes of shared memory)");
+    return requested;
+  }
+  if (!env::get_bool("MAGI_ATTENTION_CUDA_IGNORE_TUNED_CONFIGS")) {
+    const TunedForwardConfig* c = find_tuned_forward_config(compute_capability, smem_optin, padded_head_dim);
+    if (c != nullptr && fits(c->variant)) return c->variant;
+  }
+  const int32_t safe = detail::large_fwd_default_variant(padded_head_dim, smem_optin);
+  if (safe < 0)
+    throw NotAvailable("cuda backend: the head-dim tile " + std::to_string(padded_head_dim) + " forward needs " +
+                       std::to_string(detail::large_fwd_smem_bytes(padded_head_dim, detail::kLargeFwdStreamed)) +
+                       " bytes of shared memory per block; this device allows " + std::to_string(smem_optin));
+  return safe;
+}
+
+}  // namespace magi::cuda

@@ -1,0 +1,31 @@
+// Persisted tuned launch configurations: launch choices that depend on the device, measured and shipped with the
+// library as a small table (tuned_configs.cpp), read by the planner. MAGI_ATTENTION_CUDA_IGNORE_TUNED_CONFIGS=1
+// ignores the table (A/B runs); a choice that no longer fits the device is never taken.
+#pragma once
+
+#include <cstdint>
+
+namespace magi::cuda {
+
+// One measured choice: devices of this compute capability (major * 10 + minor) with at least `min_smem_optin`
+// bytes of shared memory per block run head-dim tile `padded_head_dim`'s large-D forward as `variant`
+// (LargeFwdVariant, src/cuda/sm80/tiles.hpp). `evidence` says what was measured.
+struct TunedForwardConfig {
+  int32_t compute_capability;
+  int32_t min_smem_optin;
+  int32_t padded_head_dim;
+  int32_t variant;
+  const char* evidence;
+};
+
+// The table's entry for this device and tile, or nullptr.
+const TunedForwardConfig* find_tuned_forward_config(int32_t compute_capability, int32_t smem_optin,
+                                                    int32_t padded_head_dim);
+
+// The large-D forward variant a plan runs: `requested` (>= 0, PlanTuning::forward_variant; it must fit), else the
+// table's entry (unless MAGI_ATTENTION_CUDA_IGNORE_TUNED_CONFIGS), else large_fwd_default_variant. Throws
+// NotAvailable when no variant fits the device's shared memory, InvalidArgument for an unknown or unfitting request.
+int32_t large_forward_variant(int32_t compute_capability, int32_t smem_optin, int32_t padded_head_dim,
+                              int32_t requested);
+
+}  // namespace magi::cuda
