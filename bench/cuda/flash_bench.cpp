@@ -4,11 +4,12 @@
 //
 // usage: flash_bench [--cases out.json] [--reps N] [--quick] [--only MASK] [--dims 64,128,256] [--seq 8192]
 //                    [--batch 2] [--deterministic] [--sm-margin N] [--impl NAME] [--fwd-tile-q 64|128]
-//                    [--family auto|sm80|sm90]
+//                    [--family auto|sm80|sm90] [--backward-only]
 //   --batch sequences of --seq tokens (16 heads, bf16); --quick = D 128 only. The backward runs in the default
 //   mode (dq by atomics); --deterministic also times the deterministic backward (rows `magi_det`).
 //   --sm-margin N: persistent grids leaving N SMs free (the API's default is 4 when
 //   CUDA_DEVICE_MAX_CONNECTIONS > 1); --impl names the rows (default `magi`).
+//   --backward-only: no forward (fwd columns 0); out and lse are zeros (the backward's time does not depend on them).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -137,6 +138,7 @@ int main(int argc, char** argv) {
   std::string only, dims_arg;
   int32_t seq = 8192, batch = 2;
   bool deterministic_too = false;
+  bool backward_only = false;
   int sm_margin = 0;
   std::string impl = "magi";
   magi::cuda::PlanTuning tuning;  // --fwd-tile-q pins the forward q tile (default: the planner's choice)
@@ -149,6 +151,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--seq") && i + 1 < argc) seq = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--batch") && i + 1 < argc) batch = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--deterministic")) deterministic_too = true;
+    else if (!std::strcmp(argv[i], "--backward-only")) backward_only = true;
     else if (!std::strcmp(argv[i], "--sm-margin") && i + 1 < argc) sm_margin = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--impl") && i + 1 < argc) impl = argv[++i];
     else if (!std::strcmp(argv[i], "--fwd-tile-q") && i + 1 < argc) tuning.forward_tile_q = std::atoi(argv[++i]);
@@ -245,10 +248,11 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "# %s %s D %d: %s forward, %d x %d tiles\n", impl.c_str(), c.name.c_str(), d,
                    ps.forward_family == magi::cuda::KernelFamily::Sm90 ? "sm90" : "sm80", ps.forward_tile_q,
                    ps.forward_tile_k);
-      const double fwd_ms = time_ms([&] { magi::cuda::forward(*plan, fa, options, stream); }, reps, stream);
+      const double fwd_ms =
+          backward_only ? 0.0 : time_ms([&] { magi::cuda::forward(*plan, fa, options, stream); }, reps, stream);
       const double bwd_ms = time_ms([&] { magi::cuda::backward(*plan, ba, options, stream); }, reps, stream);
       const int64_t area = c.mask.area();
-      const double fwd_tf = magi::flops_forward(area, heads, d) / (fwd_ms * 1e-3) / 1e12;
+      const double fwd_tf = backward_only ? 0.0 : magi::flops_forward(area, heads, d) / (fwd_ms * 1e-3) / 1e12;
       const double bwd_tf = magi::flops_backward(area, heads, d) / (bwd_ms * 1e-3) / 1e12;
       std::printf("%s,%s,%d,%d,%.1f,%.1f,%.3f,%.3f\n", impl.c_str(), c.name.c_str(), total, d, fwd_tf, bwd_tf, fwd_ms,
                   bwd_ms);

@@ -227,6 +227,24 @@ void run_backward(int padded, const detail::BwdParams& dkdv, int dkdv_blocks, co
 #if MAGI_CUDA_HEAD_DIM_256
     case 256: return detail::launch_backward<kDtype, 256>(dkdv, dkdv_blocks, dq, dq_blocks, margin, stream);
 #endif
+#if MAGI_CUDA_HEAD_DIM_320
+    case 320: return detail::launch_backward<kDtype, 320>(dkdv, dkdv_blocks, dq, dq_blocks, margin, stream);
+#endif
+#if MAGI_CUDA_HEAD_DIM_384
+    case 384: return detail::launch_backward<kDtype, 384>(dkdv, dkdv_blocks, dq, dq_blocks, margin, stream);
+#endif
+#if MAGI_CUDA_HEAD_DIM_512
+    case 512: return detail::launch_backward<kDtype, 512>(dkdv, dkdv_blocks, dq, dq_blocks, margin, stream);
+#endif
+#if MAGI_CUDA_HEAD_DIM_576
+    case 576: return detail::launch_backward<kDtype, 576>(dkdv, dkdv_blocks, dq, dq_blocks, margin, stream);
+#endif
+#if MAGI_CUDA_HEAD_DIM_768
+    case 768: return detail::launch_backward<kDtype, 768>(dkdv, dkdv_blocks, dq, dq_blocks, margin, stream);
+#endif
+#if MAGI_CUDA_HEAD_DIM_1024
+    case 1024: return detail::launch_backward<kDtype, 1024>(dkdv, dkdv_blocks, dq, dq_blocks, margin, stream);
+#endif
     default: throw NotAvailable("cuda backend: no backward kernel for head-dim tile " + std::to_string(padded));
   }
 }

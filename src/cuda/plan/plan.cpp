@@ -31,11 +31,29 @@ constexpr int kCompiledTiles[] = {
 #if MAGI_CUDA_HEAD_DIM_256
     256,
 #endif
+#if MAGI_CUDA_HEAD_DIM_320
+    320,
+#endif
+#if MAGI_CUDA_HEAD_DIM_384
+    384,
+#endif
+#if MAGI_CUDA_HEAD_DIM_512
+    512,
+#endif
+#if MAGI_CUDA_HEAD_DIM_576
+    576,
+#endif
+#if MAGI_CUDA_HEAD_DIM_768
+    768,
+#endif
+#if MAGI_CUDA_HEAD_DIM_1024
+    1024,
+#endif
     0};
 
 // kTileMultiple (backend.hpp) against every tile shape a plan may use.
 constexpr bool every_tile_divides(int length) {
-  for (int d : {64, 128, 256}) {
+  for (int d : {64, 128, 256, 320, 384, 512, 576, 768, 1024}) {
     for (int q : {detail::kFwdTileQ, detail::kFwdSmallTileQ})
       if (length % q != 0 || length % detail::fwd_tile_k(d, q) != 0) return false;
     if (length % detail::kDkdvTileQ != 0 || length % detail::dkdv_tile_k(d) != 0) return false;
