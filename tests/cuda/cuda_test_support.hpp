@@ -219,10 +219,11 @@ inline testing::AssertionResult check_cuda_case(const Mask& mask, const CaseConf
 // dtypes), judged by SPEC section 5: for head dims whose forward this build does not have. With `runs` > 1 the
 // backward runs again on the same inputs (poisoned gradients) and every gradient must be bitwise the same.
 inline testing::AssertionResult check_cuda_backward_case(const Mask& mask, const CaseConfig& c, uint64_t seed,
-                                                         std::string_view name, bool deterministic, int runs = 1) {
+                                                         std::string_view name, bool deterministic, int runs = 1,
+                                                         int sm_margin = 0) {
   std::ostringstream context_stream;
   context_stream << "case " << name << " (backward), " << c.describe() << (deterministic ? ", deterministic" : "")
-                 << ", seed " << seed;
+                 << (sm_margin > 0 ? ", sm margin " + std::to_string(sm_margin) : "") << ", seed " << seed;
   const std::string context = context_stream.str();
   try {
     CaseData d = make_case(mask, c, seed);
@@ -232,7 +233,8 @@ inline testing::AssertionResult check_cuda_backward_case(const Mask& mask, const
     dev.out.upload(HostTensor::from_values(ref.out, c.out_dtype(), {d.mask.total_q, c.heads_q, c.head_dim}));
     dev.lse.upload(HostTensor::from_values(ref.lse, c.lse_dtype(), rows));
     auto plan = test_plan(mask, c.heads_q, c.heads_kv, c.head_dim);
-    const cuda::Options o = cuda_options(c, deterministic);
+    cuda::Options o = cuda_options(c, deterministic);
+    o.sm_margin = sm_margin;  // > 0: the persistent grids
     const ReferenceGrads g = reference_backward(d.problem, d.dout);
     std::vector<std::pair<std::string, HostTensor>> first;
     for (int run = 0; run < runs; ++run) {

@@ -793,18 +793,20 @@ TEST(CudaBackend, AutoRangeMergedMasksMatchReference) {
 
 // Head dims above 256 (issue 24): the D-split backward kernels against the fp64 reference (out and lse from the
 // reference: the forward at these dims is separate work). Full / causal / varlen causal / random slices of every
-// type with q-overlap, GQA and MQA, sinks (sh, ssh) and softcap, fp32 gradients, and the deterministic mode bitwise
-// over two runs; D 264 and 520 run padded in the next larger tile.
+// type with q-overlap, empty rows, GQA and MQA, sinks (sh, ssh) and softcap, fp32 gradients, the persistent grids
+// (SM margin), and the deterministic mode bitwise over two runs; D 264 and 520 run padded in the next larger tile.
 struct LargeDimCase {
   std::string name;
   int32_t d;
   DType dtype;
   int32_t hq, hkv;
-  int mask;  // 0 full, 1 causal, 2 varlen causal, 3 random slices (all types, q-overlap), 4 mixed types q-overlap
+  int mask;  // 0 full, 1 causal, 2 varlen causal, 3 random slices (all types, q-overlap), 4 mixed types q-overlap,
+             // 5 bi-causal with Sq > Sk (empty rows)
   SinkLayout sink = SinkLayout::None;
   double softcap = 0.0;
   bool fp32_outputs = false;
   bool deterministic = false;
+  int sm_margin = 0;
 };
 
 std::vector<LargeDimCase> large_dim_cases() {
@@ -814,11 +816,13 @@ std::vector<LargeDimCase> large_dim_cases() {
     cases.push_back({dim + "full_bf16_gqa", d, DType::BF16, 4, 2, 0});
     cases.push_back({dim + "causal_fp16_softcap", d, DType::F16, 2, 1, 1, SinkLayout::None, 20.0});
     cases.push_back({dim + "varlen_causal_bf16_ssh_sink", d, DType::BF16, 2, 2, 2, SinkLayout::SSH});
-    cases.push_back({dim + "random_fp16_mqa_sh_sink", d, DType::F16, 4, 1, 3, SinkLayout::SH});
+    cases.push_back({dim + "random_fp16_mqa_sh_sink_persistent", d, DType::F16, 4, 1, 3, SinkLayout::SH, 0.0, false,
+                     false, 8});
     cases.push_back({dim + "random_bf16_fp32_grads_deterministic", d, DType::BF16, 2, 1, 3, SinkLayout::None, 0.0,
                      true, true});
-    cases.push_back({dim + "mixed_types_fp16_deterministic", d, DType::F16, 4, 2, 4, SinkLayout::None, 5.0, false,
-                     true});
+    cases.push_back({dim + "mixed_types_fp16_deterministic_persistent", d, DType::F16, 4, 2, 4, SinkLayout::None, 5.0,
+                     false, true, 4});
+    cases.push_back({dim + "bi_causal_empty_rows_bf16", d, DType::BF16, 2, 1, 5});
   }
   return cases;
 }
@@ -837,14 +841,16 @@ TEST_P(LargeHeadDimBackward, MatchesReference) {
     case 1: mask = masks::causal(tokens, tokens); break;
     case 2: mask = masks::varlen_causal(std::vector<int32_t>{0, 37, 200, tokens - 40, tokens}); break;
     case 3: mask = random_rectangles(rng, tokens, tokens + 64, 24); break;
-    default: mask = cases::mixed_types_q_overlap(); break;
+    case 4: mask = cases::mixed_types_q_overlap(); break;
+    default: mask = cases::causal_sq_gt_sk(MaskType::BiCausal); break;
   }
   CaseConfig c = config(lc.dtype, lc.hq, lc.hkv, lc.d);
   c.sink_layout = lc.sink;
   c.sink_len = 3;
   c.softcap = lc.softcap;
   c.fp32_outputs = lc.fp32_outputs;
-  EXPECT_TRUE(check_cuda_backward_case(mask, c, seed + 1, lc.name, lc.deterministic, lc.deterministic ? 2 : 1));
+  EXPECT_TRUE(check_cuda_backward_case(mask, c, seed + 1, lc.name, lc.deterministic, lc.deterministic ? 2 : 1,
+                                       lc.sm_margin));
 }
 INSTANTIATE_TEST_SUITE_P(Issue24, LargeHeadDimBackward, testing::ValuesIn(large_dim_cases()),
                          [](const auto& info) { return info.param.name; });

@@ -17,8 +17,10 @@
 
 namespace magi::cuda::detail {
 
-template <int kD>
+template <int kD_, int kStages_ = 1>
 struct SplitBwdConfig {
+  static constexpr int kD = kD_;
+  static constexpr int kStages = kStages_;  // Q/dO/lse2/Delta buffers (2: the next step loads during this one)
   static constexpr int kN = dkdv_tile_k(kD);  // keys of a dk/dv block, of a dq step
   static constexpr int kM = kSplitBwdRows;    // q rows of a dk/dv step, of a dq block
   static constexpr int kWarps = 8;
@@ -39,17 +41,21 @@ struct SplitBwdConfig {
   static constexpr int kDqUnits = (kUnits + kWarps - 1) / kWarps;
   static constexpr int kRowTiles = kM / 16;
   static constexpr int kPdsCols = kDkdvTileQ;  // P^T / dS^T rows hold 64 q columns (Swizzled<64>), kM used
-  // Shared memory, bytes: K, V [kN][kD]; Q, dO [kM][kD] (Swizzled<kD>); the partial sums [warp][frag][lane];
-  // P^T, dS^T [kN][kPdsCols]; lse2, Delta [kM].
+  // Shared memory, bytes: K, V [kN][kD]; per stage Q, dO [kM][kD] (Swizzled<kD>); the partial sums
+  // [warp][frag][lane], whose space P^T, dS^T [kN][kPdsCols] take once they are summed; per stage lse2, Delta [kM].
   static constexpr int kKVBytes = kN * kD * 2;
-  static constexpr int kQOBytes = kM * kD * 2;
+  static constexpr int kQOBytes = kM * kD * 2;  // dO - Q
+  static constexpr int kQOStageBytes = 2 * kQOBytes;
   static constexpr int kRedBytes = kWarps * kFrags * 32 * 4;
   static constexpr int kPdsBytes = kN * kPdsCols * 2;
+  static constexpr int kStatsStageBytes = 2 * kM * 4;
   static constexpr int kOffV = kKVBytes, kOffQ = 2 * kKVBytes, kOffdO = kOffQ + kQOBytes;
-  static constexpr int kOffRed = kOffdO + kQOBytes, kOffP = kOffRed + kRedBytes, kOffdS = kOffP + kPdsBytes;
-  static constexpr int kOffLse = kOffdS + kPdsBytes, kOffDelta = kOffLse + kM * 4;
-  static constexpr int kSmemBytes = kOffDelta + kM * 4;
-  static_assert(kSmemBytes == split_bwd_smem_bytes(kD), "tiles.hpp's count is this layout");
+  static constexpr int kOffRed = kOffQ + kStages * kQOStageBytes, kOffP = kOffRed, kOffdS = kOffP + kPdsBytes;
+  static constexpr int kOffLse = kOffRed + kRedBytes, kOffDelta = kOffLse + kM * 4;  // stage 0's
+  static_assert(2 * kPdsBytes <= kRedBytes, "P^T and dS^T fit the partial sums' space");
+  static constexpr int kSmemBytes = kOffLse + kStages * kStatsStageBytes;
+  static_assert(kSmemBytes == split_bwd_smem_bytes(kD, kStages), "tiles.hpp's count is this layout");
+  static_assert(kStages == 1 || kStages == 2, "one or two buffers");
   static_assert(kD % 64 == 0 && kM % kTileRows == 0 && kM <= kPdsCols && kDkdvTileQ % kM == 0, "tile shapes");
   static_assert(kSplit == 4 || kSplit == 8, "unit addressing (UnitAddr) needs 4 or 8 groups");
   static_assert(kColGroups == 4 || kColGroups == 8, "unit addressing (UnitAddr) needs 4 or 8 groups");
@@ -92,18 +98,19 @@ __device__ __forceinline__ void load_rows_async(uint32_t smem, const T* global, 
   }
 }
 
-// Phase 1 of both kernels: from K, V (keys k_base + [0, kN)) and Q, dO, lse2, Delta (rows q_base + [0, kM)) in
-// shared memory, P^T (kWriteP) and dS^T into their 16-bit tiles. kKMajor: the item is of a k-major list (the
-// per-16-key test bits), else of a q-major one (kWorkMasked). Every thread calls it; it ends with a barrier.
-template <class T, int kD, bool kWriteP, bool kKMajor>
+// Phase 1 of both kernels: from K, V (keys k_base + [0, kN)) and Q, dO, lse2, Delta (rows q_base + [0, kM), in
+// buffer `stage`) in shared memory, P^T (kWriteP) and dS^T into their 16-bit tiles. kKMajor: the item is of a
+// k-major list (the per-16-key test bits), else of a q-major one (kWorkMasked). Every thread calls it; it ends
+// with a barrier.
+template <class T, class C, bool kWriteP, bool kKMajor>
 __device__ __forceinline__ void split_probabilities(const BwdParams& p, unsigned char* smem, const WorkItem& w,
-                                                    int k_base, int q_base, int warp, int lane) {
-  using C = SplitBwdConfig<kD>;
+                                                    int k_base, int q_base, int stage, int warp, int lane) {
+  constexpr int kD = C::kD;
   constexpr int kNB = C::kTileRows / 8;
   const uint32_t s0 = smem_addr(smem);
   float* const red = reinterpret_cast<float*>(smem + C::kOffRed);
-  const float* const s_lse = reinterpret_cast<const float*>(smem + C::kOffLse);
-  const float* const s_delta = reinterpret_cast<const float*>(smem + C::kOffDelta);
+  const float* const s_lse = reinterpret_cast<const float*>(smem + C::kOffLse + stage * C::kStatsStageBytes);
+  const float* const s_delta = reinterpret_cast<const float*>(smem + C::kOffDelta + stage * C::kStatsStageBytes);
   const int tile = warp % C::kTiles, split = warp / C::kTiles;
   const int key_tile = tile % C::kKeyTiles, row_group = tile / C::kKeyTiles;
 
@@ -114,7 +121,7 @@ __device__ __forceinline__ void split_probabilities(const BwdParams& p, unsigned
 #pragma unroll
     for (int e = 0; e < 4; ++e) st[i][e] = dpt[i][e] = 0.0f;
   const UnitAddr<kD, C::kSplit> a_rows(s0, key_tile * 16 + (lane % 16), split, lane / 16);  // A: K, V
-  const UnitAddr<kD, C::kSplit> b_rows(s0 + C::kOffQ, row_group * C::kTileRows + (lane % 8) + (lane / 16) * 8, split,
+  const UnitAddr<kD, C::kSplit> b_rows(s0 + C::kOffQ + stage * C::kQOStageBytes, row_group * C::kTileRows + (lane % 8) + (lane / 16) * 8, split,
                                        (lane / 8) % 2);  // B: Q, dO
 #pragma unroll
   for (int j = 0; j < C::kSplitUnits; ++j) {
@@ -187,9 +194,9 @@ __device__ __forceinline__ void split_probabilities(const BwdParams& p, unsigned
 
 // dQ[kM rows][units warp + kWarps j] = dS K from the dS^T tile and K in shared memory; acc(j, frag) receives unit
 // j's fragments ([row tile][8-column block][4]) and runs on every unit this warp owns.
-template <class T, int kD, class Sink>
+template <class T, class C, class Sink>
 __device__ __forceinline__ void split_dq_units(unsigned char* smem, int warp, int lane, Sink&& sink) {
-  using C = SplitBwdConfig<kD>;
+  constexpr int kD = C::kD;
   const uint32_t s0 = smem_addr(smem);
   uint32_t a[C::kRowTiles][C::kKeyTiles][4];  // A: dS (rows x keys), transposed loads of dS^T
 #pragma unroll
@@ -220,13 +227,11 @@ __device__ __forceinline__ void split_dq_units(unsigned char* smem, int warp, in
   }
 }
 
-template <class T, int kD, bool kDq>
+template <class T, int kD, bool kDq, int kStages>
 __device__ __forceinline__ void dkdv_split_tile(const BwdParams& p, int linear, unsigned char* smem) {
-  using C = SplitBwdConfig<kD>;
+  using C = SplitBwdConfig<kD, kStages>;
   constexpr int kN = C::kN, kM = C::kM, kThreads = C::kThreads;
   const uint32_t s0 = smem_addr(smem);
-  float* const s_lse = reinterpret_cast<float*>(smem + C::kOffLse);
-  float* const s_delta = reinterpret_cast<float*>(smem + C::kOffDelta);
 
   const WorkCoords at = work_coords(linear, p.hkv, p.list);
   const TileInfo info = p.list.tiles[at.tile_index];
@@ -244,6 +249,40 @@ __device__ __forceinline__ void dkdv_split_tile(const BwdParams& p, int linear, 
   const T* v_head = static_cast<const T*>(p.v) + int64_t{kv_head} * p.d;
   load_rows_async<kN, kD, kThreads>(s0, k_head + k_base * kv_stride, kv_stride, p.tk - k_base, p.d, k_head);
   load_rows_async<kN, kD, kThreads>(s0 + C::kOffV, v_head + k_base * kv_stride, kv_stride, p.tk - k_base, p.d, v_head);
+
+  // The steps: iteration `it` is item it % count of q head kv_head * group + it / count; each item's 64-row chunk
+  // runs in kM-row steps, those that hold none of its rows skipped.
+  const int first = info.first, count = info.count;
+  const int total = count * group;
+  struct Step {
+    int it, q_base;
+    WorkItem w;
+  };
+  auto next_step = [&](Step s) {  // the step after s; it == total: none
+    for (;;) {
+      s.q_base += kM;
+      if (s.q_base % kDkdvTileQ == 0 || s.q_base >= s.w.q1) {
+        if (++s.it >= total) return s;
+        s.w = p.list.items[first + s.it % count];
+        s.q_base = (s.w.q0 / kDkdvTileQ) * kDkdvTileQ;
+      }
+      if (s.q_base + kM > s.w.q0) return s;
+    }
+  };
+  auto issue_loads = [&](const Step& s, int stage) {
+    const int head = kv_head * group + s.it / count;
+    const int64_t offset = s.q_base * q_stride + int64_t{head} * p.d;
+    const uint32_t q_smem = s0 + C::kOffQ + stage * C::kQOStageBytes;
+    load_rows_async<kM, kD, kThreads>(q_smem, q_tensor + offset, q_stride, p.tq - s.q_base, p.d, q_tensor);
+    load_rows_async<kM, kD, kThreads>(q_smem + C::kQOBytes, dout_tensor + offset, q_stride, p.tq - s.q_base, p.d,
+                                      dout_tensor);
+    float* const stats = reinterpret_cast<float*>(smem + C::kOffLse + stage * C::kStatsStageBytes);
+    load_row_stats_async<kM>(p, head, s.q_base, stats, stats + kM, tid);
+  };
+  Step step{-1, 0, WorkItem{}};
+  step.w.q1 = 0;  // next_step moves to iteration 0
+  step = next_step(step);
+  if (step.it < total) issue_loads(step, 0);
   cp_async_commit();
 
   // Phase 2: this warp's 16 keys and units g + kColGroups j.
@@ -257,82 +296,83 @@ __device__ __forceinline__ void dkdv_split_tile(const BwdParams& p, int linear, 
   const UnitAddr<kD, C::kColGroups> qo_t(s0 + C::kOffQ, (lane % 8) + ((lane / 8) % 2) * 8, col_group,
                                          lane / 16);  // B^T: Q, dO rows
 
-  const int first = info.first, count = info.count;
-  const int total = count * group;
-  for (int it = 0; it < total; ++it) {
-    const int head = kv_head * group + it / count;
-    const WorkItem w = p.list.items[first + it % count];
-    const int chunk0 = (w.q0 / kDkdvTileQ) * kDkdvTileQ;
+  int stage = 0;
 #pragma unroll 1
-    for (int q_base = chunk0; q_base < chunk0 + kDkdvTileQ; q_base += kM) {
-      if (q_base >= w.q1 || q_base + kM <= w.q0) continue;  // the item keeps no row of this step
-      __syncthreads();  // the previous step's readers of Q, dO, P^T, dS^T are done
-      const int64_t offset = q_base * q_stride + int64_t{head} * p.d;
-      load_rows_async<kM, kD, kThreads>(s0 + C::kOffQ, q_tensor + offset, q_stride, p.tq - q_base, p.d, q_tensor);
-      load_rows_async<kM, kD, kThreads>(s0 + C::kOffdO, dout_tensor + offset, q_stride, p.tq - q_base, p.d,
-                                        dout_tensor);
-      load_row_stats_async<kM>(p, head, q_base, s_lse, s_delta, tid);
+  while (step.it < total) {
+    const Step next = next_step(step);
+    const int head = kv_head * group + step.it / count;
+    const int q_base = step.q_base;
+    cp_async_wait<0>();
+    __syncthreads();  // this step's loads are visible; the previous step's readers are done
+    if constexpr (kStages == 2) {
+      if (next.it < total) issue_loads(next, stage ^ 1);
       cp_async_commit();
-      cp_async_wait<0>();
-      __syncthreads();
-      split_probabilities<T, kD, true, true>(p, smem, w, k_base, q_base, warp, lane);
+    }
+    split_probabilities<T, C, true, true>(p, smem, step.w, k_base, q_base, stage, warp, lane);
+    const uint32_t stage_offset = stage * C::kQOStageBytes;
 
 #pragma unroll
-      for (int t = 0; t < kM / 16; ++t) {
-        uint32_t ap[4], ads[4];
-        ldmatrix_x4(ap, pds_a.at(0, t));
-        ldmatrix_x4(ads, pds_a.at(0, t) + C::kPdsBytes);
+    for (int t = 0; t < kM / 16; ++t) {
+      uint32_t ap[4], ads[4];
+      ldmatrix_x4(ap, pds_a.at(0, t));
+      ldmatrix_x4(ads, pds_a.at(0, t) + C::kPdsBytes);
 #pragma unroll
-        for (int j = 0; j < C::kColUnits; ++j) {
-          if (C::kUnits % C::kColGroups != 0 && col_group + C::kColGroups * j >= C::kUnits) break;
-          const uint32_t b_addr = qo_t.at(t * 16, j);
-          uint32_t bo[4], bq[4];
-          ldmatrix_x4_trans(bo, b_addr + C::kQOBytes);
-          ldmatrix_x4_trans(bq, b_addr);
-          Mma<T>::run(dv[j][0], ap, bo[0], bo[1]);
-          Mma<T>::run(dv[j][1], ap, bo[2], bo[3]);
-          Mma<T>::run(dk[j][0], ads, bq[0], bq[1]);
-          Mma<T>::run(dk[j][1], ads, bq[2], bq[3]);
-        }
-      }
-      if constexpr (kDq) {
-        // The step's rows lie within kM rows of its base: 32-bit offsets from one 64-bit chunk pointer.
-        float* const rows = p.dq_accum + (int64_t{q_base} * p.hq + head) * p.d;
-        const int row_stride = p.hq * p.d;
-        split_dq_units<T, kD>(smem, warp, lane, [&](int j, const float (&acc)[C::kRowTiles][2][4]) {
-          const int unit_col = (warp + C::kWarps * j) * 16;
-#pragma unroll
-          for (int mt = 0; mt < C::kRowTiles; ++mt) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              const int row = mt * 16 + lane / 4 + 8 * r;
-              const bool row_valid = q_base + row < p.tq;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-              // Lanes 2i and 2i + 1 trade halves: the even lane adds 4 columns of block 0, the odd one of block 1.
-              const bool odd = lane & 1;
-              const float give0 = odd ? acc[mt][0][2 * r] : acc[mt][1][2 * r];
-              const float give1 = odd ? acc[mt][0][2 * r + 1] : acc[mt][1][2 * r + 1];
-              const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1);
-              const float got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
-              const float4 v = odd ? make_float4(got0, got1, acc[mt][1][2 * r], acc[mt][1][2 * r + 1])
-                                   : make_float4(acc[mt][0][2 * r], acc[mt][0][2 * r + 1], got0, got1);
-              const int col = unit_col + (odd ? 8 : 0) + ((lane % 4) & 2) * 2;
-              red_add_v4(rows + (row * row_stride + col), v, row_valid && col < p.d);
-#else
-#pragma unroll
-              for (int b = 0; b < 2; ++b) {
-                const int col = unit_col + b * 8 + (lane % 4) * 2;
-                if (row_valid && col < p.d) {
-                  atomicAdd(rows + (row * row_stride + col), acc[mt][b][2 * r]);
-                  atomicAdd(rows + (row * row_stride + col + 1), acc[mt][b][2 * r + 1]);
-                }
-              }
-#endif
-            }
-          }
-        });
+      for (int j = 0; j < C::kColUnits; ++j) {
+        if (C::kUnits % C::kColGroups != 0 && col_group + C::kColGroups * j >= C::kUnits) break;
+        const uint32_t b_addr = qo_t.at(t * 16, j) + stage_offset;
+        uint32_t bo[4], bq[4];
+        ldmatrix_x4_trans(bo, b_addr + C::kQOBytes);
+        ldmatrix_x4_trans(bq, b_addr);
+        Mma<T>::run(dv[j][0], ap, bo[0], bo[1]);
+        Mma<T>::run(dv[j][1], ap, bo[2], bo[3]);
+        Mma<T>::run(dk[j][0], ads, bq[0], bq[1]);
+        Mma<T>::run(dk[j][1], ads, bq[2], bq[3]);
       }
     }
+    if constexpr (kStages == 1) {
+      __syncthreads();  // every warp is past phase 2: Q and dO are free (dQ reads only dS^T and K)
+      if (next.it < total) issue_loads(next, 0);
+      cp_async_commit();
+    }
+    if constexpr (kDq) {
+      // The step's rows lie within kM rows of its base: 32-bit offsets from one 64-bit chunk pointer.
+      float* const rows = p.dq_accum + (int64_t{q_base} * p.hq + head) * p.d;
+      const int row_stride = p.hq * p.d;
+      split_dq_units<T, C>(smem, warp, lane, [&](int j, const float (&acc)[C::kRowTiles][2][4]) {
+        const int unit_col = (warp + C::kWarps * j) * 16;
+#pragma unroll
+        for (int mt = 0; mt < C::kRowTiles; ++mt) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int row = mt * 16 + lane / 4 + 8 * r;
+            const bool row_valid = q_base + row < p.tq;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+            // Lanes 2i and 2i + 1 trade halves: the even lane adds 4 columns of block 0, the odd one of block 1.
+            const bool odd = lane & 1;
+            const float give0 = odd ? acc[mt][0][2 * r] : acc[mt][1][2 * r];
+            const float give1 = odd ? acc[mt][0][2 * r + 1] : acc[mt][1][2 * r + 1];
+            const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1);
+            const float got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
+            const float4 v = odd ? make_float4(got0, got1, acc[mt][1][2 * r], acc[mt][1][2 * r + 1])
+                                 : make_float4(acc[mt][0][2 * r], acc[mt][0][2 * r + 1], got0, got1);
+            const int col = unit_col + (odd ? 8 : 0) + ((lane % 4) & 2) * 2;
+            red_add_v4(rows + (row * row_stride + col), v, row_valid && col < p.d);
+#else
+#pragma unroll
+            for (int b = 0; b < 2; ++b) {
+              const int col = unit_col + b * 8 + (lane % 4) * 2;
+              if (row_valid && col < p.d) {
+                atomicAdd(rows + (row * row_stride + col), acc[mt][b][2 * r]);
+                atomicAdd(rows + (row * row_stride + col + 1), acc[mt][b][2 * r + 1]);
+              }
+            }
+#endif
+          }
+        }
+      });
+    }
+    step = next;
+    if constexpr (kStages == 2) stage ^= 1;
   }
   cp_async_wait<0>();
 
@@ -401,8 +441,8 @@ __device__ __forceinline__ void dq_split_tile(const BwdParams& p, int linear, un
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
-    split_probabilities<T, kD, false, false>(p, smem, w, k0, q_base, warp, lane);
-    split_dq_units<T, kD>(smem, warp, lane, [&](int j, const float (&part)[C::kRowTiles][2][4]) {
+    split_probabilities<T, C, false, false>(p, smem, w, k0, q_base, 0, warp, lane);
+    split_dq_units<T, C>(smem, warp, lane, [&](int j, const float (&part)[C::kRowTiles][2][4]) {
 #pragma unroll
       for (int mt = 0; mt < C::kRowTiles; ++mt)
 #pragma unroll

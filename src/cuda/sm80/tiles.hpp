@@ -47,13 +47,16 @@ constexpr int dkdv_tile_k(int padded_head_dim) {
 }
 // The D-split backward (tiles above 256): both kernels hold dkdv_tile_k(d) keys of K and V and kSplitBwdRows rows of Q
 // and dO in shared memory (the dk/dv kernel walks each 64-row item chunk in steps of this many rows; the dq kernel's
-// q tile), the fp32 partial S^T / dP^T of 8 warps (16 keys x 32 rows each, one matrix at a time), P^T and dS^T
-// ([keys][64 rows], 16-bit) and the rows' lse2 and Delta. D 1024: 212 KB (H100 227 KB; A100 163 KB fits up to D 576).
+// q tile), the fp32 partial S^T / dP^T of 8 warps (16 keys x 32 rows each, one matrix at a time; P^T and dS^T,
+// [keys][64 rows] 16-bit, reuse that space) and the rows' lse2 and Delta. D 1024: 208 KB (H100 / H200: 227 KB);
+// the A100 (163 KB) runs up to D 768, sm_86 / sm_89 (99 KB) D 320.
 constexpr int kSplitBwdRows = 32;
 constexpr bool split_d_backward(int padded_head_dim) { return padded_head_dim > 256; }
-constexpr int split_bwd_smem_bytes(int padded_head_dim) {
+// stages: 2 double-buffers Q, dO, lse2 and Delta (the dk/dv kernel's next step loads while this one computes;
+// launched where the device allows, D <= 512 on the H100).
+constexpr int split_bwd_smem_bytes(int padded_head_dim, int stages = 1) {
   const int d = padded_head_dim, n = dkdv_tile_k(d), m = kSplitBwdRows;
-  return 2 * n * d * 2 + 2 * m * d * 2 + 8 * 16 * 32 * 4 + 2 * n * 64 * 2 + 2 * m * 4;
+  return 2 * n * d * 2 + stages * (2 * m * d * 2 + 2 * m * 4) + 8 * 16 * 32 * 4;
 }
 // Shared memory of the dk/dv kernel: K, V; Q, dO (double-buffered up to D 128); lse2, Delta; P^T and dS^T
 // (with dq atomics up to D 128, two dS^T buffers); up to D 128 the stages' work items (32 bytes each). The
