@@ -668,15 +668,15 @@ __device__ __forceinline__ void dkdv_staged_tile(const BwdParams& p, int linear,
   store_dkdv<T, kHalfD>(p, dk, dv, k_base + key_group * 16 + lane / 4, half * kHalfD + (lane % 4) * 2, kv_head);
 }
 
-template <class T, int kD, bool kDq, int kStages>
-__device__ __forceinline__ void dkdv_split_tile(const BwdParams& p, int linear, unsigned char* smem);  // backward_split_d.cuh
+// The D-split kernels' tiles (backward_split_d.cuh, included at the end).
+template <class T, int kD, bool kDq>
+__device__ __forceinline__ void dkdv_split_tile(const BwdParams& p, int linear, unsigned char* smem);
 template <class T, int kD>
-__device__ __forceinline__ void dq_split_tile(const BwdParams& p, int linear, unsigned char* smem);  // backward_split_d.cuh
+__device__ __forceinline__ void dq_split_tile(const BwdParams& p, int linear, unsigned char* smem);
 
-// kSplitStages: Q/dO buffers of the D-split kernel (1 or 2; launch_dkdv picks what the device's shared memory allows).
-template <class T, int kD, bool kDq, int kSplitStages = 1>
+template <class T, int kD, bool kDq>
 __device__ __forceinline__ void dkdv_kernel_tile(const BwdParams& p, int linear, unsigned char* smem) {
-  if constexpr (split_d_backward(kD)) dkdv_split_tile<T, kD, kDq, kSplitStages>(p, linear, smem);
+  if constexpr (split_d_backward(kD)) dkdv_split_tile<T, kD, kDq>(p, linear, smem);
   else if constexpr (DkdvConfig<kD, kDq>::kRegisterResident) dkdv_register_tile<T, kD, kDq>(p, linear, smem);
   else dkdv_staged_tile<T, kD, kDq>(p, linear, smem);
 }
@@ -880,18 +880,17 @@ __device__ __forceinline__ void dq_kernel_tile(const BwdParams& p, int linear, u
 }
 
 // Plain grid (one block per work index; the hardware balances best when no SM margin is asked for).
-template <class T, int kD, bool kDq, int kSplitStages = 1>
+template <class T, int kD, bool kDq>
 __global__ void __launch_bounds__(DkdvConfig<kD, kDq>::kThreads) dkdv_kernel(const BwdParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
-  dkdv_kernel_tile<T, kD, kDq, kSplitStages>(p, static_cast<int>(blockIdx.x), smem);
+  dkdv_kernel_tile<T, kD, kDq>(p, static_cast<int>(blockIdx.x), smem);
 }
 
 // Persistent grid (for_each_work).
-template <class T, int kD, bool kDq, int kSplitStages = 1>
+template <class T, int kD, bool kDq>
 __global__ void __launch_bounds__(DkdvConfig<kD, kDq>::kThreads) dkdv_kernel_persistent(const BwdParams p, int num_work) {
   extern __shared__ __align__(128) unsigned char smem[];
-  for_each_work(num_work, p.work_counter,
-                [&](int linear) { dkdv_kernel_tile<T, kD, kDq, kSplitStages>(p, linear, smem); });
+  for_each_work(num_work, p.work_counter, [&](int linear) { dkdv_kernel_tile<T, kD, kDq>(p, linear, smem); });
 }
 
 // Plain grid (one block per work index; the hardware balances best when no SM margin is asked for).

@@ -17,10 +17,9 @@
 
 namespace magi::cuda::detail {
 
-template <int kD_, int kStages_ = 1>
+template <int kD_>
 struct SplitBwdConfig {
   static constexpr int kD = kD_;
-  static constexpr int kStages = kStages_;  // Q/dO/lse2/Delta buffers (2: the next step loads during this one)
   static constexpr int kN = dkdv_tile_k(kD);  // keys of a dk/dv block, of a dq step
   static constexpr int kM = kSplitBwdRows;    // q rows of a dk/dv step, of a dq block
   static constexpr int kWarps = 8;
@@ -41,21 +40,18 @@ struct SplitBwdConfig {
   static constexpr int kDqUnits = (kUnits + kWarps - 1) / kWarps;
   static constexpr int kRowTiles = kM / 16;
   static constexpr int kPdsCols = kDkdvTileQ;  // P^T / dS^T rows hold 64 q columns (Swizzled<64>), kM used
-  // Shared memory, bytes: K, V [kN][kD]; per stage Q, dO [kM][kD] (Swizzled<kD>); the partial sums
-  // [warp][frag][lane], whose space P^T, dS^T [kN][kPdsCols] take once they are summed; per stage lse2, Delta [kM].
+  // Shared memory, bytes: K, V [kN][kD]; Q, dO [kM][kD] (Swizzled<kD>); the partial sums [warp][frag][lane], whose
+  // space P^T, dS^T [kN][kPdsCols] take once they are summed; lse2, Delta [kM].
   static constexpr int kKVBytes = kN * kD * 2;
   static constexpr int kQOBytes = kM * kD * 2;  // dO - Q
-  static constexpr int kQOStageBytes = 2 * kQOBytes;
   static constexpr int kRedBytes = kWarps * kFrags * 32 * 4;
   static constexpr int kPdsBytes = kN * kPdsCols * 2;
-  static constexpr int kStatsStageBytes = 2 * kM * 4;
   static constexpr int kOffV = kKVBytes, kOffQ = 2 * kKVBytes, kOffdO = kOffQ + kQOBytes;
-  static constexpr int kOffRed = kOffQ + kStages * kQOStageBytes, kOffP = kOffRed, kOffdS = kOffP + kPdsBytes;
-  static constexpr int kOffLse = kOffRed + kRedBytes, kOffDelta = kOffLse + kM * 4;  // stage 0's
+  static constexpr int kOffRed = kOffdO + kQOBytes, kOffP = kOffRed, kOffdS = kOffP + kPdsBytes;
+  static constexpr int kOffLse = kOffRed + kRedBytes, kOffDelta = kOffLse + kM * 4;
+  static constexpr int kSmemBytes = kOffDelta + kM * 4;
   static_assert(2 * kPdsBytes <= kRedBytes, "P^T and dS^T fit the partial sums' space");
-  static constexpr int kSmemBytes = kOffLse + kStages * kStatsStageBytes;
-  static_assert(kSmemBytes == split_bwd_smem_bytes(kD, kStages), "tiles.hpp's count is this layout");
-  static_assert(kStages == 1 || kStages == 2, "one or two buffers");
+  static_assert(kSmemBytes == split_bwd_smem_bytes(kD), "tiles.hpp's count is this layout");
   static_assert(kD % 64 == 0 && kM % kTileRows == 0 && kM <= kPdsCols && kDkdvTileQ % kM == 0, "tile shapes");
   static_assert(kSplit == 4 || kSplit == 8, "unit addressing (UnitAddr) needs 4 or 8 groups");
   static_assert(kColGroups == 4 || kColGroups == 8, "unit addressing (UnitAddr) needs 4 or 8 groups");
@@ -98,19 +94,18 @@ __device__ __forceinline__ void load_rows_async(uint32_t smem, const T* global, 
   }
 }
 
-// Phase 1 of both kernels: from K, V (keys k_base + [0, kN)) and Q, dO, lse2, Delta (rows q_base + [0, kM), in
-// buffer `stage`) in shared memory, P^T (kWriteP) and dS^T into their 16-bit tiles. kKMajor: the item is of a
-// k-major list (the per-16-key test bits), else of a q-major one (kWorkMasked). Every thread calls it; it ends
-// with a barrier.
+// Phase 1 of both kernels: from K, V (keys k_base + [0, kN)) and Q, dO, lse2, Delta (rows q_base + [0, kM)) in
+// shared memory, P^T (kWriteP) and dS^T into their 16-bit tiles. kKMajor: the item is of a k-major list (the
+// per-16-key test bits), else of a q-major one (kWorkMasked). Every thread calls it; it ends with a barrier.
 template <class T, class C, bool kWriteP, bool kKMajor>
 __device__ __forceinline__ void split_probabilities(const BwdParams& p, unsigned char* smem, const WorkItem& w,
-                                                    int k_base, int q_base, int stage, int warp, int lane) {
+                                                    int k_base, int q_base, int warp, int lane) {
   constexpr int kD = C::kD;
   constexpr int kNB = C::kTileRows / 8;
   const uint32_t s0 = smem_addr(smem);
   float* const red = reinterpret_cast<float*>(smem + C::kOffRed);
-  const float* const s_lse = reinterpret_cast<const float*>(smem + C::kOffLse + stage * C::kStatsStageBytes);
-  const float* const s_delta = reinterpret_cast<const float*>(smem + C::kOffDelta + stage * C::kStatsStageBytes);
+  const float* const s_lse = reinterpret_cast<const float*>(smem + C::kOffLse);
+  const float* const s_delta = reinterpret_cast<const float*>(smem + C::kOffDelta);
   const int tile = warp % C::kTiles, split = warp / C::kTiles;
   const int key_tile = tile % C::kKeyTiles, row_group = tile / C::kKeyTiles;
 
@@ -121,8 +116,8 @@ __device__ __forceinline__ void split_probabilities(const BwdParams& p, unsigned
 #pragma unroll
     for (int e = 0; e < 4; ++e) st[i][e] = dpt[i][e] = 0.0f;
   const UnitAddr<kD, C::kSplit> a_rows(s0, key_tile * 16 + (lane % 16), split, lane / 16);  // A: K, V
-  const UnitAddr<kD, C::kSplit> b_rows(s0 + C::kOffQ + stage * C::kQOStageBytes, row_group * C::kTileRows + (lane % 8) + (lane / 16) * 8, split,
-                                       (lane / 8) % 2);  // B: Q, dO
+  const UnitAddr<kD, C::kSplit> b_rows(s0 + C::kOffQ, row_group * C::kTileRows + (lane % 8) + (lane / 16) * 8,
+                                       split, (lane / 8) % 2);  // B: Q, dO
 #pragma unroll
   for (int j = 0; j < C::kSplitUnits; ++j) {
     if (C::kUnits % C::kSplit != 0 && split + C::kSplit * j >= C::kUnits) break;  // warp-uniform
@@ -227,9 +222,9 @@ __device__ __forceinline__ void split_dq_units(unsigned char* smem, int warp, in
   }
 }
 
-template <class T, int kD, bool kDq, int kStages>
+template <class T, int kD, bool kDq>
 __device__ __forceinline__ void dkdv_split_tile(const BwdParams& p, int linear, unsigned char* smem) {
-  using C = SplitBwdConfig<kD, kStages>;
+  using C = SplitBwdConfig<kD>;
   constexpr int kN = C::kN, kM = C::kM, kThreads = C::kThreads;
   const uint32_t s0 = smem_addr(smem);
 
@@ -269,20 +264,19 @@ __device__ __forceinline__ void dkdv_split_tile(const BwdParams& p, int linear, 
       if (s.q_base + kM > s.w.q0) return s;
     }
   };
-  auto issue_loads = [&](const Step& s, int stage) {
+  auto issue_loads = [&](const Step& s) {
     const int head = kv_head * group + s.it / count;
     const int64_t offset = s.q_base * q_stride + int64_t{head} * p.d;
-    const uint32_t q_smem = s0 + C::kOffQ + stage * C::kQOStageBytes;
-    load_rows_async<kM, kD, kThreads>(q_smem, q_tensor + offset, q_stride, p.tq - s.q_base, p.d, q_tensor);
-    load_rows_async<kM, kD, kThreads>(q_smem + C::kQOBytes, dout_tensor + offset, q_stride, p.tq - s.q_base, p.d,
+    load_rows_async<kM, kD, kThreads>(s0 + C::kOffQ, q_tensor + offset, q_stride, p.tq - s.q_base, p.d, q_tensor);
+    load_rows_async<kM, kD, kThreads>(s0 + C::kOffdO, dout_tensor + offset, q_stride, p.tq - s.q_base, p.d,
                                       dout_tensor);
-    float* const stats = reinterpret_cast<float*>(smem + C::kOffLse + stage * C::kStatsStageBytes);
-    load_row_stats_async<kM>(p, head, s.q_base, stats, stats + kM, tid);
+    load_row_stats_async<kM>(p, head, s.q_base, reinterpret_cast<float*>(smem + C::kOffLse),
+                             reinterpret_cast<float*>(smem + C::kOffDelta), tid);
   };
   Step step{-1, 0, WorkItem{}};
   step.w.q1 = 0;  // next_step moves to iteration 0
   step = next_step(step);
-  if (step.it < total) issue_loads(step, 0);
+  if (step.it < total) issue_loads(step);
   cp_async_commit();
 
   // Phase 2: this warp's 16 keys and units g + kColGroups j.
@@ -296,20 +290,14 @@ __device__ __forceinline__ void dkdv_split_tile(const BwdParams& p, int linear, 
   const UnitAddr<kD, C::kColGroups> qo_t(s0 + C::kOffQ, (lane % 8) + ((lane / 8) % 2) * 8, col_group,
                                          lane / 16);  // B^T: Q, dO rows
 
-  int stage = 0;
 #pragma unroll 1
   while (step.it < total) {
     const Step next = next_step(step);
     const int head = kv_head * group + step.it / count;
     const int q_base = step.q_base;
     cp_async_wait<0>();
-    __syncthreads();  // this step's loads are visible; the previous step's readers are done
-    if constexpr (kStages == 2) {
-      if (next.it < total) issue_loads(next, stage ^ 1);
-      cp_async_commit();
-    }
-    split_probabilities<T, C, true, true>(p, smem, step.w, k_base, q_base, stage, warp, lane);
-    const uint32_t stage_offset = stage * C::kQOStageBytes;
+    __syncthreads();  // this step's loads are visible, the previous step's dQ is done with dS^T
+    split_probabilities<T, C, true, true>(p, smem, step.w, k_base, q_base, warp, lane);
 
 #pragma unroll
     for (int t = 0; t < kM / 16; ++t) {
@@ -319,7 +307,7 @@ __device__ __forceinline__ void dkdv_split_tile(const BwdParams& p, int linear, 
 #pragma unroll
       for (int j = 0; j < C::kColUnits; ++j) {
         if (C::kUnits % C::kColGroups != 0 && col_group + C::kColGroups * j >= C::kUnits) break;
-        const uint32_t b_addr = qo_t.at(t * 16, j) + stage_offset;
+        const uint32_t b_addr = qo_t.at(t * 16, j);
         uint32_t bo[4], bq[4];
         ldmatrix_x4_trans(bo, b_addr + C::kQOBytes);
         ldmatrix_x4_trans(bq, b_addr);
@@ -329,11 +317,10 @@ __device__ __forceinline__ void dkdv_split_tile(const BwdParams& p, int linear, 
         Mma<T>::run(dk[j][1], ads, bq[2], bq[3]);
       }
     }
-    if constexpr (kStages == 1) {
-      __syncthreads();  // every warp is past phase 2: Q and dO are free (dQ reads only dS^T and K)
-      if (next.it < total) issue_loads(next, 0);
-      cp_async_commit();
-    }
+    // Every warp past phase 2: Q and dO are free, the next step's loads overlap dQ (which reads only dS^T and K).
+    __syncthreads();
+    if (next.it < total) issue_loads(next);
+    cp_async_commit();
     if constexpr (kDq) {
       // The step's rows lie within kM rows of its base: 32-bit offsets from one 64-bit chunk pointer.
       float* const rows = p.dq_accum + (int64_t{q_base} * p.hq + head) * p.d;
@@ -372,7 +359,6 @@ __device__ __forceinline__ void dkdv_split_tile(const BwdParams& p, int linear, 
       });
     }
     step = next;
-    if constexpr (kStages == 2) stage ^= 1;
   }
   cp_async_wait<0>();
 
@@ -441,7 +427,7 @@ __device__ __forceinline__ void dq_split_tile(const BwdParams& p, int linear, un
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
-    split_probabilities<T, C, false, false>(p, smem, w, k0, q_base, 0, warp, lane);
+    split_probabilities<T, C, false, false>(p, smem, w, k0, q_base, warp, lane);
     split_dq_units<T, C>(smem, warp, lane, [&](int j, const float (&part)[C::kRowTiles][2][4]) {
 #pragma unroll
       for (int mt = 0; mt < C::kRowTiles; ++mt)

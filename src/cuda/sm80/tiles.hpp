@@ -52,11 +52,11 @@ constexpr int dkdv_tile_k(int padded_head_dim) {
 // the A100 (163 KB) runs up to D 768, sm_86 / sm_89 (99 KB) D 320.
 constexpr int kSplitBwdRows = 32;
 constexpr bool split_d_backward(int padded_head_dim) { return padded_head_dim > 256; }
-// stages: 2 double-buffers Q, dO, lse2 and Delta (the dk/dv kernel's next step loads while this one computes;
-// launched where the device allows, D <= 512 on the H100).
-constexpr int split_bwd_smem_bytes(int padded_head_dim, int stages = 1) {
+// One buffer of Q / dO: double-buffering them (the next step's loads during this one) measured no gain at D 320
+// and 512 on the H200 (120 vs 118, 147 vs 148 bwd TFLOP/s; the kernel is bound by shared-memory reads).
+constexpr int split_bwd_smem_bytes(int padded_head_dim) {
   const int d = padded_head_dim, n = dkdv_tile_k(d), m = kSplitBwdRows;
-  return 2 * n * d * 2 + stages * (2 * m * d * 2 + 2 * m * 4) + 8 * 16 * 32 * 4;
+  return 2 * n * d * 2 + 2 * m * d * 2 + 2 * m * 4 + 8 * 16 * 32 * 4;
 }
 // Shared memory of the dk/dv kernel: K, V; Q, dO (double-buffered up to D 128); lse2, Delta; P^T and dS^T
 // (with dq atomics up to D 128, two dS^T buffers); up to D 128 the stages' work items (32 bytes each). The

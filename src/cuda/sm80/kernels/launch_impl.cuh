@@ -73,26 +73,16 @@ void launch_forward(const FwdParams& params, int tile_q, int itemless_tiles, int
   launch_forward_list<T, kD, kFwdTileQ>(params, itemless_tiles, sm_margin, stream);
 }
 
-template <class T, int kD, bool kDq, int kSplitStages = 1>
+template <class T, int kD, bool kDq>
 void launch_dkdv(const BwdParams& dkdv, int dkdv_blocks, int sm_margin, cudaStream_t stream) {
-  constexpr int kLargestOptin = 227 * 1024;  // H100 / H200
-  if constexpr (split_d_backward(kD) && kSplitStages == 1 && split_bwd_smem_bytes(kD, 2) <= kLargestOptin) {
-    // Double-buffered Q/dO where the device's shared memory allows (the host checked the single-buffered size).
-    int device = 0, optin = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    if (split_bwd_smem_bytes(kD, 2) <= optin)
-      return launch_dkdv<T, kD, kDq, 2>(dkdv, dkdv_blocks, sm_margin, stream);
-  }
-  constexpr int smem =
-      split_d_backward(kD) ? split_bwd_smem_bytes(kD, kSplitStages) : DkdvConfig<kD, kDq>::kSmemBytes;
+  constexpr int smem = DkdvConfig<kD, kDq>::kSmemBytes;
   constexpr int kThreads = DkdvConfig<kD, kDq>::kThreads;
   if (sm_margin <= 0) {
-    auto kernel = dkdv_kernel<T, kD, kDq, kSplitStages>;
+    auto kernel = dkdv_kernel<T, kD, kDq>;
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     kernel<<<dkdv_blocks, kThreads, smem, stream>>>(dkdv);
   } else {
-    auto kernel = dkdv_kernel_persistent<T, kD, kDq, kSplitStages>;
+    auto kernel = dkdv_kernel_persistent<T, kD, kDq>;
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     const int grid = persistent_grid(kernel, kThreads, smem, dkdv_blocks, sm_margin);
     cudaMemsetAsync(dkdv.work_counter, 0, sizeof(int32_t), stream);
