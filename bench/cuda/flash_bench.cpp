@@ -10,7 +10,7 @@
 //   --sm-margin N: persistent grids leaving N SMs free (the API's default is 4 when
 //   CUDA_DEVICE_MAX_CONNECTIONS > 1); --impl names the rows (default `magi`).
 //   --large-d: the large head dims (D 320, 512, 1024 unless --dims), one sequence of --seq tokens (full, causal) and
-//   the long-tailed documents over the same tokens (varlen causal); a backward not built for D reports nan.
+//   the long-tailed documents over the same tokens (varlen causal).
 //   --fwd-variant pins the large-D forward's variant (0 resident, 1 deep, 2 streamed; default: the plan's choice).
 #include <cuda_runtime.h>
 
@@ -259,14 +259,7 @@ int main(int argc, char** argv) {
                    ps.forward_family == magi::cuda::KernelFamily::Sm90 ? "sm90" : "sm80", ps.forward_tile_q,
                    ps.forward_tile_k, ps.forward_variant);
       const double fwd_ms = time_ms([&] { magi::cuda::forward(*plan, fa, options, stream); }, reps, stream);
-      double bwd_ms = NAN;
-      bool backward_built = true;
-      try {
-        magi::cuda::require_backward_built(d);
-      } catch (const magi::NotAvailable&) {
-        backward_built = false;
-      }
-      if (backward_built) bwd_ms = time_ms([&] { magi::cuda::backward(*plan, ba, options, stream); }, reps, stream);
+      const double bwd_ms = time_ms([&] { magi::cuda::backward(*plan, ba, options, stream); }, reps, stream);
       const int64_t area = c.mask.area();
       const double fwd_tf = magi::flops_forward(area, heads, d) / (fwd_ms * 1e-3) / 1e12;
       const double bwd_tf = magi::flops_backward(area, heads, d) / (bwd_ms * 1e-3) / 1e12;

@@ -54,7 +54,6 @@ class CudaEngine final : public Engine {
 
   void backward(const Mask& mask, const BackwardArgs& a, const Call& call) const override {
     check_inputs(a.q);
-    cuda::require_backward_built(static_cast<int32_t>(a.q.shape[2]));
     for (auto [t, name] : {std::pair{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.out, "out"}, {&a.dout, "dout"}})
       require_aligned(*t, name, 16, kWho);
     for (auto [t, name] : {std::pair{&a.dq, "dq"}, {&a.dk, "dk"}, {&a.dv, "dv"}})

@@ -154,7 +154,6 @@ unsigned char* scratch_for(const Workspace& given, int32_t device, cudaStream_t 
 int64_t workspace_bytes(const ForwardArgs&, const Options&) { return static_cast<int64_t>(kCounterBytes); }
 
 int64_t workspace_bytes(const BackwardArgs& a, const Options& o) {
-  require_backward_built(static_cast<int32_t>(a.q.shape[2]));
   const int32_t padded = padded_head_dim(static_cast<int32_t>(a.q.shape[2]));
   return static_cast<int64_t>(backward_layout(a, padded, device_smem_optin(a.q.device.index), o.deterministic).total);
 }
@@ -202,30 +201,14 @@ void run_forward_itemless(int padded, const detail::FwdParams& p, int tile_q, in
   });
 }
 
-// The backward kernels exist up to head-dim tile 256. Issue 24's backward half replaces this one place (with the
-// large-D instantiations in src/cuda/CMakeLists.txt): until then a larger head dim gets NotAvailable, before
-// anything is launched or allocated.
-constexpr bool backward_built(int padded_d) { return !detail::is_large_head_dim(padded_d); }
-
 template <int kDtype>
 void run_backward(int padded, const detail::BwdParams& dkdv, int dkdv_blocks, const detail::BwdParams& dq,
                   int dq_blocks, int margin, cudaStream_t stream) {
   with_compiled_tile(padded, "backward", [&](auto d) {
-    constexpr int kD = decltype(d)::value;
-    if constexpr (backward_built(kD)) detail::launch_backward<kDtype, kD>(dkdv, dkdv_blocks, dq, dq_blocks, margin, stream);
-    else throw NotAvailable("cuda backend: no backward kernel for head-dim tile " + std::to_string(kD));
+    detail::launch_backward<kDtype, decltype(d)::value>(dkdv, dkdv_blocks, dq, dq_blocks, margin, stream);
   });
 }
 
-}  // namespace
-
-void require_backward_built(int32_t head_dim) {
-  if (!backward_built(padded_head_dim(head_dim)))
-    throw NotAvailable("cuda backend: backward at head dim " + std::to_string(head_dim) +
-                       " is not built yet (the forward runs up to the compiled tiles; the backward stops at 256)");
-}
-
-namespace {
 
 int32_t sink_kind(SinkLayout layout) {
   switch (layout) {
@@ -318,7 +301,6 @@ void forward(const Plan& plan, const ForwardArgs& a, const Options& o, cudaStrea
 }
 
 void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStream_t stream) {
-  require_backward_built(plan.d);
   DeviceGuard guard(plan.device);
   // Checked before anything is launched: parts with ~100 KB per block (sm_86, sm_89) have no D 128 backward.
   const int dkdv_smem = detail::dkdv_smem_bytes(plan.padded_d, false);

@@ -67,8 +67,6 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
 // the API layer (shapes match the plan; a given workspace holds workspace_bytes and is 16-byte aligned).
 void forward(const Plan& plan, const ForwardArgs& args, const Options& options, cudaStream_t stream);
 void backward(const Plan& plan, const BackwardArgs& args, const Options& options, cudaStream_t stream);
-// NotAvailable unless this build has a backward kernel for head_dim (the API checks it first).
-void require_backward_built(int32_t head_dim);
 
 // Scratch bytes one call with these arguments needs (args.workspace may stay empty: the backend then uses its own).
 int64_t workspace_bytes(const ForwardArgs& args, const Options& options);

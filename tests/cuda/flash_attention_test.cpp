@@ -795,7 +795,7 @@ TEST(CudaBackend, AutoRangeMergedMasksMatchReference) {
 
 // Large head dims (tiles above 256: the D-split forward), every mask kind and feature against the fp64 reference;
 // parametrised over D x dtype x case, skipped only where this build lacks the tile (MAGI_ATTN_CUDA_HEAD_DIMS).
-// The backward at these dims is not built yet: NotAvailable (LargeHeadDimBackwardIsNotAvailable).
+// Forward and backward through the API (the backward from the kernel's own out and lse).
 struct LargeDimCase {
   std::string name;
   int32_t hq = 2, hkv = 2;
@@ -818,7 +818,6 @@ TEST_P(LargeHeadDim, MatchReference) {
   const uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
   CaseConfig c = config(dtype, lc.hq, lc.hkv, d);
-  c.backward = false;
   c.sink_layout = lc.sink;
   c.softcap = lc.softcap;
   c.fp32_outputs = lc.fp32_outputs;
@@ -857,16 +856,69 @@ INSTANTIATE_TEST_SUITE_P(
              (std::get<1>(info.param) == DType::BF16 ? "_bf16_" : "_fp16_") + std::get<2>(info.param).name;
     });
 
-TEST(CudaBackend, LargeHeadDimBackwardIsNotAvailable) {
-  for (int32_t d : {264, 520, 1024}) {
-    if (!cuda::head_dim_supported(d)) continue;
-    CaseConfig c = config(DType::BF16, 2, 2, d);
-    const Mask mask = masks::causal(256, 256);
-    CaseData data = make_case(mask, c, fresh_seed());
-    DeviceCase dev(data, c);
-    EXPECT_THROW(backward(mask, dev.backward_args(), c.options()), NotAvailable) << "d " << d;
+// Head dims above 256: the D-split backward kernels alone against the fp64 reference (out and lse from the
+// reference). Full / causal / varlen causal / random slices of every
+// type with q-overlap, empty rows, GQA and MQA, sinks (sh, ssh) and softcap, fp32 gradients, the persistent grids
+// (SM margin), and the deterministic mode bitwise over two runs; D 264 and 520 run padded in the next larger tile.
+struct LargeDimBackwardCase {
+  std::string name;
+  int32_t d;
+  DType dtype;
+  int32_t hq, hkv;
+  int mask;  // 0 full, 1 causal, 2 varlen causal, 3 random slices (all types, q-overlap), 4 mixed types q-overlap,
+             // 5 bi-causal with Sq > Sk (empty rows)
+  SinkLayout sink = SinkLayout::None;
+  double softcap = 0.0;
+  bool fp32_outputs = false;
+  bool deterministic = false;
+  int sm_margin = 0;
+};
+
+std::vector<LargeDimBackwardCase> large_dim_backward_cases() {
+  std::vector<LargeDimBackwardCase> cases;
+  for (int32_t d : {264, 320, 512, 520, 1024}) {
+    const std::string dim = "d" + std::to_string(d) + "_";
+    cases.push_back({dim + "full_bf16_gqa", d, DType::BF16, 4, 2, 0});
+    cases.push_back({dim + "causal_fp16_softcap", d, DType::F16, 2, 1, 1, SinkLayout::None, 20.0});
+    cases.push_back({dim + "varlen_causal_bf16_ssh_sink", d, DType::BF16, 2, 2, 2, SinkLayout::SSH});
+    cases.push_back({dim + "random_fp16_mqa_sh_sink_persistent", d, DType::F16, 4, 1, 3, SinkLayout::SH, 0.0, false,
+                     false, 8});
+    cases.push_back({dim + "random_bf16_fp32_grads_deterministic", d, DType::BF16, 2, 1, 3, SinkLayout::None, 0.0,
+                     true, true});
+    cases.push_back({dim + "mixed_types_fp16_deterministic_persistent", d, DType::F16, 4, 2, 4, SinkLayout::None, 5.0,
+                     false, true, 4});
+    cases.push_back({dim + "bi_causal_empty_rows_bf16", d, DType::BF16, 2, 1, 5});
   }
+  return cases;
 }
+
+class LargeHeadDimBackward : public testing::TestWithParam<LargeDimBackwardCase> {};
+
+TEST_P(LargeHeadDimBackward, MatchesReference) {
+  const LargeDimBackwardCase& lc = GetParam();
+  if (!cuda::head_dim_supported(lc.d)) GTEST_SKIP() << "this build has no head-dim tile for " << lc.d;
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  const int32_t tokens = lc.d <= 520 ? 384 : 256;  // the fp64 reference's time
+  Mask mask;
+  switch (lc.mask) {
+    case 0: mask = masks::full(tokens, tokens); break;
+    case 1: mask = masks::causal(tokens, tokens); break;
+    case 2: mask = masks::varlen_causal(std::vector<int32_t>{0, 37, 200, tokens - 40, tokens}); break;
+    case 3: mask = random_rectangles(rng, tokens, tokens + 64, 24); break;
+    case 4: mask = cases::mixed_types_q_overlap(); break;
+    default: mask = cases::causal_sq_gt_sk(MaskType::BiCausal); break;
+  }
+  CaseConfig c = config(lc.dtype, lc.hq, lc.hkv, lc.d);
+  c.sink_layout = lc.sink;
+  c.sink_len = 3;
+  c.softcap = lc.softcap;
+  c.fp32_outputs = lc.fp32_outputs;
+  EXPECT_TRUE(check_cuda_backward_case(mask, c, seed + 1, lc.name, lc.deterministic, lc.deterministic ? 2 : 1,
+                                       lc.sm_margin));
+}
+INSTANTIATE_TEST_SUITE_P(Issue24, LargeHeadDimBackward, testing::ValuesIn(large_dim_backward_cases()),
+                         [](const auto& info) { return info.param.name; });
 
 TEST(CudaBackend, PlanRejectsUncompiledHeadDim) {
   EXPECT_FALSE(cuda::head_dim_supported(0));

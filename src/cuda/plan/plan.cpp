@@ -28,14 +28,16 @@ constexpr const int (&kCompiledTiles)[sizeof(detail::CompiledTiles::kValues) / s
 
 // kTileMultiple (backend.hpp) against every tile shape a plan may use.
 constexpr bool every_tile_divides(int length) {
-  for (int d : {320, 384, 512, 576, 768, 1024})
-    if (length % detail::large_fwd_tile_q(d) != 0 || length % detail::kLargeFwdTileK != 0) return false;
-  for (int d : {64, 128, 256}) {
-    for (int q : {detail::kFwdTileQ, detail::kFwdSmallTileQ})
-      if (length % q != 0 || length % detail::fwd_tile_k(d, q) != 0) return false;
+  for (int d : {64, 128, 256, 320, 384, 512, 576, 768, 1024}) {
+    if (detail::is_large_head_dim(d)) {
+      if (length % detail::large_fwd_tile_q(d) != 0 || length % detail::kLargeFwdTileK != 0) return false;
+    } else {
+      for (int q : {detail::kFwdTileQ, detail::kFwdSmallTileQ})
+        if (length % q != 0 || length % detail::fwd_tile_k(d, q) != 0) return false;
+      if (length % sm90::kForwardTileQ != 0 || length % sm90::forward_tile_k(d) != 0) return false;
+    }
     if (length % detail::kDkdvTileQ != 0 || length % detail::dkdv_tile_k(d) != 0) return false;
     if (length % detail::dq_tile_q(d) != 0 || length % detail::dq_tile_k(d) != 0) return false;
-    if (length % sm90::kForwardTileQ != 0 || length % sm90::forward_tile_k(d) != 0) return false;
   }
   return true;
 }

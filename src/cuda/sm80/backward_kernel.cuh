@@ -7,6 +7,7 @@
 //    D 256) of one q head over the by_q_tile items, dQ += dS K, recomputing S and dP (7 GEMMs).
 //  - Default mode: the dk/dv kernel (kDq) also adds dQ += dS K for each chunk into an fp32 buffer with
 //    atomics (5 GEMMs, FA2's scheme); the atomics' order varies, so dq is not bitwise reproducible.
+//  - Head-dim tiles above 256: the D-split kernels of backward_split_d.cuh (included at the end).
 #pragma once
 
 #include <type_traits>
@@ -65,7 +66,7 @@ struct DkdvConfig {
   // D <= 128: one warp pair per 32 keys (see dkdv_register_tile). D 256: 8 warps, P^T and dS^T staged in
   // shared memory, d columns split between warp halves.
   static constexpr bool kRegisterResident = kD <= 128;
-  static constexpr int kWarps = kRegisterResident ? kN / 16 : 8;
+  static constexpr int kWarps = kRegisterResident ? kN / 16 : 8;  // 8 in the D-split kernel too
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kStages = kD <= 128 ? 2 : 1;  // double-buffered Q/dO where shared memory allows
   static constexpr int kSmemBytes = dkdv_smem_bytes(kD, kDq);  // laid out by the tile functions
@@ -667,9 +668,16 @@ __device__ __forceinline__ void dkdv_staged_tile(const BwdParams& p, int linear,
   store_dkdv<T, kHalfD>(p, dk, dv, k_base + key_group * 16 + lane / 4, half * kHalfD + (lane % 4) * 2, kv_head);
 }
 
+// The D-split kernels' tiles (backward_split_d.cuh, included at the end).
+template <class T, int kD, bool kDq>
+__device__ __forceinline__ void dkdv_split_tile(const BwdParams& p, int linear, unsigned char* smem);
+template <class T, int kD>
+__device__ __forceinline__ void dq_split_tile(const BwdParams& p, int linear, unsigned char* smem);
+
 template <class T, int kD, bool kDq>
 __device__ __forceinline__ void dkdv_kernel_tile(const BwdParams& p, int linear, unsigned char* smem) {
-  if constexpr (DkdvConfig<kD, kDq>::kRegisterResident) dkdv_register_tile<T, kD, kDq>(p, linear, smem);
+  if constexpr (split_d_backward(kD)) dkdv_split_tile<T, kD, kDq>(p, linear, smem);
+  else if constexpr (DkdvConfig<kD, kDq>::kRegisterResident) dkdv_register_tile<T, kD, kDq>(p, linear, smem);
   else dkdv_staged_tile<T, kD, kDq>(p, linear, smem);
 }
 
@@ -677,14 +685,14 @@ template <int kD>
 struct DqConfig {
   static constexpr int kM = dq_tile_q(kD);
   static constexpr int kN = dq_tile_k(kD);
-  static constexpr int kWarps = 4;
+  static constexpr int kWarps = split_d_backward(kD) ? 8 : 4;
   static constexpr int kMTiles = kM / (16 * kWarps);  // 16-row m-tiles per warp, kWarps * 16 rows apart
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kSmemBytes = (2 * kM + 2 * kN) * kD * 2;
+  static constexpr int kSmemBytes = split_d_backward(kD) ? split_bwd_smem_bytes(kD) : (2 * kM + 2 * kN) * kD * 2;
 };
 
 template <class T, int kD>
-__device__ __forceinline__ void dq_kernel_tile(const BwdParams& p, int linear, unsigned char* smem) {
+__device__ __forceinline__ void dq_resident_tile(const BwdParams& p, int linear, unsigned char* smem) {
   using Cfg = DqConfig<kD>;
   constexpr int kM = Cfg::kM, kN = Cfg::kN, kThreads = Cfg::kThreads, kMT = Cfg::kMTiles;
   constexpr int kStride = 16 * Cfg::kWarps;
@@ -865,6 +873,12 @@ __device__ __forceinline__ void dq_kernel_tile(const BwdParams& p, int linear, u
   }
 }
 
+template <class T, int kD>
+__device__ __forceinline__ void dq_kernel_tile(const BwdParams& p, int linear, unsigned char* smem) {
+  if constexpr (split_d_backward(kD)) dq_split_tile<T, kD>(p, linear, smem);
+  else dq_resident_tile<T, kD>(p, linear, smem);
+}
+
 // Plain grid (one block per work index; the hardware balances best when no SM margin is asked for).
 template <class T, int kD, bool kDq>
 __global__ void __launch_bounds__(DkdvConfig<kD, kDq>::kThreads) dkdv_kernel(const BwdParams p) {
@@ -894,3 +908,5 @@ __global__ void __launch_bounds__(DqConfig<kD>::kThreads) dq_kernel_persistent(c
 }
 
 }  // namespace magi::cuda::detail
+
+#include "cuda/sm80/backward_split_d.cuh"

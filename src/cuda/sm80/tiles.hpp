@@ -99,12 +99,30 @@ constexpr int fwd_block_warps(int padded_head_dim, int tile_q) {
 // cover 128 keys: half the atomic traffic of 64-key tiles, measured 271 vs 203 bwd TFLOP/s on the H100), 64 keys
 // at D 256 (register budget); dq blocks of 4 warps.
 constexpr int kDkdvTileQ = 64;
-constexpr int dkdv_tile_k(int padded_head_dim) { return padded_head_dim <= 128 ? 128 : 64; }
+// Above D 256 (backward_split_d.cuh): 32 keys up to D 512, 16 above, so that a block's dK and dV accumulators
+// (keys x D fp32, split over 8 warps by columns) stay at <= 128 registers a thread.
+constexpr int dkdv_tile_k(int padded_head_dim) {
+  return padded_head_dim <= 128 ? 128 : padded_head_dim <= 256 ? 64 : padded_head_dim <= 512 ? 32 : 16;
+}
+// The D-split backward (tiles above 256): both kernels hold dkdv_tile_k(d) keys of K and V and kSplitBwdRows rows of Q
+// and dO in shared memory (the dk/dv kernel walks each 64-row item chunk in steps of this many rows; the dq kernel's
+// q tile), the fp32 partial S^T / dP^T of 8 warps (16 keys x 32 rows each, one matrix at a time; P^T and dS^T,
+// [keys][64 rows] 16-bit, reuse that space) and the rows' lse2 and Delta. D 1024: 208 KB (H100 / H200: 227 KB);
+// the A100 (163 KB) runs up to D 768, sm_86 / sm_89 (99 KB) D 320.
+constexpr int kSplitBwdRows = 32;
+constexpr bool split_d_backward(int padded_head_dim) { return padded_head_dim > 256; }
+// One buffer of Q / dO: double-buffering them (the next step's loads during this one) measured no gain at D 320
+// and 512 on the H200 (120 vs 118, 147 vs 148 bwd TFLOP/s; the kernel is bound by shared-memory reads).
+constexpr int split_bwd_smem_bytes(int padded_head_dim) {
+  const int d = padded_head_dim, n = dkdv_tile_k(d), m = kSplitBwdRows;
+  return 2 * n * d * 2 + 2 * m * d * 2 + 2 * m * 4 + 8 * 16 * 32 * 4;
+}
 // Shared memory of the dk/dv kernel: K, V; Q, dO (double-buffered up to D 128); lse2, Delta; P^T and dS^T
 // (with dq atomics up to D 128, two dS^T buffers); up to D 128 the stages' work items (32 bytes each). The
 // host checks it against the device's limit (the dq-atomics kernel needs ~177 KB at D 128; smaller parts
 // take the two-kernel path).
 constexpr int dkdv_smem_bytes(int padded_head_dim, bool dq_atomics) {
+  if (split_d_backward(padded_head_dim)) return split_bwd_smem_bytes(padded_head_dim);
   const int d = padded_head_dim, n = dkdv_tile_k(d), m = kDkdvTileQ;
   const bool register_resident = d <= 128;
   const int stages = register_resident ? 2 : 1;
@@ -113,7 +131,12 @@ constexpr int dkdv_smem_bytes(int padded_head_dim, bool dq_atomics) {
          (register_resident ? stages * 32 : 0);
 }
 // dq: 128 rows (two m-tiles per warp) x 32 keys up to D 128 beat 64 x 64 (165 vs 159 bwd TFLOP/s, H200).
-constexpr int dq_tile_q(int padded_head_dim) { return padded_head_dim <= 128 ? 128 : 64; }
-constexpr int dq_tile_k(int /*padded_head_dim*/) { return 32; }
+// Above D 256 the dq kernel has the dk/dv kernel's shapes (kSplitBwdRows rows, dkdv_tile_k keys a step).
+constexpr int dq_tile_q(int padded_head_dim) {
+  return padded_head_dim <= 128 ? 128 : padded_head_dim <= 256 ? 64 : kSplitBwdRows;
+}
+constexpr int dq_tile_k(int padded_head_dim) {
+  return split_d_backward(padded_head_dim) ? dkdv_tile_k(padded_head_dim) : 32;
+}
 
 }  // namespace magi::cuda::detail
