@@ -265,7 +265,7 @@ int main(int argc, char** argv) {
       const double bwd_tf = magi::flops_backward(area, heads, d) / (bwd_ms * 1e-3) / 1e12;
       std::printf("%s,%s,%d,%d,%.1f,%.1f,%.3f,%.3f\n", impl.c_str(), c.name.c_str(), total, d, fwd_tf, bwd_tf, fwd_ms,
                   bwd_ms);
-      if (deterministic_too && backward_built) {
+      if (deterministic_too) {
         magi::cuda::Options det = options;
         det.deterministic = true;
         const double det_ms = time_ms([&] { magi::cuda::backward(*plan, ba, det, stream); }, reps, stream);
