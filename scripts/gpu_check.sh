@@ -89,6 +89,9 @@ if [ $RUN_SANITIZER = 1 ]; then
   # D 256 and both forward tiles: All/Features.MatchReference/d256_fp16, CudaBackend.ForwardTileChoicesMatchReference.
   small='CudaBackend.EmptyMaskGivesZerosAndMinusInf:CudaBackend.DeterministicModeSmallCase:All/Features.MatchReference/d40_bf16:All/Features.MatchReference/sink_sh'
   small+=':All/Features.MatchReference/d256_fp16:CudaBackend.ForwardTileChoicesMatchReference'
+  # Large head dims where built (D 520 in the 576 tile, forward + backward; the deterministic D-split backward).
+  small+=':Dims/LargeHeadDim.MatchReference/d520_bf16_random_slices'
+  small+=':Dims/LargeHeadDimBackward.MatchesReference/d320_random_bf16_fp32_grads_deterministic'
   small=${SANITIZE_FILTER:-$small}
   # Once per forward kernel family (the suite's ctest runs are per family too); synccheck for the Hopper one's
   # mbarrier pipelines and named barriers.

@@ -917,7 +917,7 @@ TEST_P(LargeHeadDimBackward, MatchesReference) {
   EXPECT_TRUE(check_cuda_backward_case(mask, c, seed + 1, lc.name, lc.deterministic, lc.deterministic ? 2 : 1,
                                        lc.sm_margin));
 }
-INSTANTIATE_TEST_SUITE_P(Issue24, LargeHeadDimBackward, testing::ValuesIn(large_dim_backward_cases()),
+INSTANTIATE_TEST_SUITE_P(Dims, LargeHeadDimBackward, testing::ValuesIn(large_dim_backward_cases()),
                          [](const auto& info) { return info.param.name; });
 
 TEST(CudaBackend, PlanRejectsUncompiledHeadDim) {
