@@ -897,6 +897,8 @@ class LargeHeadDimBackward : public testing::TestWithParam<LargeDimBackwardCase>
 TEST_P(LargeHeadDimBackward, MatchesReference) {
   const LargeDimBackwardCase& lc = GetParam();
   if (!cuda::head_dim_supported(lc.d)) GTEST_SKIP() << "this build has no head-dim tile for " << lc.d;
+  // The backward kernels are the portable family's whatever the forward family: its run covers them.
+  if (family_under_test() == cuda::KernelFamily::Sm90) GTEST_SKIP() << "the Hopper forward stops at D 256";
   const uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
   const int32_t tokens = lc.d <= 520 ? 384 : 256;  // the fp64 reference's time
