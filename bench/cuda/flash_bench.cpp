@@ -4,14 +4,14 @@
 //
 // usage: flash_bench [--cases out.json] [--reps N] [--quick] [--only MASK] [--dims 64,128,256] [--seq 8192]
 //                    [--batch 2] [--deterministic] [--sm-margin N] [--impl NAME] [--fwd-tile-q 64|128]
-//                    [--family auto|sm80|sm90] [--large-d] [--fwd-variant 0|1|2]
+//                    [--family auto|sm80|sm90] [--large-d] [--fwd-variant 0|1|2|3]
 //   --batch sequences of --seq tokens (16 heads, bf16); --quick = D 128 only. The backward runs in the default
 //   mode (dq by atomics); --deterministic also times the deterministic backward (rows `magi_det`).
 //   --sm-margin N: persistent grids leaving N SMs free (the API's default is 4 when
 //   CUDA_DEVICE_MAX_CONNECTIONS > 1); --impl names the rows (default `magi`).
 //   --large-d: the large head dims (D 320, 512, 1024 unless --dims), one sequence of --seq tokens (full, causal) and
 //   the long-tailed documents over the same tokens (varlen causal).
-//   --fwd-variant pins the large-D forward's variant (0 resident, 1 deep, 2 streamed; default: the plan's choice).
+//   --fwd-variant pins the large-D forward's variant (0 resident, 1 deep, 2 streamed, 3 paired; default: the plan's choice).
 #include <cuda_runtime.h>
 
 #include <algorithm>

@@ -52,7 +52,7 @@ constexpr bool large_variants_fit() {
     if (detail::large_fwd_smem_bytes(d, detail::kLargeFwdDeep) > 227 * 1024) return false;
     if (detail::large_fwd_col_warps(d) == 0) return false;
   }
-  return true;
+  return detail::large_fwd_paired_fits(320);  // the tuned table's Hopper D 320 entry
 }
 static_assert(large_variants_fit(), "a large-D forward variant no longer fits the shared memory it is meant for");
 

@@ -11,6 +11,7 @@ namespace magi::cuda {
 namespace {
 
 using detail::kLargeFwdDeep;
+using detail::kLargeFwdPaired;
 
 // Measured choices (flash_bench --large-d: bf16, 16 heads, one 8k-token sequence, full / causal, and long-tailed
 // documents over 8k tokens for varlen causal; scripts/gpu_check.sh --large-d). Devices and tiles without an entry
@@ -22,7 +23,9 @@ constexpr TunedForwardConfig kTunedForward[] = {
     //   D 512: full 178 vs 120, causal 178 vs 127, varlen causal 137 vs 105
     //   D 1024: full 115 vs 71, causal 118 vs 74, varlen causal 99 vs 68
     // (384, 576, 768 not measured: they keep the safe variant.)
-    {90, 227 * 1024, 320, kLargeFwdDeep, "H200: deep 152/153/118 vs safe 98/105/87 TFLOP/s (full/causal/varlen)"},
+    // D 320, paired (two blocks per SM) vs deep, H100 (2026-11-26): full 171 vs 153, causal 171 vs 153, varlen
+    // causal 129 vs 119 (safe: 102 / 108 / 89).
+    {90, 227 * 1024, 320, kLargeFwdPaired, "H100: paired 171/171/129 vs deep 153/153/119 TFLOP/s (full/causal/varlen)"},
     {90, 227 * 1024, 512, kLargeFwdDeep, "H200: deep 178/178/137 vs safe 120/127/105 TFLOP/s (full/causal/varlen)"},
     {90, 227 * 1024, 1024, kLargeFwdDeep, "H200: deep 115/118/99 vs safe 71/74/68 TFLOP/s (full/causal/varlen)"},
 };
@@ -40,12 +43,15 @@ const TunedForwardConfig* find_tuned_forward_config(int32_t compute_capability, 
 
 int32_t large_forward_variant(int32_t compute_capability, int32_t smem_optin, int32_t padded_head_dim,
                               int32_t requested) {
-  auto fits = [&](int32_t v) { return detail::large_fwd_smem_bytes(padded_head_dim, v) <= smem_optin; };
+  auto fits = [&](int32_t v) {
+    return detail::large_fwd_fits(padded_head_dim, v, smem_optin) &&
+           (v != detail::kLargeFwdPaired || detail::large_fwd_paired_fits(padded_head_dim));
+  };
   if (requested >= 0) {
     if (requested >= detail::kLargeFwdVariants || !fits(requested))
       throw InvalidArgument("cuda plan: forward_variant " + std::to_string(requested) + " is not available at head-dim tile " +
                             std::to_string(padded_head_dim) + " on this device (allowed: -1, 0 resident, 1 deep, 2 "
-                            "streamed, where they fit " + std::to_string(smem_optin) + " bytes of shared memory)");
+                            "streamed, 3 paired, where they fit " + std::to_string(smem_optin) + " bytes of shared memory)");
     return requested;
   }
   if (!env::get_bool("MAGI_ATTENTION_CUDA_IGNORE_TUNED_CONFIGS")) {

@@ -322,14 +322,15 @@ __device__ __forceinline__ void forward_large_tile(const FwdParams& p, int linea
 
 // Plain grid (one block per work index).
 template <class T, int kD, int kVariant>
-__global__ void __launch_bounds__(LargeFwdConfig<kD, kVariant>::kThreads, 1) forward_large_kernel(const FwdParams p) {
+__global__ void __launch_bounds__(LargeFwdConfig<kD, kVariant>::kThreads, large_fwd_blocks_per_sm(kVariant))
+    forward_large_kernel(const FwdParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
   forward_large_tile<T, kD, kVariant>(p, static_cast<int>(blockIdx.x), smem);
 }
 
 // Persistent grid (for_each_work).
 template <class T, int kD, int kVariant>
-__global__ void __launch_bounds__(LargeFwdConfig<kD, kVariant>::kThreads, 1)
+__global__ void __launch_bounds__(LargeFwdConfig<kD, kVariant>::kThreads, large_fwd_blocks_per_sm(kVariant))
     forward_large_kernel_persistent(const FwdParams p, int num_work) {
   extern __shared__ __align__(128) unsigned char smem[];
   for_each_work(num_work, p.work_counter, [&](int linear) { forward_large_tile<T, kD, kVariant>(p, linear, smem); });

@@ -63,12 +63,17 @@ constexpr int large_fwd_col_warps(int padded_head_dim) {
 // Compiled variants of the large-D forward (the planner picks one per device: plan/tuned_configs.cpp).
 // kLargeFwdResident: Q resident, a 2-stage ring of K chunks and 16-key V chunks (fits 163 KB, A100, at every D);
 // kLargeFwdDeep: Q resident, 3 stages, 32-key V chunks up to D 512 (needs up to 192 KB: H100 / H200);
-// kLargeFwdStreamed: Q streamed in chunks beside K (re-read from L2 per item), 2 stages (fits 99 KB: sm_86 / 89).
-enum LargeFwdVariant : int { kLargeFwdResident = 0, kLargeFwdDeep = 1, kLargeFwdStreamed = 2, kLargeFwdVariants = 3 };
+// kLargeFwdStreamed: Q streamed in chunks beside K (re-read from L2 per item), 2 stages (fits 99 KB: sm_86 / 89);
+// kLargeFwdPaired: Q resident, 2 stages, two blocks per SM (<= 128 registers a thread: one block's barriers and
+// load waits overlap the other's mma); only where two blocks fit (large_fwd_paired_fits).
+enum LargeFwdVariant : int {
+  kLargeFwdResident = 0, kLargeFwdDeep = 1, kLargeFwdStreamed = 2, kLargeFwdPaired = 3, kLargeFwdVariants = 4
+};
 constexpr bool large_fwd_q_resident(int variant) { return variant != kLargeFwdStreamed; }
 constexpr int large_fwd_stages(int variant) { return variant == kLargeFwdDeep ? 3 : 2; }
+constexpr int large_fwd_blocks_per_sm(int variant) { return variant == kLargeFwdPaired ? 2 : 1; }
 constexpr int large_fwd_v_keys(int padded_head_dim, int variant) {
-  return variant == kLargeFwdDeep && padded_head_dim <= 512 ? 32 : 16;
+  return (variant == kLargeFwdDeep && padded_head_dim <= 512) || variant == kLargeFwdPaired ? 32 : 16;
 }
 // Small per-block arrays: partial row maxima and sums per key warp, row scales, final row maxima.
 constexpr int large_fwd_row_bytes(int padded_head_dim) {
@@ -82,6 +87,16 @@ constexpr int large_fwd_smem_bytes(int padded_head_dim, int variant) {
   const int v = stages * large_fwd_v_keys(d, variant) * d;
   const int p = m * kLargeFwdTileK;
   return (q + k + v + p) * 2 + large_fwd_row_bytes(d);
+}
+// Whether the variant's blocks per SM fit `smem_optin` bytes a block (an SM holds smem_optin + 1 KB, and each
+// block reserves 1 KB).
+constexpr bool large_fwd_fits(int padded_head_dim, int variant, int smem_optin) {
+  return large_fwd_blocks_per_sm(variant) * (large_fwd_smem_bytes(padded_head_dim, variant) + 1024) <= smem_optin + 1024;
+}
+// The paired variant is compiled for the D 320 tile only (106 KB: two blocks fit Hopper); at 384 (97 KB) its O share
+// (64 x 48: 96 registers) would leave too few of the 128, and 512 and above do not fit twice.
+constexpr bool large_fwd_paired_fits(int padded_head_dim) {
+  return padded_head_dim == 320 && large_fwd_fits(padded_head_dim, kLargeFwdPaired, 227 * 1024);
 }
 // The safe variant: the resident one where it fits, else the streamed one; -1 if none fits.
 constexpr int large_fwd_default_variant(int padded_head_dim, int smem_optin) {

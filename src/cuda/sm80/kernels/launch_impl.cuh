@@ -68,6 +68,10 @@ void launch_large_variant(const FwdParams& params, int variant, int num_blocks, 
     case kLargeFwdResident: return launch_large_tiles<T, kD, kLargeFwdResident>(params, num_blocks, sm_margin, stream);
     case kLargeFwdDeep: return launch_large_tiles<T, kD, kLargeFwdDeep>(params, num_blocks, sm_margin, stream);
     case kLargeFwdStreamed: return launch_large_tiles<T, kD, kLargeFwdStreamed>(params, num_blocks, sm_margin, stream);
+    case kLargeFwdPaired:
+      if constexpr (large_fwd_paired_fits(kD))
+        return launch_large_tiles<T, kD, kLargeFwdPaired>(params, num_blocks, sm_margin, stream);
+      [[fallthrough]];
     default: throw Error("cuda forward: unknown large-D variant " + std::to_string(variant));
   }
 }
