@@ -4,14 +4,15 @@
 //
 // usage: flash_bench [--cases out.json] [--reps N] [--quick] [--only MASK] [--dims 64,128,256] [--seq 8192]
 //                    [--batch 2] [--deterministic] [--sm-margin N] [--impl NAME] [--fwd-tile-q 64|128]
-//                    [--family auto|sm80|sm90] [--large-d] [--fwd-variant 0|1|2|3]
+//                    [--family auto|sm80|sm90] [--large-d] [--fwd-variant 0|1|2|3] [--bwd-variant 0|1]
 //   --batch sequences of --seq tokens (16 heads, bf16); --quick = D 128 only. The backward runs in the default
 //   mode (dq by atomics); --deterministic also times the deterministic backward (rows `magi_det`).
 //   --sm-margin N: persistent grids leaving N SMs free (the API's default is 4 when
 //   CUDA_DEVICE_MAX_CONNECTIONS > 1); --impl names the rows (default `magi`).
 //   --large-d: the large head dims (D 320, 512, 1024 unless --dims), one sequence of --seq tokens (full, causal) and
 //   the long-tailed documents over the same tokens (varlen causal).
-//   --fwd-variant pins the large-D forward's variant (0 resident, 1 deep, 2 streamed, 3 paired; default: the plan's choice).
+//   --fwd-variant pins the large-D forward's variant (0 resident, 1 deep, 2 streamed, 3 paired; default: the plan's choice);
+//   --bwd-variant the large-D dk/dv kernel's (0 single, 1 paired: two blocks per SM, D 320 only).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -160,6 +161,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--deterministic")) deterministic_too = true;
     else if (!std::strcmp(argv[i], "--large-d")) large_d = true, batch = 1;
     else if (!std::strcmp(argv[i], "--fwd-variant") && i + 1 < argc) tuning.forward_variant = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--bwd-variant") && i + 1 < argc) tuning.backward_variant = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--sm-margin") && i + 1 < argc) sm_margin = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--impl") && i + 1 < argc) impl = argv[++i];
     else if (!std::strcmp(argv[i], "--fwd-tile-q") && i + 1 < argc) tuning.forward_tile_q = std::atoi(argv[++i]);
@@ -255,9 +257,10 @@ int main(int argc, char** argv) {
       if (!only.empty() && c.name != only) continue;
       auto plan = magi::cuda::make_plan(c.mask, heads, heads, d, 0, tuning);
       const magi::cuda::PlanStats ps = magi::cuda::stats(*plan);
-      std::fprintf(stderr, "# %s %s D %d: %s forward, %d x %d tiles, variant %d\n", impl.c_str(), c.name.c_str(), d,
+      std::fprintf(stderr, "# %s %s D %d: %s forward, %d x %d tiles, variant %d, bwd variant %d\n", impl.c_str(),
+                   c.name.c_str(), d,
                    ps.forward_family == magi::cuda::KernelFamily::Sm90 ? "sm90" : "sm80", ps.forward_tile_q,
-                   ps.forward_tile_k, ps.forward_variant);
+                   ps.forward_tile_k, ps.forward_variant, ps.backward_variant);
       const double fwd_ms = time_ms([&] { magi::cuda::forward(*plan, fa, options, stream); }, reps, stream);
       const double bwd_ms = time_ms([&] { magi::cuda::backward(*plan, ba, options, stream); }, reps, stream);
       const int64_t area = c.mask.area();

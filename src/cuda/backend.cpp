@@ -203,9 +203,9 @@ void run_forward_itemless(int padded, const detail::FwdParams& p, int tile_q, in
 
 template <int kDtype>
 void run_backward(int padded, const detail::BwdParams& dkdv, int dkdv_blocks, const detail::BwdParams& dq,
-                  int dq_blocks, int margin, cudaStream_t stream) {
+                  int dq_blocks, int variant, int margin, cudaStream_t stream) {
   with_compiled_tile(padded, "backward", [&](auto d) {
-    detail::launch_backward<kDtype, decltype(d)::value>(dkdv, dkdv_blocks, dq, dq_blocks, margin, stream);
+    detail::launch_backward<kDtype, decltype(d)::value>(dkdv, dkdv_blocks, dq, dq_blocks, variant, margin, stream);
   });
 }
 
@@ -388,8 +388,11 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
   timer.end();
   timer.begin(fused_dq ? "dkdv_kernel (dq by atomics)" : "dkdv_kernel + dq_kernel");
   if (tag == detail::kBf16)
-    run_backward<detail::kBf16>(plan.padded_d, dkdv, dkdv_blocks, dq, dq_blocks, o.sm_margin, stream);
-  else run_backward<detail::kFp16>(plan.padded_d, dkdv, dkdv_blocks, dq, dq_blocks, o.sm_margin, stream);
+    run_backward<detail::kBf16>(plan.padded_d, dkdv, dkdv_blocks, dq, dq_blocks, plan.bwd_variant, o.sm_margin,
+                                stream);
+  else
+    run_backward<detail::kFp16>(plan.padded_d, dkdv, dkdv_blocks, dq, dq_blocks, plan.bwd_variant, o.sm_margin,
+                                stream);
   timer.end();
   if (fused_dq && !dq_in_place) {
     timer.begin("dq conversion");

@@ -51,6 +51,9 @@ struct PlanTuning {
   // Head-dim tiles above 256: the D-split forward's variant (LargeFwdVariant in src/cuda/sm80/tiles.hpp); -1 = the
   // tuned table's choice for the device (plan/tuned_configs.cpp), else the one that fits.
   int32_t forward_variant = -1;
+  // Head-dim tiles above 256: the D-split dk/dv kernel's variant (LargeBwdVariant, tiles.hpp); -1 = the tuned
+  // table's choice, else kLargeBwdSingle.
+  int32_t backward_variant = -1;
 };
 
 // A length that every tile of every plan divides (both families, every head dim and tile choice; plan.cpp checks
@@ -78,6 +81,7 @@ struct PlanStats {
   int32_t forward_tile_q = 0, forward_tile_k = 0;
   KernelFamily forward_family = KernelFamily::Sm80;
   int32_t forward_variant = -1;  // large head dims: the D-split forward's variant
+  int32_t backward_variant = -1;  // large head dims: the D-split dk/dv kernel's variant
   int64_t forward_items = 0, dkdv_items = 0, dq_items = 0;
   int64_t forward_tiles = 0, dkdv_tiles = 0, dq_tiles = 0;
   int64_t device_bytes = 0;

@@ -922,6 +922,54 @@ TEST_P(LargeHeadDimBackward, MatchesReference) {
 INSTANTIATE_TEST_SUITE_P(Dims, LargeHeadDimBackward, testing::ValuesIn(large_dim_backward_cases()),
                          [](const auto& info) { return info.param.name; });
 
+// The D-split dk/dv kernel's variants (one or two blocks per SM) sum every cell in the same order: dK, dV (and dQ
+// in deterministic mode) bitwise equal, in the plain and the persistent grid; a variant that does not fit the tile
+// is refused.
+TEST(CudaBackend, LargeHeadDimBackwardVariantsAgree) {
+  if (!cuda::head_dim_supported(320)) GTEST_SKIP() << "this build has no head-dim tile for 320";
+  if (family_under_test() == cuda::KernelFamily::Sm90) GTEST_SKIP() << "the Hopper forward stops at D 256";
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  const Mask mask = random_rectangles(rng, 384, 448, 24);
+  CaseConfig c = config(DType::BF16, 4, 2, 320);
+  CaseData d = make_case(mask, c, seed);
+  DeviceCase dev(d, c);
+  cuda::PlanTuning paired;
+  paired.backward_variant = 1;  // kLargeBwdPaired
+  std::shared_ptr<cuda::Plan> paired_plan;
+  try {
+    paired_plan = test_plan(mask, c.heads_q, c.heads_kv, c.head_dim, paired);
+  } catch (const InvalidArgument&) {
+    GTEST_SKIP() << "two D 320 backward blocks do not fit this device's shared memory";
+  }
+  EXPECT_EQ(cuda::stats(*paired_plan).backward_variant, 1);
+  cuda::PlanTuning single;
+  single.backward_variant = 0;
+  auto single_plan = test_plan(mask, c.heads_q, c.heads_kv, c.head_dim, single);
+  EXPECT_EQ(cuda::stats(*single_plan).backward_variant, 0);
+  if (cuda::head_dim_supported(512))
+    EXPECT_THROW(test_plan(mask, c.heads_q, c.heads_kv, 512, paired), InvalidArgument);
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  for (bool deterministic : {true, false}) {
+    for (int margin : {0, sms - 2}) {
+      cuda::Options o = cuda_options(c, deterministic);
+      o.sm_margin = margin;
+      std::vector<HostTensor> results[2];
+      for (int v = 0; v < 2; ++v) {
+        dev.poison();
+        cuda::forward(*single_plan, dev.forward_args(), o, nullptr);
+        cuda::backward(v == 0 ? *single_plan : *paired_plan, dev.backward_args(), o, nullptr);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        results[v] = {dev.out.download(), dev.lse.download(), dev.dq.download(), dev.dk.download(), dev.dv.download()};
+      }
+      EXPECT_TRUE(same_results(results[0], results[1], deterministic, c.dtype,
+                               std::string(deterministic ? "deterministic" : "default") + ", margin " +
+                                   std::to_string(margin) + ", seed " + std::to_string(seed)));
+    }
+  }
+}
+
 TEST(CudaBackend, PlanRejectsUncompiledHeadDim) {
   EXPECT_FALSE(cuda::head_dim_supported(0));
   EXPECT_FALSE(cuda::head_dim_supported(12));

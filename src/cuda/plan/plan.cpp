@@ -52,7 +52,8 @@ constexpr bool large_variants_fit() {
     if (detail::large_fwd_smem_bytes(d, detail::kLargeFwdDeep) > 227 * 1024) return false;
     if (detail::large_fwd_col_warps(d) == 0) return false;
   }
-  return detail::large_fwd_paired_fits(320);  // the tuned table's Hopper D 320 entry
+  // the tuned table's Hopper D 320 entries
+  return detail::large_fwd_paired_fits(320) && detail::bwd_split_paired_fits(320);
 }
 static_assert(large_variants_fit(), "a large-D forward variant no longer fits the shared memory it is meant for");
 
@@ -266,6 +267,8 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
     check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
     check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute");
     plan->fwd_variant = large_forward_variant(major * 10 + minor, plan->smem_optin, plan->padded_d, tuning.forward_variant);
+    plan->bwd_variant =
+        large_backward_variant(major * 10 + minor, plan->smem_optin, plan->padded_d, tuning.backward_variant);
   }
   const int small_q = sm90 ? sm90::kForwardTileQ : large_d ? detail::large_fwd_tile_q(plan->padded_d) : detail::kFwdSmallTileQ;
   const int large_q = sm90 || large_d ? small_q
@@ -363,6 +366,7 @@ PlanStats stats(const Plan& plan) {
   s.forward_tile_k = plan.fwd_tile_k;
   s.forward_family = plan.fwd_family;
   s.forward_variant = plan.fwd_variant;
+  s.backward_variant = plan.bwd_variant;
   s.forward_items = plan.fwd_items;
   s.dkdv_items = plan.dkdv_items;
   s.dq_items = plan.dq_items;

@@ -17,6 +17,7 @@ struct Plan {
   int32_t fwd_tile_k = 0;
   KernelFamily fwd_family = KernelFamily::Sm80;
   int32_t fwd_variant = -1;  // large head dims: the D-split forward's LargeFwdVariant (sm80/tiles.hpp); else -1
+  int32_t bwd_variant = -1;  // large head dims: the D-split dk/dv kernel's LargeBwdVariant; else -1
   int32_t fwd_itemless_tiles = 0;  // q tiles without items: the last ones of the fwd order
   int32_t smem_optin = 0;  // the device's per-block shared-memory limit (opt-in)
   detail::DeviceList fwd, dkdv, dq;

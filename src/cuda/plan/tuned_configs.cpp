@@ -30,6 +30,17 @@ constexpr TunedForwardConfig kTunedForward[] = {
     {90, 227 * 1024, 1024, kLargeFwdDeep, "H200: deep 115/118/99 vs safe 71/74/68 TFLOP/s (full/causal/varlen)"},
 };
 
+// The large-D backward's dk/dv kernel (LargeBwdVariant), same benchmark, bwd TFLOP/s against kLargeBwdSingle in
+// the same run (two runs each, interleaved; default mode / deterministic):
+//   D 320, H100 (2026-11-26): full 145.5 / 92.6 vs 120.8 / 80.4, causal 141.8 / 99.3 vs 121.8 / 88.5,
+//   varlen causal 107.2 / 82.6 vs 93.3 / 74.5.
+// (Pairing needs two blocks' shared memory and <= 128 registers: D 320 only.)
+constexpr TunedForwardConfig kTunedBackward[] = {
+    {90, 227 * 1024, 320, detail::kLargeBwdPaired,
+     "H100: paired 146/142/107 vs single 121/122/93 bwd TFLOP/s (full/causal/varlen); deterministic 93/99/83 vs "
+     "80/89/75"},
+};
+
 }  // namespace
 
 const TunedForwardConfig* find_tuned_forward_config(int32_t compute_capability, int32_t smem_optin,
@@ -64,6 +75,31 @@ int32_t large_forward_variant(int32_t compute_capability, int32_t smem_optin, in
                        std::to_string(detail::large_fwd_smem_bytes(padded_head_dim, detail::kLargeFwdStreamed)) +
                        " bytes of shared memory per block; this device allows " + std::to_string(smem_optin));
   return safe;
+}
+
+int32_t large_backward_variant(int32_t compute_capability, int32_t smem_optin, int32_t padded_head_dim,
+                               int32_t requested) {
+  if (!detail::is_large_head_dim(padded_head_dim)) {
+    if (requested > 0)
+      throw InvalidArgument("cuda plan: backward_variant " + std::to_string(requested) +
+                            " applies to head-dim tiles above 256 only (allowed here: -1, 0)");
+    return -1;
+  }
+  if (requested >= 0) {
+    if (requested >= detail::kLargeBwdVariants || !detail::large_bwd_fits(padded_head_dim, requested, smem_optin))
+      throw InvalidArgument("cuda plan: backward_variant " + std::to_string(requested) +
+                            " is not available at head-dim tile " + std::to_string(padded_head_dim) +
+                            " on this device (allowed: -1, 0 single, 1 paired: D 320 where two blocks fit " +
+                            std::to_string(smem_optin) + " bytes of shared memory)");
+    return requested;
+  }
+  if (!env::get_bool("MAGI_ATTENTION_CUDA_IGNORE_TUNED_CONFIGS")) {
+    for (const TunedForwardConfig& c : kTunedBackward)
+      if (c.compute_capability == compute_capability && smem_optin >= c.min_smem_optin &&
+          c.padded_head_dim == padded_head_dim && detail::large_bwd_fits(padded_head_dim, c.variant, smem_optin))
+        return c.variant;
+  }
+  return detail::kLargeBwdSingle;
 }
 
 }  // namespace magi::cuda

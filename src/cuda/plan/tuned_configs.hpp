@@ -9,7 +9,8 @@ namespace magi::cuda {
 
 // One measured choice: devices of this compute capability (major * 10 + minor) with at least `min_smem_optin`
 // bytes of shared memory per block run head-dim tile `padded_head_dim`'s large-D forward as `variant`
-// (LargeFwdVariant, src/cuda/sm80/tiles.hpp). `evidence` says what was measured.
+// (LargeFwdVariant, src/cuda/sm80/tiles.hpp; the backward's table: LargeBwdVariant). `evidence` says what was
+// measured.
 struct TunedForwardConfig {
   int32_t compute_capability;
   int32_t min_smem_optin;
@@ -27,5 +28,10 @@ const TunedForwardConfig* find_tuned_forward_config(int32_t compute_capability, 
 // NotAvailable when no variant fits the device's shared memory, InvalidArgument for an unknown or unfitting request.
 int32_t large_forward_variant(int32_t compute_capability, int32_t smem_optin, int32_t padded_head_dim,
                               int32_t requested);
+
+// The same for the large-D backward's dk/dv kernel (LargeBwdVariant, src/cuda/sm80/tiles.hpp; `requested` is
+// PlanTuning::backward_variant): the table's kTunedBackward entry, else kLargeBwdSingle. -1 below the large tiles.
+int32_t large_backward_variant(int32_t compute_capability, int32_t smem_optin, int32_t padded_head_dim,
+                               int32_t requested);
 
 }  // namespace magi::cuda

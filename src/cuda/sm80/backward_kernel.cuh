@@ -669,14 +669,14 @@ __device__ __forceinline__ void dkdv_staged_tile(const BwdParams& p, int linear,
 }
 
 // The D-split kernels' tiles (backward_split_d.cuh, included at the end).
-template <class T, int kD, bool kDq>
+template <class T, int kD, bool kDq, bool kPaired>
 __device__ __forceinline__ void dkdv_split_tile(const BwdParams& p, int linear, unsigned char* smem);
 template <class T, int kD>
 __device__ __forceinline__ void dq_split_tile(const BwdParams& p, int linear, unsigned char* smem);
 
-template <class T, int kD, bool kDq>
+template <class T, int kD, bool kDq, bool kPaired>
 __device__ __forceinline__ void dkdv_kernel_tile(const BwdParams& p, int linear, unsigned char* smem) {
-  if constexpr (split_d_backward(kD)) dkdv_split_tile<T, kD, kDq>(p, linear, smem);
+  if constexpr (split_d_backward(kD)) dkdv_split_tile<T, kD, kDq, kPaired>(p, linear, smem);
   else if constexpr (DkdvConfig<kD, kDq>::kRegisterResident) dkdv_register_tile<T, kD, kDq>(p, linear, smem);
   else dkdv_staged_tile<T, kD, kDq>(p, linear, smem);
 }
@@ -880,17 +880,19 @@ __device__ __forceinline__ void dq_kernel_tile(const BwdParams& p, int linear, u
 }
 
 // Plain grid (one block per work index; the hardware balances best when no SM margin is asked for).
-template <class T, int kD, bool kDq>
-__global__ void __launch_bounds__(DkdvConfig<kD, kDq>::kThreads) dkdv_kernel(const BwdParams p) {
+// kPaired (D-split tiles only, bwd_split_paired_fits): two blocks per SM.
+template <class T, int kD, bool kDq, bool kPaired = false>
+__global__ void __launch_bounds__(DkdvConfig<kD, kDq>::kThreads, kPaired ? 2 : 1) dkdv_kernel(const BwdParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
-  dkdv_kernel_tile<T, kD, kDq>(p, static_cast<int>(blockIdx.x), smem);
+  dkdv_kernel_tile<T, kD, kDq, kPaired>(p, static_cast<int>(blockIdx.x), smem);
 }
 
 // Persistent grid (for_each_work).
-template <class T, int kD, bool kDq>
-__global__ void __launch_bounds__(DkdvConfig<kD, kDq>::kThreads) dkdv_kernel_persistent(const BwdParams p, int num_work) {
+template <class T, int kD, bool kDq, bool kPaired = false>
+__global__ void __launch_bounds__(DkdvConfig<kD, kDq>::kThreads, kPaired ? 2 : 1)
+    dkdv_kernel_persistent(const BwdParams p, int num_work) {
   extern __shared__ __align__(128) unsigned char smem[];
-  for_each_work(num_work, p.work_counter, [&](int linear) { dkdv_kernel_tile<T, kD, kDq>(p, linear, smem); });
+  for_each_work(num_work, p.work_counter, [&](int linear) { dkdv_kernel_tile<T, kD, kDq, kPaired>(p, linear, smem); });
 }
 
 // Plain grid (one block per work index; the hardware balances best when no SM margin is asked for).

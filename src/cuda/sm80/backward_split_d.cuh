@@ -17,9 +17,12 @@
 
 namespace magi::cuda::detail {
 
-template <int kD_>
+template <int kD_, bool kPaired_ = false>
 struct SplitBwdConfig {
   static constexpr int kD = kD_;
+  // Two blocks per SM (<= 128 registers a thread): phase 1 sums S^T, then dP^T (one matrix's accumulators and
+  // operands live at a time), dQ runs row tile by row tile, and the next step is looked up after phase 2.
+  static constexpr bool kPaired = kPaired_;
   static constexpr int kN = dkdv_tile_k(kD);  // keys of a dk/dv block, of a dq step
   static constexpr int kM = kSplitBwdRows;    // q rows of a dk/dv step, of a dq block
   static constexpr int kWarps = 8;
@@ -109,33 +112,6 @@ __device__ __forceinline__ void split_probabilities(const BwdParams& p, unsigned
   const int tile = warp % C::kTiles, split = warp / C::kTiles;
   const int key_tile = tile % C::kKeyTiles, row_group = tile / C::kKeyTiles;
 
-  // S^T and dP^T partials: 16 keys x 32 rows over this warp's units of D.
-  float st[kNB][4], dpt[kNB][4];
-#pragma unroll
-  for (int i = 0; i < kNB; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) st[i][e] = dpt[i][e] = 0.0f;
-  const UnitAddr<kD, C::kSplit> a_rows(s0, key_tile * 16 + (lane % 16), split, lane / 16);  // A: K, V
-  const UnitAddr<kD, C::kSplit> b_rows(s0 + C::kOffQ, row_group * C::kTileRows + (lane % 8) + (lane / 16) * 8,
-                                       split, (lane / 8) % 2);  // B: Q, dO
-#pragma unroll
-  for (int j = 0; j < C::kSplitUnits; ++j) {
-    if (C::kUnits % C::kSplit != 0 && split + C::kSplit * j >= C::kUnits) break;  // warp-uniform
-    uint32_t ak[4], av[4];
-    ldmatrix_x4(ak, a_rows.at(0, j));
-    ldmatrix_x4(av, a_rows.at(0, j) + C::kKVBytes);
-#pragma unroll
-    for (int nb = 0; nb < kNB / 2; ++nb) {
-      uint32_t bq[4], bo[4];
-      ldmatrix_x4(bq, b_rows.at(nb * 16, j));
-      ldmatrix_x4(bo, b_rows.at(nb * 16, j) + C::kQOBytes);
-      Mma<T>::run(st[2 * nb], ak, bq[0], bq[1]);
-      Mma<T>::run(st[2 * nb + 1], ak, bq[2], bq[3]);
-      Mma<T>::run(dpt[2 * nb], av, bo[0], bo[1]);
-      Mma<T>::run(dpt[2 * nb + 1], av, bo[2], bo[3]);
-    }
-  }
-
   // The kSplit partials of this warp's share of the tile's fragment registers, summed in split order (the same
   // bits whichever run). red: [warp = split * kTiles + tile][frag][lane].
   auto reduce = [&](const float (&acc)[kNB][4], float (&sum)[C::kShare]) {
@@ -152,9 +128,65 @@ __device__ __forceinline__ void split_probabilities(const BwdParams& p, unsigned
     }
     __syncthreads();
   };
+  // S^T and dP^T partials: 16 keys x 32 rows over this warp's units of D.
   float s_sum[C::kShare], dp_sum[C::kShare];
-  reduce(st, s_sum);
-  reduce(dpt, dp_sum);
+  if constexpr (C::kPaired) {
+    // One matrix at a time (m = 0: S^T from K, Q; 1: dP^T from V, dO): the same mma order per cell as below.
+    const UnitAddr<kD, C::kSplit> a_rows(s0, key_tile * 16 + (lane % 16), split, lane / 16);  // A: K, V
+    const UnitAddr<kD, C::kSplit> b_rows(s0 + C::kOffQ, row_group * C::kTileRows + (lane % 8) + (lane / 16) * 8,
+                                         split, (lane / 8) % 2);  // B: Q, dO
+    auto one = [&](int m, float (&sum)[C::kShare]) {
+      float acc[kNB][4];
+#pragma unroll
+      for (int i = 0; i < kNB; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][e] = 0.0f;
+#pragma unroll
+      for (int j = 0; j < C::kSplitUnits; ++j) {
+        if (C::kUnits % C::kSplit != 0 && split + C::kSplit * j >= C::kUnits) break;  // warp-uniform
+        uint32_t a[4];
+        ldmatrix_x4(a, a_rows.at(0, j) + m * C::kKVBytes);
+#pragma unroll
+        for (int nb = 0; nb < kNB / 2; ++nb) {
+          uint32_t b[4];
+          ldmatrix_x4(b, b_rows.at(nb * 16, j) + m * C::kQOBytes);
+          Mma<T>::run(acc[2 * nb], a, b[0], b[1]);
+          Mma<T>::run(acc[2 * nb + 1], a, b[2], b[3]);
+        }
+      }
+      reduce(acc, sum);
+    };
+    one(0, s_sum);
+    one(1, dp_sum);
+  } else {
+    float st[kNB][4], dpt[kNB][4];
+#pragma unroll
+    for (int i = 0; i < kNB; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st[i][e] = dpt[i][e] = 0.0f;
+    const UnitAddr<kD, C::kSplit> a_rows(s0, key_tile * 16 + (lane % 16), split, lane / 16);  // A: K, V
+    const UnitAddr<kD, C::kSplit> b_rows(s0 + C::kOffQ, row_group * C::kTileRows + (lane % 8) + (lane / 16) * 8,
+                                         split, (lane / 8) % 2);  // B: Q, dO
+#pragma unroll
+    for (int j = 0; j < C::kSplitUnits; ++j) {
+      if (C::kUnits % C::kSplit != 0 && split + C::kSplit * j >= C::kUnits) break;  // warp-uniform
+      uint32_t ak[4], av[4];
+      ldmatrix_x4(ak, a_rows.at(0, j));
+      ldmatrix_x4(av, a_rows.at(0, j) + C::kKVBytes);
+#pragma unroll
+      for (int nb = 0; nb < kNB / 2; ++nb) {
+        uint32_t bq[4], bo[4];
+        ldmatrix_x4(bq, b_rows.at(nb * 16, j));
+        ldmatrix_x4(bo, b_rows.at(nb * 16, j) + C::kQOBytes);
+        Mma<T>::run(st[2 * nb], ak, bq[0], bq[1]);
+        Mma<T>::run(st[2 * nb + 1], ak, bq[2], bq[3]);
+        Mma<T>::run(dpt[2 * nb], av, bo[0], bo[1]);
+        Mma<T>::run(dpt[2 * nb + 1], av, bo[2], bo[3]);
+      }
+    }
+    reduce(st, s_sum);
+    reduce(dpt, dp_sum);
+  }
 
   // P^T and dS^T of the share's cells, in pairs of adjacent rows (one 32-bit store each).
   const bool masked = kKMajor ? ((w.flags >> (kWorkTestGroupShift + key_tile)) & 1) != 0 : (w.flags & kWorkMasked) != 0;
@@ -187,44 +219,72 @@ __device__ __forceinline__ void split_probabilities(const BwdParams& p, unsigned
   __syncthreads();
 }
 
-// dQ[kM rows][units warp + kWarps j] = dS K from the dS^T tile and K in shared memory; acc(j, frag) receives unit
-// j's fragments ([row tile][8-column block][4]) and runs on every unit this warp owns.
+// dQ[kM rows][units warp + kWarps j] = dS K from the dS^T tile and K in shared memory; sink(j, mt, frag) receives
+// unit j's fragments of row tile mt ([8-column block][4]) for every unit this warp owns. C::kPaired: row tiles
+// outermost (K read once per row tile, with a third of the registers live), else every row tile per K load.
 template <class T, class C, class Sink>
 __device__ __forceinline__ void split_dq_units(unsigned char* smem, int warp, int lane, Sink&& sink) {
   constexpr int kD = C::kD;
   const uint32_t s0 = smem_addr(smem);
-  uint32_t a[C::kRowTiles][C::kKeyTiles][4];  // A: dS (rows x keys), transposed loads of dS^T
+  if constexpr (C::kPaired) {
 #pragma unroll
-  for (int mt = 0; mt < C::kRowTiles; ++mt)
+    for (int mt = 0; mt < C::kRowTiles; ++mt) {
+      uint32_t a[C::kKeyTiles][4];  // A: dS (rows x keys), transposed loads of dS^T
 #pragma unroll
-    for (int kk = 0; kk < C::kKeyTiles; ++kk)
-      ldmatrix_x4_trans(a[mt][kk], ds_t_address(s0 + C::kOffdS, mt, lane) + kk * 16 * C::kPdsCols * 2);
-  const UnitAddr<kD, C::kWarps> k_t(s0, (lane % 8) + ((lane / 8) % 2) * 8, warp, lane / 16);  // B^T: K rows = keys
+      for (int kk = 0; kk < C::kKeyTiles; ++kk)
+        ldmatrix_x4_trans(a[kk], ds_t_address(s0 + C::kOffdS, mt, lane) + kk * 16 * C::kPdsCols * 2);
+      const UnitAddr<kD, C::kWarps> k_t(s0, (lane % 8) + ((lane / 8) % 2) * 8, warp, lane / 16);  // B^T: K
 #pragma unroll
-  for (int j = 0; j < C::kDqUnits; ++j) {
-    if (C::kUnits % C::kWarps != 0 && warp + C::kWarps * j >= C::kUnits) break;  // warp-uniform
-    float acc[C::kRowTiles][2][4];
+      for (int j = 0; j < C::kDqUnits; ++j) {
+        if (C::kUnits % C::kWarps != 0 && warp + C::kWarps * j >= C::kUnits) break;  // warp-uniform
+        float acc[2][4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[0][e] = acc[1][e] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < C::kKeyTiles; ++kk) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, k_t.at(kk * 16, j));
+          Mma<T>::run(acc[0], a[kk], b[0], b[1]);
+          Mma<T>::run(acc[1], a[kk], b[2], b[3]);
+        }
+        sink(j, mt, acc);
+      }
+    }
+  } else {
+    uint32_t a[C::kRowTiles][C::kKeyTiles][4];  // A: dS (rows x keys), transposed loads of dS^T
 #pragma unroll
     for (int mt = 0; mt < C::kRowTiles; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mt][0][e] = acc[mt][1][e] = 0.0f;
+      for (int kk = 0; kk < C::kKeyTiles; ++kk)
+        ldmatrix_x4_trans(a[mt][kk], ds_t_address(s0 + C::kOffdS, mt, lane) + kk * 16 * C::kPdsCols * 2);
+    const UnitAddr<kD, C::kWarps> k_t(s0, (lane % 8) + ((lane / 8) % 2) * 8, warp, lane / 16);  // B^T: K rows = keys
 #pragma unroll
-    for (int kk = 0; kk < C::kKeyTiles; ++kk) {
-      uint32_t b[4];
-      ldmatrix_x4_trans(b, k_t.at(kk * 16, j));
+    for (int j = 0; j < C::kDqUnits; ++j) {
+      if (C::kUnits % C::kWarps != 0 && warp + C::kWarps * j >= C::kUnits) break;  // warp-uniform
+      float acc[C::kRowTiles][2][4];
 #pragma unroll
-      for (int mt = 0; mt < C::kRowTiles; ++mt) {
-        Mma<T>::run(acc[mt][0], a[mt][kk], b[0], b[1]);
-        Mma<T>::run(acc[mt][1], a[mt][kk], b[2], b[3]);
+      for (int mt = 0; mt < C::kRowTiles; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[mt][0][e] = acc[mt][1][e] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < C::kKeyTiles; ++kk) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, k_t.at(kk * 16, j));
+#pragma unroll
+        for (int mt = 0; mt < C::kRowTiles; ++mt) {
+          Mma<T>::run(acc[mt][0], a[mt][kk], b[0], b[1]);
+          Mma<T>::run(acc[mt][1], a[mt][kk], b[2], b[3]);
+        }
       }
+#pragma unroll
+      for (int mt = 0; mt < C::kRowTiles; ++mt) sink(j, mt, acc[mt]);
     }
-    sink(j, acc);
   }
 }
 
-template <class T, int kD, bool kDq>
+template <class T, int kD, bool kDq, bool kPaired>
 __device__ __forceinline__ void dkdv_split_tile(const BwdParams& p, int linear, unsigned char* smem) {
-  using C = SplitBwdConfig<kD>;
+  using C = SplitBwdConfig<kD, kPaired>;
   constexpr int kN = C::kN, kM = C::kM, kThreads = C::kThreads;
   const uint32_t s0 = smem_addr(smem);
 
@@ -292,7 +352,8 @@ __device__ __forceinline__ void dkdv_split_tile(const BwdParams& p, int linear, 
 
 #pragma unroll 1
   while (step.it < total) {
-    const Step next = next_step(step);
+    Step next;
+    if constexpr (!kPaired) next = next_step(step);
     const int head = kv_head * group + step.it / count;
     const int q_base = step.q_base;
     cp_async_wait<0>();
@@ -319,42 +380,40 @@ __device__ __forceinline__ void dkdv_split_tile(const BwdParams& p, int linear, 
     }
     // Every warp past phase 2: Q and dO are free, the next step's loads overlap dQ (which reads only dS^T and K).
     __syncthreads();
+    if constexpr (kPaired) next = next_step(step);
     if (next.it < total) issue_loads(next);
     cp_async_commit();
     if constexpr (kDq) {
       // The step's rows lie within kM rows of its base: 32-bit offsets from one 64-bit chunk pointer.
       float* const rows = p.dq_accum + (int64_t{q_base} * p.hq + head) * p.d;
       const int row_stride = p.hq * p.d;
-      split_dq_units<T, C>(smem, warp, lane, [&](int j, const float (&acc)[C::kRowTiles][2][4]) {
+      split_dq_units<T, C>(smem, warp, lane, [&](int j, int mt, const float (&acc)[2][4]) {
         const int unit_col = (warp + C::kWarps * j) * 16;
 #pragma unroll
-        for (int mt = 0; mt < C::kRowTiles; ++mt) {
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int row = mt * 16 + lane / 4 + 8 * r;
-            const bool row_valid = q_base + row < p.tq;
+        for (int r = 0; r < 2; ++r) {
+          const int row = mt * 16 + lane / 4 + 8 * r;
+          const bool row_valid = q_base + row < p.tq;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-            // Lanes 2i and 2i + 1 trade halves: the even lane adds 4 columns of block 0, the odd one of block 1.
-            const bool odd = lane & 1;
-            const float give0 = odd ? acc[mt][0][2 * r] : acc[mt][1][2 * r];
-            const float give1 = odd ? acc[mt][0][2 * r + 1] : acc[mt][1][2 * r + 1];
-            const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1);
-            const float got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
-            const float4 v = odd ? make_float4(got0, got1, acc[mt][1][2 * r], acc[mt][1][2 * r + 1])
-                                 : make_float4(acc[mt][0][2 * r], acc[mt][0][2 * r + 1], got0, got1);
-            const int col = unit_col + (odd ? 8 : 0) + ((lane % 4) & 2) * 2;
-            red_add_v4(rows + (row * row_stride + col), v, row_valid && col < p.d);
+          // Lanes 2i and 2i + 1 trade halves: the even lane adds 4 columns of block 0, the odd one of block 1.
+          const bool odd = lane & 1;
+          const float give0 = odd ? acc[0][2 * r] : acc[1][2 * r];
+          const float give1 = odd ? acc[0][2 * r + 1] : acc[1][2 * r + 1];
+          const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1);
+          const float got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
+          const float4 v = odd ? make_float4(got0, got1, acc[1][2 * r], acc[1][2 * r + 1])
+                               : make_float4(acc[0][2 * r], acc[0][2 * r + 1], got0, got1);
+          const int col = unit_col + (odd ? 8 : 0) + ((lane % 4) & 2) * 2;
+          red_add_v4(rows + (row * row_stride + col), v, row_valid && col < p.d);
 #else
 #pragma unroll
-            for (int b = 0; b < 2; ++b) {
-              const int col = unit_col + b * 8 + (lane % 4) * 2;
-              if (row_valid && col < p.d) {
-                atomicAdd(rows + (row * row_stride + col), acc[mt][b][2 * r]);
-                atomicAdd(rows + (row * row_stride + col + 1), acc[mt][b][2 * r + 1]);
-              }
+          for (int b = 0; b < 2; ++b) {
+            const int col = unit_col + b * 8 + (lane % 4) * 2;
+            if (row_valid && col < p.d) {
+              atomicAdd(rows + (row * row_stride + col), acc[b][2 * r]);
+              atomicAdd(rows + (row * row_stride + col + 1), acc[b][2 * r + 1]);
             }
-#endif
           }
+#endif
         }
       });
     }
@@ -428,13 +487,11 @@ __device__ __forceinline__ void dq_split_tile(const BwdParams& p, int linear, un
     cp_async_wait<0>();
     __syncthreads();
     split_probabilities<T, C, false, false>(p, smem, w, k0, q_base, warp, lane);
-    split_dq_units<T, C>(smem, warp, lane, [&](int j, const float (&part)[C::kRowTiles][2][4]) {
+    split_dq_units<T, C>(smem, warp, lane, [&](int j, int mt, const float (&part)[2][4]) {
 #pragma unroll
-      for (int mt = 0; mt < C::kRowTiles; ++mt)
+      for (int b = 0; b < 2; ++b)
 #pragma unroll
-        for (int b = 0; b < 2; ++b)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[j][mt][b][e] += part[mt][b][e];
+        for (int e = 0; e < 4; ++e) acc[j][mt][b][e] += part[b][e];
     });
   }
   cp_async_wait<0>();

@@ -21,8 +21,9 @@ void launch_forward(const FwdParams& params, int tile_q, int variant, int itemle
 // empty rows. For the families whose attention kernel leaves them out.
 template <int kDtype, int kD>
 void launch_forward_itemless(const FwdParams& params, int tile_q, int itemless_tiles, cudaStream_t stream);
+// `variant`: a LargeBwdVariant (tiles.hpp) above D 256, ignored below.
 template <int kDtype, int kD>
-void launch_backward(const BwdParams& dkdv, int dkdv_blocks, const BwdParams& dq, int dq_blocks, int sm_margin,
-                     cudaStream_t stream);
+void launch_backward(const BwdParams& dkdv, int dkdv_blocks, const BwdParams& dq, int dq_blocks, int variant,
+                     int sm_margin, cudaStream_t stream);
 
 }  // namespace magi::cuda::detail

@@ -132,6 +132,21 @@ constexpr int split_bwd_smem_bytes(int padded_head_dim) {
   const int d = padded_head_dim, n = dkdv_tile_k(d), m = kSplitBwdRows;
   return 2 * n * d * 2 + 2 * m * d * 2 + 2 * m * 4 + 8 * 16 * 32 * 4;
 }
+// Compiled variants of the D-split dk/dv kernel (the planner picks one per device: plan/tuned_configs.cpp).
+// kLargeBwdSingle: one block per SM; kLargeBwdPaired: two blocks per SM (<= 128 registers a thread, phase 1 one
+// matrix at a time), where two blocks fit (bwd_split_paired_fits). Both give the same bits.
+enum LargeBwdVariant : int { kLargeBwdSingle = 0, kLargeBwdPaired = 1, kLargeBwdVariants = 2 };
+constexpr int large_bwd_blocks_per_sm(int variant) { return variant == kLargeBwdPaired ? 2 : 1; }
+// Compiled for the D 320 tile only (96 KB: two blocks fit Hopper's 228 KB); its dK, dV accumulators take 80 of
+// the 128 registers. 384 holds 96 (too few left) and 512 and above do not fit twice. H100: +15-21% bwd TFLOP/s
+// at D 320 (plan/tuned_configs.cpp).
+constexpr bool bwd_split_paired_fits(int padded_head_dim) {
+  return padded_head_dim == 320 && 2 * (split_bwd_smem_bytes(padded_head_dim) + 1024) <= 228 * 1024;
+}
+constexpr bool large_bwd_fits(int padded_head_dim, int variant, int smem_optin) {
+  return (variant != kLargeBwdPaired || bwd_split_paired_fits(padded_head_dim)) &&
+         large_bwd_blocks_per_sm(variant) * (split_bwd_smem_bytes(padded_head_dim) + 1024) <= smem_optin + 1024;
+}
 // Shared memory of the dk/dv kernel: K, V; Q, dO (double-buffered up to D 128); lse2, Delta; P^T and dS^T
 // (with dq atomics up to D 128, two dS^T buffers); up to D 128 the stages' work items (32 bytes each). The
 // host checks it against the device's limit (the dq-atomics kernel needs ~177 KB at D 128; smaller parts

@@ -2,5 +2,5 @@
 #include "cuda/sm80/kernels/launch_impl.cuh"
 
 namespace magi::cuda::detail {
-template void launch_backward<kBf16, 64>(const BwdParams&, int, const BwdParams&, int, int, cudaStream_t);
+template void launch_backward<kBf16, 64>(const BwdParams&, int, const BwdParams&, int, int, int, cudaStream_t);
 }  // namespace magi::cuda::detail

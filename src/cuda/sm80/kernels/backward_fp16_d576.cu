@@ -2,5 +2,5 @@
 #include "cuda/sm80/kernels/launch_impl.cuh"
 
 namespace magi::cuda::detail {
-template void launch_backward<kFp16, 576>(const BwdParams&, int, const BwdParams&, int, int, cudaStream_t);
+template void launch_backward<kFp16, 576>(const BwdParams&, int, const BwdParams&, int, int, int, cudaStream_t);
 }  // namespace magi::cuda::detail

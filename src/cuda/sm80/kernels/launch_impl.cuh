@@ -127,16 +127,16 @@ void launch_forward(const FwdParams& params, int tile_q, int variant, int itemle
   });
 }
 
-template <class T, int kD, bool kDq>
-void launch_dkdv(const BwdParams& dkdv, int dkdv_blocks, int sm_margin, cudaStream_t stream) {
+template <class T, int kD, bool kDq, bool kPaired>
+void launch_dkdv_kernel(const BwdParams& dkdv, int dkdv_blocks, int sm_margin, cudaStream_t stream) {
   constexpr int smem = DkdvConfig<kD, kDq>::kSmemBytes;
   constexpr int kThreads = DkdvConfig<kD, kDq>::kThreads;
   if (sm_margin <= 0) {
-    auto kernel = dkdv_kernel<T, kD, kDq>;
+    auto kernel = dkdv_kernel<T, kD, kDq, kPaired>;
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     kernel<<<dkdv_blocks, kThreads, smem, stream>>>(dkdv);
   } else {
-    auto kernel = dkdv_kernel_persistent<T, kD, kDq>;
+    auto kernel = dkdv_kernel_persistent<T, kD, kDq, kPaired>;
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     const int grid = persistent_grid(kernel, kThreads, smem, dkdv_blocks, sm_margin);
     cudaMemsetAsync(dkdv.work_counter, 0, sizeof(int32_t), stream);
@@ -145,15 +145,24 @@ void launch_dkdv(const BwdParams& dkdv, int dkdv_blocks, int sm_margin, cudaStre
   check_launch("dkdv_kernel");
 }
 
+// `variant`: a LargeBwdVariant (tiles.hpp) above D 256, ignored below.
+template <class T, int kD, bool kDq>
+void launch_dkdv(const BwdParams& dkdv, int dkdv_blocks, int variant, int sm_margin, cudaStream_t stream) {
+  if constexpr (bwd_split_paired_fits(kD)) {
+    if (variant == kLargeBwdPaired) return launch_dkdv_kernel<T, kD, kDq, true>(dkdv, dkdv_blocks, sm_margin, stream);
+  }
+  launch_dkdv_kernel<T, kD, kDq, false>(dkdv, dkdv_blocks, sm_margin, stream);
+}
+
 // dkdv.dq_accum set: one fused kernel (dq by atomics), the dq kernel is not launched.
 template <int kDtype, int kD>
-void launch_backward(const BwdParams& dkdv, int dkdv_blocks, const BwdParams& dq, int dq_blocks, int sm_margin,
-                     cudaStream_t stream) {
+void launch_backward(const BwdParams& dkdv, int dkdv_blocks, const BwdParams& dq, int dq_blocks, int variant,
+                     int sm_margin, cudaStream_t stream) {
   using T = DtypeOf<kDtype>;
   const bool fused = dkdv.dq_accum != nullptr;
   if (dkdv_blocks > 0) {
-    if (fused) launch_dkdv<T, kD, true>(dkdv, dkdv_blocks, sm_margin, stream);
-    else launch_dkdv<T, kD, false>(dkdv, dkdv_blocks, sm_margin, stream);
+    if (fused) launch_dkdv<T, kD, true>(dkdv, dkdv_blocks, variant, sm_margin, stream);
+    else launch_dkdv<T, kD, false>(dkdv, dkdv_blocks, variant, sm_margin, stream);
   }
   if (dq_blocks > 0 && !fused) {
     using Cfg = DqConfig<kD>;
