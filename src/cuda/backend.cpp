@@ -87,12 +87,15 @@ struct BackwardLayout {
   size_t delta = 0, lse2 = 0, counters = 0, dout16 = 0, dq_accum = 0, total = 0;  // byte offsets; 0 = unused
 };
 
-BackwardLayout backward_layout(const BackwardArgs& a, int32_t padded_d, int32_t smem_optin, bool deterministic) {
+// fuse_allowed: the plan's choice of dq path (Plan::bwd_fuse_dq); workspace_bytes, without a plan, passes true,
+// the larger layout.
+BackwardLayout backward_layout(const BackwardArgs& a, int32_t padded_d, int32_t smem_optin, bool deterministic,
+                               bool fuse_allowed) {
   const auto tq = static_cast<int32_t>(a.q.shape[0]), hq = static_cast<int32_t>(a.q.shape[1]);
   const auto rows_x_d = static_cast<size_t>(a.q.numel());
   BackwardLayout l;
   l.tq_pad = stats_rows(tq);
-  l.fused_dq = !deterministic && detail::dkdv_smem_bytes(padded_d, true) <= smem_optin;
+  l.fused_dq = !deterministic && fuse_allowed && detail::dkdv_smem_bytes(padded_d, true) <= smem_optin;
   l.dq_in_place = a.dq.dtype == DType::F32 && reinterpret_cast<uintptr_t>(a.dq.data) % 16 == 0;
   const size_t stats_bytes = align_up(static_cast<size_t>(l.tq_pad) * hq * sizeof(float));
   l.delta = 0;
@@ -155,7 +158,8 @@ int64_t workspace_bytes(const ForwardArgs&, const Options&) { return static_cast
 
 int64_t workspace_bytes(const BackwardArgs& a, const Options& o) {
   const int32_t padded = padded_head_dim(static_cast<int32_t>(a.q.shape[2]));
-  return static_cast<int64_t>(backward_layout(a, padded, device_smem_optin(a.q.device.index), o.deterministic).total);
+  return static_cast<int64_t>(
+      backward_layout(a, padded, device_smem_optin(a.q.device.index), o.deterministic, true).total);
 }
 
 namespace {
@@ -311,7 +315,7 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
   const int tag = dtype_tag(a.q.dtype);
   const ScaleTerms t = scale_terms(o);
   const bool dout_fp32 = a.dout.dtype == DType::F32;
-  const BackwardLayout layout = backward_layout(a, plan.padded_d, plan.smem_optin, o.deterministic);
+  const BackwardLayout layout = backward_layout(a, plan.padded_d, plan.smem_optin, o.deterministic, plan.bwd_fuse_dq);
   unsigned char* scratch = scratch_for(a.workspace, plan.device, stream, layout.total);
   auto* const delta = reinterpret_cast<float*>(scratch + layout.delta);
   auto* const lse2 = reinterpret_cast<float*>(scratch + layout.lse2);

@@ -269,6 +269,7 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
     plan->fwd_variant = large_forward_variant(major * 10 + minor, plan->smem_optin, plan->padded_d, tuning.forward_variant);
     plan->bwd_variant =
         large_backward_variant(major * 10 + minor, plan->smem_optin, plan->padded_d, tuning.backward_variant);
+    plan->bwd_fuse_dq = large_backward_fuses_dq(major * 10 + minor, plan->smem_optin, plan->padded_d);
   }
   const int small_q = sm90 ? sm90::kForwardTileQ : large_d ? detail::large_fwd_tile_q(plan->padded_d) : detail::kFwdSmallTileQ;
   const int large_q = sm90 || large_d ? small_q

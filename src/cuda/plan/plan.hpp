@@ -18,6 +18,7 @@ struct Plan {
   KernelFamily fwd_family = KernelFamily::Sm80;
   int32_t fwd_variant = -1;  // large head dims: the D-split forward's LargeFwdVariant (sm80/tiles.hpp); else -1
   int32_t bwd_variant = -1;  // large head dims: the D-split dk/dv kernel's LargeBwdVariant; else -1
+  bool bwd_fuse_dq = true;   // the default backward may add dq by atomics in the dk/dv kernel (tuned_configs.hpp)
   int32_t fwd_itemless_tiles = 0;  // q tiles without items: the last ones of the fwd order
   int32_t smem_optin = 0;  // the device's per-block shared-memory limit (opt-in)
   detail::DeviceList fwd, dkdv, dq;

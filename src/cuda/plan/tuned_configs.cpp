@@ -41,7 +41,24 @@ constexpr TunedForwardConfig kTunedBackward[] = {
      "80/89/75"},
 };
 
+// The default backward's dq path at large head dims (variant 0: the two-kernel path, no atomics), bwd TFLOP/s
+// of the two paths in one run: at D 1024 the dq atomics saturate L2 (ncu: L2 92%, tensor pipe 15%).
+//   D 1024, H100 (2026-11-26): two kernels full 104.9, causal 104.5, varlen causal 93.2 vs atomics 91.6, 96.8, 77.6.
+constexpr TunedForwardConfig kTunedDqPath[] = {
+    {90, 227 * 1024, 1024, 0, "H100: two-kernel dq 105/105/93 vs atomics 92/97/78 bwd TFLOP/s (full/causal/varlen)"},
+};
+
 }  // namespace
+
+bool large_backward_fuses_dq(int32_t compute_capability, int32_t smem_optin, int32_t padded_head_dim) {
+  if (!detail::is_large_head_dim(padded_head_dim) || env::get_bool("MAGI_ATTENTION_CUDA_IGNORE_TUNED_CONFIGS"))
+    return true;
+  for (const TunedForwardConfig& c : kTunedDqPath)
+    if (c.compute_capability == compute_capability && smem_optin >= c.min_smem_optin &&
+        c.padded_head_dim == padded_head_dim)
+      return c.variant != 0;
+  return true;
+}
 
 const TunedForwardConfig* find_tuned_forward_config(int32_t compute_capability, int32_t smem_optin,
                                                     int32_t padded_head_dim) {

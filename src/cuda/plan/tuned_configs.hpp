@@ -34,4 +34,9 @@ int32_t large_forward_variant(int32_t compute_capability, int32_t smem_optin, in
 int32_t large_backward_variant(int32_t compute_capability, int32_t smem_optin, int32_t padded_head_dim,
                                int32_t requested);
 
+// Whether the default (non-deterministic) backward at a large head-dim tile adds dq by fp32 atomics inside the dk/dv
+// kernel (true) or takes the two-kernel path of the deterministic mode (false): the table's measured entry, else
+// true. Ignored with MAGI_ATTENTION_CUDA_IGNORE_TUNED_CONFIGS; tiles up to 256 always fuse where it fits.
+bool large_backward_fuses_dq(int32_t compute_capability, int32_t smem_optin, int32_t padded_head_dim);
+
 }  // namespace magi::cuda
