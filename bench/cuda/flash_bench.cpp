@@ -5,8 +5,10 @@
 // usage: flash_bench [--cases out.json] [--reps N] [--quick] [--only MASK] [--dims 64,128,256] [--seq 8192]
 //                    [--batch 2] [--deterministic] [--sm-margin N] [--impl NAME] [--fwd-tile-q 64|128]
 //                    [--family auto|sm80|sm90] [--large-d] [--fwd-variant 0|1|2|3] [--bwd-variant 0|1]
+//                    [--forward-only]
 //   --batch sequences of --seq tokens (16 heads, bf16); --quick = D 128 only. The backward runs in the default
-//   mode (dq by atomics); --deterministic also times the deterministic backward (rows `magi_det`).
+//   mode (dq by atomics); --deterministic also times the deterministic backward (rows `magi_det`); --forward-only
+//   times no backward (its columns print 0).
 //   --sm-margin N: persistent grids leaving N SMs free (the API's default is 4 when
 //   CUDA_DEVICE_MAX_CONNECTIONS > 1); --impl names the rows (default `magi`).
 //   --large-d: the large head dims (D 320, 512, 1024 unless --dims), one sequence of --seq tokens (full, causal) and
@@ -146,6 +148,7 @@ int main(int argc, char** argv) {
   std::string only, dims_arg;
   int32_t seq = 8192, batch = 2;
   bool deterministic_too = false;
+  bool forward_only = false;  // A/B runs of forward kernels: the backward columns stay 0
   bool large_d = false;
   int sm_margin = 0;
   std::string impl = "magi";
@@ -159,6 +162,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--seq") && i + 1 < argc) seq = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--batch") && i + 1 < argc) batch = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--deterministic")) deterministic_too = true;
+    else if (!std::strcmp(argv[i], "--forward-only")) forward_only = true;
     else if (!std::strcmp(argv[i], "--large-d")) large_d = true, batch = 1;
     else if (!std::strcmp(argv[i], "--fwd-variant") && i + 1 < argc) tuning.forward_variant = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--bwd-variant") && i + 1 < argc) tuning.backward_variant = std::atoi(argv[++i]);
@@ -262,13 +266,14 @@ int main(int argc, char** argv) {
                    ps.forward_family == magi::cuda::KernelFamily::Sm90 ? "sm90" : "sm80", ps.forward_tile_q,
                    ps.forward_tile_k, ps.forward_variant, ps.backward_variant);
       const double fwd_ms = time_ms([&] { magi::cuda::forward(*plan, fa, options, stream); }, reps, stream);
-      const double bwd_ms = time_ms([&] { magi::cuda::backward(*plan, ba, options, stream); }, reps, stream);
+      const double bwd_ms =
+          forward_only ? 0.0 : time_ms([&] { magi::cuda::backward(*plan, ba, options, stream); }, reps, stream);
       const int64_t area = c.mask.area();
       const double fwd_tf = magi::flops_forward(area, heads, d) / (fwd_ms * 1e-3) / 1e12;
-      const double bwd_tf = magi::flops_backward(area, heads, d) / (bwd_ms * 1e-3) / 1e12;
+      const double bwd_tf = forward_only ? 0.0 : magi::flops_backward(area, heads, d) / (bwd_ms * 1e-3) / 1e12;
       std::printf("%s,%s,%d,%d,%.1f,%.1f,%.3f,%.3f\n", impl.c_str(), c.name.c_str(), total, d, fwd_tf, bwd_tf, fwd_ms,
                   bwd_ms);
-      if (deterministic_too) {
+      if (deterministic_too && !forward_only) {
         magi::cuda::Options det = options;
         det.deterministic = true;
         const double det_ms = time_ms([&] { magi::cuda::backward(*plan, ba, det, stream); }, reps, stream);
