@@ -12,7 +12,8 @@
 #              MAGI_ATTENTION_CUDA_IGNORE_TUNED_CONFIGS=1) and its peers (SDPA memory-efficient, ffpa-attn 0.2.4).
 #   --profile: Nsight Compute counters of the default forward kernel (D 128: full, causal, varlen causal): tensor
 #              pipe and issue utilisation, the leading stall reasons (ncu_*.csv, profile.txt).
-# Env: HEAD_DIMS (MAGI_ATTN_CUDA_HEAD_DIMS; default: the build's default, "all" with --large-d), BUILD_TARGETS
+# Env: HEAD_DIMS (MAGI_ATTN_CUDA_HEAD_DIMS of the C++ build and of pip install; default: the build's default, "all"
+#   with --large-d), BUILD_TARGETS
 #   (default: every target the script runs), PEERS_TIMEOUT (seconds for --large-d's peers; default 900),
 #   BUILD_DIR (default build-gpu), OUT (logs/CSV; default $BUILD_DIR/out), TESTS_REGEX (ctest -R) for the tests; not GTEST_FILTER,
 #   which the build's test discovery would obey too (an empty or narrow one lists no tests); SANITIZE_FAMILIES
@@ -114,10 +115,10 @@ if [ $RUN_PYTHON = 1 ]; then
   # The package as a user installs it (the machine has no network: build dependencies come from the image and
   # build-deps/), built for the visible GPU; then its tests on the GPU and the call-overhead benchmark.
   t0=$(date +%s)
-  CMAKE_PREFIX_PATH="$ROOT/build-deps/usr" python3 -m pip install --no-build-isolation --no-deps -v "$ROOT" \
-    > "$LOGS/pip_install.log" 2>&1
+  CMAKE_PREFIX_PATH="$ROOT/build-deps/usr" python3 -m pip install --no-build-isolation --no-deps -v \
+    -C "cmake.define.MAGI_ATTN_CUDA_HEAD_DIMS=$HEAD_DIMS" "$ROOT" > "$LOGS/pip_install.log" 2>&1
   rc=$?
-  note "pip install . (nproc $(nproc), CUDA $(python3 -c 'import magi_attn; print(magi_attn.build_info()["cuda_architectures"])' 2>/dev/null)): rc $rc, $(( $(date +%s) - t0 )) s"
+  note "pip install . (nproc $(nproc), CUDA $(python3 -c 'import magi_attn; b = magi_attn.build_info(); print(b["cuda_architectures"], "tiles", b["cuda_head_dim_tiles"])' 2>/dev/null)): rc $rc, $(( $(date +%s) - t0 )) s"
   [ $rc = 0 ] || tail -30 "$LOGS/pip_install.log"
   t0=$(date +%s)
   : > "$LOGS/pytest.log"

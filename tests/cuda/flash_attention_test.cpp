@@ -844,7 +844,7 @@ TEST_P(LargeHeadDim, MatchReference) {
 }
 INSTANTIATE_TEST_SUITE_P(
     Dims, LargeHeadDim,
-    testing::Combine(testing::Values(264, 320, 512, 520, 1024), testing::Values(DType::BF16, DType::F16),
+    testing::Combine(testing::Values(264, 320, 376, 512, 520, 768, 1024), testing::Values(DType::BF16, DType::F16),
                      testing::Values(LargeDimCase{"full"}, LargeDimCase{"causal"}, LargeDimCase{"varlen_causal"},
                                      LargeDimCase{"random_slices", 4, 2},
                                      LargeDimCase{"random_slices_sink_sh", 2, 1, SinkLayout::SH},
@@ -859,7 +859,8 @@ INSTANTIATE_TEST_SUITE_P(
 // Head dims above 256: the D-split backward kernels alone against the fp64 reference (out and lse from the
 // reference). Full / causal / varlen causal / random slices of every
 // type with q-overlap, empty rows, GQA and MQA, sinks (sh, ssh) and softcap, fp32 gradients, the persistent grids
-// (SM margin), and the deterministic mode bitwise over two runs; D 264 and 520 run padded in the next larger tile.
+// (SM margin), and the deterministic mode bitwise over two runs; D 264, 520 and 760 run padded in the next larger
+// tile.
 struct LargeDimBackwardCase {
   std::string name;
   int32_t d;
@@ -876,7 +877,7 @@ struct LargeDimBackwardCase {
 
 std::vector<LargeDimBackwardCase> large_dim_backward_cases() {
   std::vector<LargeDimBackwardCase> cases;
-  for (int32_t d : {264, 320, 512, 520, 1024}) {
+  for (int32_t d : {264, 320, 384, 512, 520, 760, 1024}) {
     const std::string dim = "d" + std::to_string(d) + "_";
     cases.push_back({dim + "full_bf16_gqa", d, DType::BF16, 4, 2, 0});
     cases.push_back({dim + "causal_fp16_softcap", d, DType::F16, 2, 1, 1, SinkLayout::None, 20.0});

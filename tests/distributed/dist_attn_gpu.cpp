@@ -20,6 +20,7 @@
 
 #include "comm/nccl_communicator.hpp"
 #include "comm/nccl_local_launch.hpp"
+#include "cuda/backend.hpp"
 #include "distributed/timeline.hpp"
 #include "magi/dist.hpp"
 #include "magi/env.hpp"
@@ -298,6 +299,18 @@ TEST_P(DistAttnGpu, MatchesSingleGpuAndReference) {
 INSTANTIATE_TEST_SUITE_P(Masks, DistAttnGpu, ::testing::Values(0, 1, 2), [](const auto& info) {
   return masks()[static_cast<size_t>(info.param)].name;
 });
+
+// Head dims above 256: the stages run the D-split kernels (D 520 in the 576 tile), forward and backward.
+TEST(DistAttnGpuLargeHeadDim, MatchesSingleGpuAndReference) {
+  if (!cuda::head_dim_supported(520)) GTEST_SKIP() << "this build has no head-dim tile for 520";
+  static const uint64_t seed = shared_seed();
+  static const Problem p = make_problem(masks::varlen_causal(doc_cu_seqlens(1024)), seed, HeadShape{2, 1, 520});
+  for (int32_t overlap : {0, 2})
+    judge(p, run_distributed(p, {overlap, true, false, 128}),
+          "D 520 varlen causal cp" + std::to_string(world().size()) + " overlap" + std::to_string(overlap) + " seed " +
+              std::to_string(seed),
+          true);
+}
 
 TEST(DistAttnGpuDeterminism, TwoRunsAreBitwiseEqual) {
   static const uint64_t seed = shared_seed();

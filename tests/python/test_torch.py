@@ -70,8 +70,8 @@ def large_dim_devices(d):
 
 
 # Head dims above 256 (the D-split kernels on GPUs, where this build has the tile; any D on the CPU), forward and
-# autograd: D 264 and 520 run padded in the next larger tile.
-@pytest.mark.parametrize("d", [264, 520, 1024])
+# autograd: D 264, 376, 520 and 760 run padded in the next larger tile.
+@pytest.mark.parametrize("d", [264, 376, 520, 760, 1024])
 def test_large_head_dims_match_reference(rng, d):
     for device in large_dim_devices(d):
         dtype = "fp32" if device == "cpu" else "bf16"
