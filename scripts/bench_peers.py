@@ -149,6 +149,7 @@ def main():
     seq, batch, heads = spec["seq"], spec["batch"], spec["heads"]
     total = seq * batch
     dev = "cuda"
+    import torch  # main's own name too (the flex branch imports torch._dynamo): --no-flex left it unbound
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
 

@@ -4,8 +4,9 @@
 //
 // usage: flash_bench [--cases out.json] [--reps N] [--quick] [--only MASK] [--dims 64,128,256] [--seq 8192]
 //                    [--batch 2] [--deterministic] [--sm-margin N] [--impl NAME] [--fwd-tile-q 64|128]
-//                    [--family auto|sm80|sm90] [--large-d] [--fwd-variant 0|1|2|3] [--bwd-variant 0|1]
-//                    [--forward-only]
+//                    [--family auto|sm80|sm90] [--bwd-family auto|sm80|sm90] [--large-d] [--fwd-variant 0|1|2|3]
+//                    [--bwd-variant 0|1] [--forward-only]
+//   --family pins both kernels' family, --bwd-family (given after it) the backward's alone.
 //   --batch sequences of --seq tokens (16 heads, bf16); --quick = D 128 only. The backward runs in the default
 //   mode (dq by atomics); --deterministic also times the deterministic backward (rows `magi_det`); --forward-only
 //   times no backward (its columns print 0).
@@ -169,14 +170,19 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--sm-margin") && i + 1 < argc) sm_margin = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--impl") && i + 1 < argc) impl = argv[++i];
     else if (!std::strcmp(argv[i], "--fwd-tile-q") && i + 1 < argc) tuning.forward_tile_q = std::atoi(argv[++i]);
-    else if (!std::strcmp(argv[i], "--family") && i + 1 < argc) {
+    else if ((!std::strcmp(argv[i], "--family") || !std::strcmp(argv[i], "--bwd-family")) && i + 1 < argc) {
+      // --family: both kernels' family; --bwd-family (after it): the backward's alone.
+      const bool both = !std::strcmp(argv[i], "--family");
       const std::string family = argv[++i];
-      if (family == "sm80") tuning.forward_family = magi::cuda::KernelFamily::Sm80;
-      else if (family == "sm90") tuning.forward_family = magi::cuda::KernelFamily::Sm90;
+      magi::cuda::KernelFamily chosen = magi::cuda::KernelFamily::Auto;
+      if (family == "sm80") chosen = magi::cuda::KernelFamily::Sm80;
+      else if (family == "sm90") chosen = magi::cuda::KernelFamily::Sm90;
       else if (family != "auto") {
-        std::fprintf(stderr, "flash_bench: --family '%s' (allowed: auto, sm80, sm90)\n", family.c_str());
+        std::fprintf(stderr, "flash_bench: %s '%s' (allowed: auto, sm80, sm90)\n", argv[i - 1], family.c_str());
         return 2;
       }
+      if (both) tuning.forward_family = chosen;
+      tuning.backward_family = chosen;
     }
   }
   if (seq <= 0 || batch <= 0) {
@@ -261,9 +267,10 @@ int main(int argc, char** argv) {
       if (!only.empty() && c.name != only) continue;
       auto plan = magi::cuda::make_plan(c.mask, heads, heads, d, 0, tuning);
       const magi::cuda::PlanStats ps = magi::cuda::stats(*plan);
-      std::fprintf(stderr, "# %s %s D %d: %s forward, %d x %d tiles, variant %d, bwd variant %d\n", impl.c_str(),
-                   c.name.c_str(), d,
-                   ps.forward_family == magi::cuda::KernelFamily::Sm90 ? "sm90" : "sm80", ps.forward_tile_q,
+      std::fprintf(stderr, "# %s %s D %d: %s forward, %s backward, %d x %d tiles, variant %d, bwd variant %d\n",
+                   impl.c_str(), c.name.c_str(), d,
+                   ps.forward_family == magi::cuda::KernelFamily::Sm90 ? "sm90" : "sm80",
+                   ps.backward_family == magi::cuda::KernelFamily::Sm90 ? "sm90" : "sm80", ps.forward_tile_q,
                    ps.forward_tile_k, ps.forward_variant, ps.backward_variant);
       const double fwd_ms = time_ms([&] { magi::cuda::forward(*plan, fa, options, stream); }, reps, stream);
       const double bwd_ms =

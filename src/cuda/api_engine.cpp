@@ -76,8 +76,8 @@ class CudaEngine final : public Engine {
     const Shapes& s = call.shapes;
     cuda::PlanTuning tuning;
     switch (env::kernel_family()) {
-      case env::KernelFamily::Sm80: tuning.forward_family = cuda::KernelFamily::Sm80; break;
-      case env::KernelFamily::Sm90: tuning.forward_family = cuda::KernelFamily::Sm90; break;
+      case env::KernelFamily::Sm80: tuning.forward_family = tuning.backward_family = cuda::KernelFamily::Sm80; break;
+      case env::KernelFamily::Sm90: tuning.forward_family = tuning.backward_family = cuda::KernelFamily::Sm90; break;
       case env::KernelFamily::Auto: break;
     }
     return cached_plan(

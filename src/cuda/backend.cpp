@@ -15,6 +15,7 @@
 #include "cuda/sm80/launch.hpp"
 #include "cuda/sm80/tiles.hpp"
 #include "cuda/sm90/launch.hpp"
+#include "cuda/sm90/launch_backward.hpp"
 #include "cuda/small_kernels.hpp"
 #include "cuda/tile_list.hpp"
 #include "magi/error.hpp"
@@ -213,6 +214,18 @@ void run_backward(int padded, const detail::BwdParams& dkdv, int dkdv_blocks, co
   });
 }
 
+// The Hopper backward (dk/dv, dq by atomics into p.dq_accum) at head-dim tiles 64 and 128.
+template <int kDtype>
+void run_backward_sm90(int padded, const detail::BwdParams& p, int margin, cudaStream_t stream) {
+  with_compiled_tile(padded, "sm_90a backward", [&](auto d) {
+    constexpr int kD = decltype(d)::value;
+#if MAGI_CUDA_SM90
+    if constexpr (sm90::sm90_backward_tile(kD)) return sm90::launch_backward<kDtype, kD>(p, margin, stream);
+#endif
+    (void)p, (void)margin, (void)stream;
+    throw NotAvailable("cuda backend: no sm_90a backward kernel for head-dim tile " + std::to_string(kD));
+  });
+}
 
 int32_t sink_kind(SinkLayout layout) {
   switch (layout) {
@@ -383,6 +396,12 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
     // The preprocess zeroes the atomics' target, unless they add to the caller's sum in place.
     if (!(a.accumulate_dq && dq_in_place)) pre.dq_zero = dkdv.dq_accum;
   }
+  // The Hopper kernel's TMA loads need 16-byte aligned bases (rows are: d is a multiple of 8).
+  const bool tma_aligned =
+      ((reinterpret_cast<uintptr_t>(p.q) | reinterpret_cast<uintptr_t>(p.k) | reinterpret_cast<uintptr_t>(p.v) |
+        reinterpret_cast<uintptr_t>(p.dout)) %
+       16) == 0;
+  const bool sm90_dkdv = plan.bwd_family == KernelFamily::Sm90 && fused_dq && tma_aligned;
   StageTimer timer(o.profile, stream);
   timer.begin("preprocess");
   detail::launch_preprocess(tag, pre, stream);
@@ -390,8 +409,13 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
     detail::launch_dsink_sh(pre.sink, pre.lse, delta, layout.tq_pad, pre.dsink, pre.sink_len, plan.tq, plan.hq,
                             stream);
   timer.end();
-  timer.begin(fused_dq ? "dkdv_kernel (dq by atomics)" : "dkdv_kernel + dq_kernel");
-  if (tag == detail::kBf16)
+  timer.begin(sm90_dkdv ? "sm90 dkdv_kernel (dq by atomics)"
+              : fused_dq ? "dkdv_kernel (dq by atomics)"
+                         : "dkdv_kernel + dq_kernel");
+  if (sm90_dkdv) {
+    if (tag == detail::kBf16) run_backward_sm90<detail::kBf16>(plan.padded_d, dkdv, o.sm_margin, stream);
+    else run_backward_sm90<detail::kFp16>(plan.padded_d, dkdv, o.sm_margin, stream);
+  } else if (tag == detail::kBf16)
     run_backward<detail::kBf16>(plan.padded_d, dkdv, dkdv_blocks, dq, dq_blocks, plan.bwd_variant, o.sm_margin,
                                 stream);
   else

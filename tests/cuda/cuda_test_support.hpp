@@ -93,6 +93,7 @@ inline bool testing_sm90() {
 inline std::shared_ptr<cuda::Plan> test_plan(const Mask& mask, int32_t hq, int32_t hkv, int32_t d,
                                              cuda::PlanTuning tuning = {}) {
   if (tuning.forward_family == cuda::KernelFamily::Auto) tuning.forward_family = family_under_test();
+  if (tuning.backward_family == cuda::KernelFamily::Auto) tuning.backward_family = family_under_test();
   return cuda::make_plan(mask, hq, hkv, d, 0, tuning);
 }
 

@@ -991,6 +991,14 @@ TEST(CudaBackend, PlansRunTheFamilyAskedFor) {
   const cuda::PlanStats s = cuda::stats(*test_plan(mask, 2, 1, 128));
   EXPECT_EQ(s.forward_family, testing_sm90() ? cuda::KernelFamily::Sm90 : cuda::KernelFamily::Sm80);
   EXPECT_EQ(s.forward_tile_k, testing_sm90() ? 128 : 64);
+  // The backward follows the family at head-dim tiles 64 and 128 and stays portable at 256.
+  EXPECT_EQ(s.backward_family, testing_sm90() ? cuda::KernelFamily::Sm90 : cuda::KernelFamily::Sm80);
+  EXPECT_EQ(cuda::stats(*test_plan(mask, 2, 1, 64)).backward_family, s.backward_family);
+  if (cuda::head_dim_supported(256))
+    EXPECT_EQ(cuda::stats(*test_plan(mask, 2, 1, 256)).backward_family, cuda::KernelFamily::Sm80);
+  cuda::PlanTuning portable_bwd;
+  portable_bwd.backward_family = cuda::KernelFamily::Sm80;
+  EXPECT_EQ(cuda::stats(*test_plan(mask, 2, 1, 128, portable_bwd)).backward_family, cuda::KernelFamily::Sm80);
   const bool available = cuda::sm90_forward_available(128, 0);
   EXPECT_EQ(cuda::stats(*cuda::make_plan(mask, 2, 1, 128, 0)).forward_family,
             available ? cuda::KernelFamily::Sm90 : cuda::KernelFamily::Sm80);

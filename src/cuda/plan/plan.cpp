@@ -10,6 +10,7 @@
 
 #include "cuda/check.hpp"
 #include "cuda/sm80/tiles.hpp"
+#include "cuda/sm90/launch_backward.hpp"
 #include "cuda/sm90/tiles.hpp"
 #include "cuda/tile_list.hpp"
 #include "cuda/plan/tuned_configs.hpp"
@@ -219,6 +220,16 @@ bool sm90_forward_available(int32_t head_dim, int32_t device) {
 #endif
 }
 
+bool sm90_backward_available(int32_t head_dim, int32_t device) {
+#if MAGI_CUDA_SM90
+  if (!sm90_forward_available(head_dim, device)) return false;
+  return sm90::sm90_backward_tile(padded_head_dim(head_dim));
+#else
+  (void)head_dim;
+  (void)device;
+  return false;
+#endif
+}
 
 std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads_kv, int32_t head_dim,
                                 int32_t device, const PlanTuning& tuning) {
@@ -260,6 +271,10 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
                        "with the CUTLASS headers and a device of compute capability 9.0; allowed families "
                        "here: auto, sm80)");
   plan->fwd_family = sm90 ? KernelFamily::Sm90 : KernelFamily::Sm80;
+  // The backward reuses the k-major list (128 keys x 64-row chunks): only the kernel differs.
+  plan->bwd_family = tuning.backward_family != KernelFamily::Sm80 && sm90_backward_available(head_dim, device)
+                         ? KernelFamily::Sm90
+                         : KernelFamily::Sm80;
   // Large head dims: one q tile, and the D-split kernel's variant for this device (plan/tuned_configs.cpp).
   const bool large_d = detail::is_large_head_dim(plan->padded_d);
   if (large_d) {
@@ -366,6 +381,7 @@ PlanStats stats(const Plan& plan) {
   s.forward_tile_q = plan.fwd_tile_q;
   s.forward_tile_k = plan.fwd_tile_k;
   s.forward_family = plan.fwd_family;
+  s.backward_family = plan.bwd_family;
   s.forward_variant = plan.fwd_variant;
   s.backward_variant = plan.bwd_variant;
   s.forward_items = plan.fwd_items;

@@ -1,0 +1,379 @@
+// Hopper backward (sm_90a): dK, dV and, by fp32 atomics, dQ in one kernel over the plan's k-major list. A block is
+// three warpgroups on one SM and holds one k tile (128 keys) of one kv head: a producer that brings K and V once
+// per tile and then, for every q head of the GQA group and every item of the tile, the item's 64-row chunk of Q
+// and dO (TMA, swizzled) and its lse2 / Delta rows (bulk copies) through a two-stage mbarrier pipeline; and two
+// consumers of 64 keys each that run, per chunk (wgmma):
+//   S^T = K Q^T, dP^T = V dO^T                (both operands in shared memory)
+//   P^T, dS^T from them (the portable family's bwd_cell: softcap, masks, empty rows)
+//   dV += P^T dO, dK += dS^T Q                (P^T, dS^T from registers)
+//   dQ  = dS K                                (dS^T through shared memory: both consumers' keys, each consumer
+//                                              takes half of the D columns), added to p.dq_accum by red.v2.
+// The grid is persistent (WorkRing). dK / dV stay in registers for the whole tile and are stored at its end.
+#pragma once
+
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "cuda/sm80/backward_kernel.cuh"  // bwd_cell, item_queries: the per-cell math of both families
+#include "cuda/sm90/gemm_common.cuh"
+
+namespace magi::cuda::sm90 {
+
+using detail::BwdParams;
+using detail::KeyInterval;
+using detail::TileInfo;
+using detail::WorkCoords;
+using detail::WorkItem;
+
+// dQ += v, two consecutive floats (8-byte aligned), predicated.
+__device__ __forceinline__ void red_add_v2(float* address, float x, float y, bool enabled) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n @p red.global.add.v2.f32 [%0], {%1, %2};\n}\n" ::"l"(address),
+      "f"(x), "f"(y), "r"(static_cast<int>(enabled))
+      : "memory");
+}
+
+template <class T, int kD>
+struct BackwardKernel {
+  using Element = typename CuteElement<T>::type;
+  static constexpr int kM = detail::kDkdvTileQ;       // q rows per chunk (the k-major list's items)
+  static constexpr int kN = detail::dkdv_tile_k(kD);  // keys per block (the k-major list's tiles)
+  static_assert(kM == 64 && kN == 128, "two consumer warpgroups of 64 keys; 64-row chunks");
+  static constexpr int kConsumers = 2;
+  static constexpr int kThreads = 128 * (kConsumers + 1);
+  static constexpr int kStages = 2;
+  // setmaxnreg: the producer's share goes to the consumers; the sum must fit the launch's 168 per thread.
+  static constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
+  static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= (kConsumers + 1) * 168, "setmaxnreg budget");
+
+  using AtomKeys = Layout<Shape<Int<kConsumers>, _1, _1>>;  // consumers split the keys
+  using MmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kN / kConsumers>, Int<kM>, Int<kD>>>(), AtomKeys{}));
+  using MmaKV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<Int<kN / kConsumers>, Int<kD>, Int<kM>>, GMMA::Major::K,
+                           GMMA::Major::MN>(),
+      AtomKeys{}));
+  // dQ = dS K: M = the chunk's 64 rows, consumers split the D columns; dS and K^T both MN-major in shared memory.
+  using MmaDq = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kM>, Int<kD / kConsumers>, Int<kN>>, GMMA::Major::MN,
+                           GMMA::Major::MN>(),
+      Layout<Shape<_1, Int<kConsumers>, _1>>{}));
+
+  using LayoutKV = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kN>, Int<kD>>{}));
+  using LayoutKt =
+      decltype(composition(LayoutKV{}, make_ordered_layout(Shape<Int<kD>, Int<kN>>{}, Step<_2, _1>{})));
+  using LayoutQ =
+      decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kM>, Int<kD>, Int<kStages>>{}));
+  // Q and dO read transposed (D x rows) as the B operands of dK += dS^T Q and dV += P^T dO.
+  using LayoutQt = decltype(composition(
+      LayoutQ{}, make_ordered_layout(Shape<Int<kD>, Int<kM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  // dS (rows x keys, rows contiguous), two buffers: chunk i's in buffer i % 2, so that one barrier per chunk
+  // suffices (a consumer past chunk i + 1's barrier knows the other finished chunk i's dQ GEMM).
+  using LayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{}, Shape<Int<kM>, Int<kN>, _2>{}));
+  using LayoutdSt = decltype(composition(LayoutdS{}, make_ordered_layout(Shape<Int<kN>, Int<kM>, _2>{},
+                                                                         Step<_2, _1, _3>{})));
+  // Global [rows, heads, D] as (rows, D, heads).
+  using GmemLayout = Layout<Shape<int32_t, int32_t, int32_t>, Stride<int64_t, _1, int64_t>>;
+  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)), GmemLayout{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(LayoutQ{}),
+                                      Shape<Int<kM>, Int<kD>>{}, _1{}));
+  using TmaKV =
+      decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, LayoutKV{}, Shape<Int<kN>, Int<kD>>{}, _1{}));
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = cutlass::PipelineState<kStages>;
+  static constexpr uint32_t kStageBytes = 2 * kM * kD * sizeof(Element) + 2 * kM * sizeof(float);
+
+  struct SharedStorage {
+    alignas(1024) Element k[cosize_v<LayoutKV>];
+    alignas(1024) Element v[cosize_v<LayoutKV>];
+    alignas(1024) Element q[cosize_v<LayoutQ>];
+    alignas(1024) Element dout[cosize_v<LayoutQ>];
+    alignas(1024) Element ds[cosize_v<LayoutdS>];
+    alignas(16) float lse2[kStages][kM];
+    alignas(16) float delta[kStages][kM];
+    typename Pipeline::SharedStorage pipeline;
+    cutlass::arch::ClusterTransactionBarrier kv_full;
+    cutlass::arch::ClusterBarrier kv_empty;
+    WorkRing work;
+  };
+  static constexpr int kSmemBytes = sizeof(SharedStorage);
+
+  struct Params {
+    BwdParams p;
+    TmaQ tma_q, tma_do;
+    TmaKV tma_k, tma_v;
+    int num_work;
+  };
+
+  static Params make_params(const BwdParams& p, int num_work) {
+    // Descriptors need a non-empty tensor.
+    auto tensor = [&](const void* data, int rows, int heads) {
+      return make_tensor(make_gmem_ptr(static_cast<const Element*>(data)),
+                         make_layout(make_shape(max(rows, 1), p.d, heads),
+                                     make_stride(int64_t{heads} * p.d, _1{}, int64_t{p.d})));
+    };
+    auto chunk = [&](const void* data) {
+      return make_tma_copy(SM90_TMA_LOAD{}, tensor(data, p.tq, p.hq), take<0, 2>(LayoutQ{}),
+                           Shape<Int<kM>, Int<kD>>{}, _1{});
+    };
+    auto tile = [&](const void* data) {
+      return make_tma_copy(SM90_TMA_LOAD{}, tensor(data, p.tk, p.hkv), LayoutKV{}, Shape<Int<kN>, Int<kD>>{}, _1{});
+    };
+    return {p, chunk(p.q), chunk(p.dout), tile(p.k), tile(p.v), num_work};
+  }
+
+  // One thread issues every load: K and V once per work (after the consumers are done with the last one's), then
+  // per (q head, item) the chunk's Q, dO, lse2 and Delta into the next pipeline stage.
+  static __device__ __forceinline__ void produce(const Params& params, SharedStorage& shared, Pipeline& pipeline) {
+    const BwdParams& p = params.p;
+    Tensor mQ = params.tma_q.get_tma_tensor(make_shape(max(p.tq, 1), p.d, p.hq));
+    Tensor mdO = params.tma_do.get_tma_tensor(make_shape(max(p.tq, 1), p.d, p.hq));
+    Tensor mK = params.tma_k.get_tma_tensor(make_shape(max(p.tk, 1), p.d, p.hkv));
+    Tensor mV = params.tma_v.get_tma_tensor(make_shape(max(p.tk, 1), p.d, p.hkv));
+    Tensor sQ = make_tensor(make_smem_ptr(shared.q), LayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(shared.dout), LayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(shared.k), LayoutKV{});
+    Tensor sV = make_tensor(make_smem_ptr(shared.v), LayoutKV{});
+    PipelineState write = cutlass::make_producer_start_state<Pipeline>();
+    const int group = p.hq / p.hkv;
+    int kv_loads = 0;
+    for (int n = 0;; ++n) {
+      const int linear = shared.work.publish(n, p.work_counter);
+      if (linear >= params.num_work) break;
+      const WorkCoords at = detail::work_coords(linear, p.hkv, p.list);
+      const TileInfo info = p.list.tiles[at.tile_index];
+      if (info.count == 0) continue;
+      const int kv_head = at.head;
+      Tensor gK = local_tile(mK(_, _, kv_head), Shape<Int<kN>, Int<kD>>{}, make_coord(info.tile, 0));
+      Tensor gV = local_tile(mV(_, _, kv_head), Shape<Int<kN>, Int<kD>>{}, make_coord(info.tile, 0));
+      auto [tKg, tKs] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto [tVg, tVs] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+      if (kv_loads > 0) shared.kv_empty.wait((kv_loads - 1) & 1);
+      shared.kv_full.arrive_and_expect_tx(2 * kN * kD * sizeof(Element));
+      copy(params.tma_k.with(reinterpret_cast<uint64_t&>(shared.kv_full), 0), tKg, tKs);
+      copy(params.tma_v.with(reinterpret_cast<uint64_t&>(shared.kv_full), 0), tVg, tVs);
+      ++kv_loads;
+      for (int head = kv_head * group; head < (kv_head + 1) * group; ++head) {
+        Tensor gQ = local_tile(mQ(_, _, head), Shape<Int<kM>, Int<kD>>{}, make_coord(_, 0));
+        Tensor gdO = local_tile(mdO(_, _, head), Shape<Int<kM>, Int<kD>>{}, make_coord(_, 0));
+        auto [tQg, tQs] =
+            tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+        auto [tdOg, tdOs] =
+            tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+        for (int item = info.first; item < info.first + info.count; ++item) {
+          const int chunk = p.list.items[item].q0 / kM;
+          pipeline.producer_acquire(write);
+          uint64_t* const full = pipeline.producer_get_barrier(write);
+          const int s = write.index();
+          copy(params.tma_q.with(*full, 0), tQg(_, chunk), tQs(_, s));
+          copy(params.tma_do.with(*full, 0), tdOg(_, chunk), tdOs(_, s));
+          const int64_t stats = int64_t{head} * p.tq_pad + chunk * kM;  // rows < tq_pad: whole chunks exist
+          SM90_BULK_COPY_G2S::copy(p.lse2 + stats, full, shared.lse2[s], kM * sizeof(float));
+          SM90_BULK_COPY_G2S::copy(p.delta + stats, full, shared.delta[s], kM * sizeof(float));
+          ++write;
+        }
+      }
+    }
+  }
+
+  static __device__ __forceinline__ void consume(const Params& params, SharedStorage& shared, Pipeline& pipeline) {
+    const BwdParams& p = params.p;
+    const int thread = static_cast<int>(threadIdx.x) - 128;  // 0 .. 255
+    const int lane = thread % 32;
+    const int warp = thread / 32;  // keys [16 warp, +16) of the tile in S^T; rows [16 (warp % 4), +16) in dQ
+    const int consumer = thread / 128;
+    MmaSdP mma_sdp;
+    MmaKV mma_kv;
+    MmaDq mma_dq;
+    auto thr_sdp = mma_sdp.get_thread_slice(thread);
+    auto thr_kv = mma_kv.get_thread_slice(thread);
+    auto thr_dq = mma_dq.get_thread_slice(thread);
+    Tensor sK = make_tensor(make_smem_ptr(shared.k), LayoutKV{});
+    Tensor sV = make_tensor(make_smem_ptr(shared.v), LayoutKV{});
+    Tensor sQ = make_tensor(make_smem_ptr(shared.q), LayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(shared.dout), LayoutQ{});
+    Tensor tSrK = thr_sdp.partition_fragment_A(sK);
+    Tensor tSrV = thr_sdp.partition_fragment_A(sV);
+    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
+    Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
+    Tensor tKVrQt = thr_kv.partition_fragment_B(make_tensor(make_smem_ptr(shared.q), LayoutQt{}));
+    Tensor tKVrdOt = thr_kv.partition_fragment_B(make_tensor(make_smem_ptr(shared.dout), LayoutQt{}));
+    Tensor tDqrdS = thr_dq.partition_fragment_A(make_tensor(make_smem_ptr(shared.ds), LayoutdS{}));
+    Tensor tDqrKt = thr_dq.partition_fragment_B(make_tensor(make_smem_ptr(shared.k), LayoutKt{}));
+    Tensor tdSsdS = thr_sdp.partition_C(make_tensor(make_smem_ptr(shared.ds), LayoutdSt{}));
+
+    Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kN>, Int<kM>>{});
+    Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<Int<kN>, Int<kM>>{});
+    Tensor tdVrdV = partition_fragment_C(mma_kv, Shape<Int<kN>, Int<kD>>{});
+    Tensor tdKrdK = partition_fragment_C(mma_kv, Shape<Int<kN>, Int<kD>>{});
+    Tensor tDqrdQ = partition_fragment_C(mma_dq, Shape<Int<kM>, Int<kD>>{});
+    Tensor rP = make_tensor<Element>(tSrS.layout());
+    Tensor rdS = make_tensor<Element>(tSrS.layout());
+    Tensor tKVrP = make_tensor(rP.data(), accumulator_as_a_operand(rP.layout()));
+    Tensor tKVrdS = make_tensor(rdS.data(), accumulator_as_a_operand(rdS.layout()));
+    static_assert(size(decltype(tSrS){}) == kM / 2, "S^T: this thread's 2 keys x kM / 4 rows");
+    static_assert(size(decltype(tdKrdK){}) == kD / 2, "dK: 2 keys x kD / 4 columns");
+    static_assert(size(decltype(tDqrdQ){}) == kD / 4, "dQ: 2 rows x kD / 8 columns");
+    // The fragments in the wgmma accumulator layout: [8-column block][2 row + column] (rows lane / 4 + {0, 8}).
+    auto& s = *reinterpret_cast<float(*)[kM / 8][4]>(raw_pointer_cast(tSrS.data()));
+    auto& dp = *reinterpret_cast<float(*)[kM / 8][4]>(raw_pointer_cast(tSrdP.data()));
+    auto& dq = *reinterpret_cast<float(*)[kD / 16][4]>(raw_pointer_cast(tDqrdQ.data()));
+
+    const int group = p.hq / p.hkv;
+    const int64_t dq_row_stride = int64_t{p.hq} * p.d;
+    PipelineState read;
+    int kv_phase = 0;
+    int chunks = 0;  // this block's chunks so far (the dS buffer)
+    for (int n = 0;; ++n) {
+      const int linear = shared.work.take(n);
+      if (linear >= params.num_work) break;
+      const WorkCoords at = detail::work_coords(linear, p.hkv, p.list);
+      const TileInfo info = p.list.tiles[at.tile_index];
+      const int kv_head = at.head;
+      const int k_base = info.tile * kN;
+      const int key_local = warp * 16 + lane / 4;  // this thread's keys: + {0, 8}
+      clear(tdVrdV);
+      clear(tdKrdK);
+      if (info.count > 0) {
+        shared.kv_full.wait(kv_phase);
+        kv_phase ^= 1;
+        for (int head = kv_head * group; head < (kv_head + 1) * group; ++head) {
+          for (int item = info.first; item < info.first + info.count; ++item) {
+            const WorkItem w = p.list.items[item];
+            const int q0 = w.q0 / kM * kM;
+            const int stage = read.index();
+            const int buffer = chunks & 1;
+            pipeline.consumer_wait(read);
+            issue_gemm<true, false>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
+            issue_gemm<true, false>(mma_sdp, tSrV, tSrdO(_, _, _, stage), tSrdP);
+            // Only warps whose 16 keys the plan marks take the per-cell test; kept rows relative to q0.
+            const bool masked = (w.flags >> (detail::kWorkTestGroupShift + warp)) & 1;
+            KeyInterval rows[2] = {{0, 1 << 30}, {0, 1 << 30}};
+            if (masked) {
+#pragma unroll
+              for (int r = 0; r < 2; ++r) {
+                rows[r] = detail::item_queries(w, k_base + key_local + 8 * r);
+                rows[r].lo -= q0, rows[r].hi -= q0;
+              }
+            }
+            warpgroup_wait<0>();
+            detail::with_softcap(p, [&](auto softcap) {
+              detail::with_bool(masked, [&](auto is_masked) {
+#pragma unroll
+                for (int nb = 0; nb < kM / 8; ++nb) {
+                  const int col0 = nb * 8 + (lane % 4) * 2;
+                  const float2 lse2 = *reinterpret_cast<const float2*>(&shared.lse2[stage][col0]);
+                  const float2 delta = *reinterpret_cast<const float2*>(&shared.delta[stage][col0]);
+#pragma unroll
+                  for (int e = 0; e < 4; ++e) {
+                    const bool kept = decltype(is_masked)::value ? rows[e / 2].contains(col0 + e % 2) : true;
+                    const detail::BwdCell c = detail::bwd_cell<decltype(softcap)::value>(
+                        p, s[nb][e], dp[nb][e], e % 2 ? lse2.y : lse2.x, e % 2 ? delta.y : delta.x, kept);
+                    rP(nb * 4 + e) = static_cast<Element>(c.p);
+                    rdS(nb * 4 + e) = static_cast<Element>(c.ds);
+                  }
+                }
+              });
+            });
+            issue_gemm<false, true>(mma_kv, tKVrP, tKVrdOt(_, _, _, stage), tdVrdV);
+            copy(rdS, tdSsdS(_, _, _, buffer));
+            issue_gemm<false, true>(mma_kv, tKVrdS, tKVrQt(_, _, _, stage), tdKrdK);
+            cutlass::arch::fence_view_async_shared();  // dS^T's ordinary stores, read next by the tensor cores
+            cutlass::arch::NamedBarrier::sync(128 * kConsumers, 0);
+            Tensor ds_operand = tDqrdS(_, _, _, buffer);
+            issue_gemm<true, false>(mma_dq, ds_operand, tDqrKt, tDqrdQ);
+            warpgroup_wait<0>();
+            pipeline.consumer_release(read);
+            ++read;
+            ++chunks;
+            // dQ rows 16 (warp % 4) + lane / 4 + {0, 8}, this consumer's half of the columns.
+            float* const chunk_dq = p.dq_accum + (int64_t{q0} * p.hq + head) * p.d;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              const int row = (warp % 4) * 16 + lane / 4 + 8 * r;
+              float* const row_dq = chunk_dq + row * dq_row_stride;
+              const bool valid = q0 + row < p.tq;
+#pragma unroll
+              for (int nb = 0; nb < kD / 16; ++nb) {
+                const int col = consumer * (kD / 2) + nb * 8 + (lane % 4) * 2;
+                red_add_v2(row_dq + col, dq[nb][2 * r], dq[nb][2 * r + 1], valid && col < p.d);
+              }
+            }
+          }
+        }
+        shared.kv_empty.arrive();
+      }
+
+      // dK (the cells' dS already carries the softmax scale) and dV; keys past tk and columns past d dropped.
+      auto& dk = *reinterpret_cast<float(*)[kD / 8][4]>(raw_pointer_cast(tdKrdK.data()));
+      auto& dv = *reinterpret_cast<float(*)[kD / 8][4]>(raw_pointer_cast(tdVrdV.data()));
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int key = k_base + key_local + 8 * r;
+        if (key >= p.tk) continue;
+        const int64_t base = (int64_t{key} * p.hkv + kv_head) * p.d;
+#pragma unroll
+        for (int nb = 0; nb < kD / 8; ++nb) {
+          const int col = nb * 8 + (lane % 4) * 2;
+          if (col < p.d) {
+            detail::store_pair<T>(p.dk, base + col, dk[nb][2 * r], dk[nb][2 * r + 1], p.grad_fp32);
+            detail::store_pair<T>(p.dv, base + col, dv[nb][2 * r], dv[nb][2 * r + 1], p.dv_fp32);
+          }
+        }
+      }
+    }
+  }
+};
+
+template <class Kernel>
+__global__ void __launch_bounds__(Kernel::kThreads, 1)
+    backward_kernel(const __grid_constant__ typename Kernel::Params params) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  auto& shared = *reinterpret_cast<typename Kernel::SharedStorage*>(smem);
+  const int warp_group = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
+  if (threadIdx.x == 0) {
+    prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+    prefetch_tma_descriptor(params.tma_do.get_tma_descriptor());
+    prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+    prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+    shared.kv_full.init(1);
+    shared.kv_empty.init(Kernel::kConsumers * 128);
+    shared.work.init(Kernel::kConsumers * 128);
+  }
+  typename Kernel::Pipeline::Params pipeline_params;
+  pipeline_params.transaction_bytes = Kernel::kStageBytes;
+  pipeline_params.role = warp_group == 0 ? Kernel::Pipeline::ThreadCategory::Producer
+                                         : Kernel::Pipeline::ThreadCategory::Consumer;
+  pipeline_params.is_leader = threadIdx.x == 0;
+  pipeline_params.num_consumers = Kernel::kConsumers * 128;
+  typename Kernel::Pipeline pipeline(shared.pipeline, pipeline_params, Shape<_1, _1, _1>{});
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  if (warp_group == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Kernel::kProducerRegisters>();
+    if (threadIdx.x == 0) Kernel::produce(params, shared, pipeline);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Kernel::kConsumerRegisters>();
+    Kernel::consume(params, shared, pipeline);
+  }
+}
+
+template <class T, int kD>
+void launch_backward_kernel(const BwdParams& p, int sm_margin, cudaStream_t stream) {
+  using Kernel = BackwardKernel<T, kD>;
+  const int num_work = p.list.num_tiles * p.hkv;
+  if (num_work == 0) return;
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const int usable = sms - sm_margin > 1 ? sms - sm_margin : 1;
+  const int grid = usable < num_work ? usable : num_work;
+  auto kernel = backward_kernel<Kernel>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);
+  cudaMemsetAsync(p.work_counter, 0, sizeof(int32_t), stream);
+  kernel<<<grid, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(Kernel::make_params(p, num_work));
+  detail::check_launch("sm90 backward_kernel");
+}
+
+}  // namespace magi::cuda::sm90

@@ -1,0 +1,19 @@
+// Launcher of the Hopper backward (src/cuda/sm90/kernels/backward_*.cu, built for sm_90a only). Host-only header.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda/params.hpp"
+
+namespace magi::cuda::sm90 {
+
+// dK, dV (stored) and dQ (added to params.dq_accum, fp32, zeroed by the caller) over the plan's k-major list
+// (tiles of dkdv_tile_k(kD) = 128 keys, 64-row chunks) on a persistent grid of (SMs - sm_margin) blocks.
+// kDtype: detail::kBf16 / kFp16; kD: 64 or 128.
+template <int kDtype, int kD>
+void launch_backward(const detail::BwdParams& params, int sm_margin, cudaStream_t stream);
+
+// Whether a Hopper backward was compiled for this padded head dim.
+constexpr bool sm90_backward_tile(int padded_head_dim) { return padded_head_dim == 64 || padded_head_dim == 128; }
+
+}  // namespace magi::cuda::sm90
