@@ -16,6 +16,7 @@
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "cuda/forward_common.cuh"
+#include "cuda/sm90/gemm_common.cuh"
 #include "cuda/sm90/tiles.hpp"
 
 namespace magi::cuda::sm90 {
@@ -26,75 +27,6 @@ using detail::KeyInterval;
 using detail::TileInfo;
 using detail::WorkCoords;
 using detail::WorkItem;
-
-template <class T>
-struct CuteElement;
-template <>
-struct CuteElement<__nv_bfloat16> {
-  using type = cutlass::bfloat16_t;
-};
-template <>
-struct CuteElement<__half> {
-  using type = cutlass::half_t;
-};
-
-// The A-operand view of a 16-bit copy of an accumulator: ((2, 2, N / 8), M, N) -> ((2, 2, 2), M, N / 16), the
-// k-steps of P V along the accumulator's columns (the register order of the two layouts is the same).
-template <class Layout>
-__device__ __forceinline__ constexpr auto accumulator_as_a_operand(Layout acc) {
-  auto split = logical_divide(get<0>(acc), Shape<Underscore, Underscore, _2>{});
-  return make_layout(make_layout(get<0>(split), get<1>(split), get<2, 0>(split)), get<1>(acc),
-                     coalesce(make_layout(get<2, 1>(split), get<2>(acc))));
-}
-
-// Issues one warpgroup GEMM C (+)= A B over all k-steps (kZero: C = A B) and commits it; the caller waits.
-template <bool kZero, bool kRegistersA, class Mma, class TA, class TB, class TC>
-__device__ __forceinline__ void issue_gemm(Mma& mma, TA& a, const TB& b, TC& c) {
-  if constexpr (kRegistersA) warpgroup_fence_operand(a);
-  warpgroup_fence_operand(c);
-  warpgroup_arrive();
-  if constexpr (kZero) mma.accumulate_ = GMMA::ScaleOut::Zero;
-  CUTE_UNROLL
-  for (int k = 0; k < size<2>(a); ++k) {
-    cute::gemm(mma, a(_, _, k), b(_, _, k), c);
-    mma.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
-  warpgroup_fence_operand(c);
-  if constexpr (kRegistersA) warpgroup_fence_operand(a);
-}
-
-// The persistent schedule of both families (first_work_index, claim_work_index), fed by the producer: it claims
-// the work indices and hands each to the consumers through a two-slot ring in shared memory. An index past the
-// last work ends the block.
-struct WorkRing {
-  int slot[2];
-  cutlass::arch::ClusterBarrier full[2], empty[2];
-
-  __device__ void init(int consumer_threads) {
-    for (int s = 0; s < 2; ++s) {
-      full[s].init(1);
-      empty[s].init(consumer_threads);
-    }
-  }
-  // Producer: the n-th work of this block (n = 0, 1, ...), published for the consumers.
-  __device__ int publish(int n, int32_t* counter) {
-    const int s = n & 1;
-    if (n >= 2) empty[s].wait(((n >> 1) - 1) & 1);
-    const int linear = n == 0 ? detail::first_work_index() : detail::claim_work_index(counter);
-    slot[s] = linear;
-    full[s].arrive();
-    return linear;
-  }
-  // Consumers: the n-th work of this block.
-  __device__ int take(int n) {
-    const int s = n & 1;
-    full[s].wait((n >> 1) & 1);
-    const int linear = slot[s];
-    empty[s].arrive();
-    return linear;
-  }
-};
 
 template <class T, int kD>
 struct ForwardKernel {
@@ -252,12 +184,10 @@ struct ForwardKernel {
       float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
 
       // Softcap, mask and online softmax of one item's S; scale_old: how O must be rescaled.
-      auto softmax = [&](auto& tSrS, int item, float (&scale_old)[2]) {
+      auto softmax = [&](auto& tSrS, const WorkItem& w, float (&scale_old)[2]) {
         auto& s = *reinterpret_cast<float(*)[kNBlocks][4]>(raw_pointer_cast(tSrS.data()));
         if (softcapped) detail::softcap_logits(s, p);
-        const int flags = p.list.items[item].flags;
-        if (flags & detail::kWorkMasked) {
-          const WorkItem w = p.list.items[item];
+        if (w.flags & detail::kWorkMasked) {
           const int k0 = w.k0 / kN * kN;
           const KeyInterval keys[2] = {detail::item_keys(w, row0), detail::item_keys(w, row0 + 8)};
           const bool all = detail::keeps_all(keys[0], k0, k0 + kN) && detail::keeps_all(keys[1], k0, k0 + kN);
@@ -287,36 +217,31 @@ struct ForwardKernel {
           for (int i = 0; i < size(tSrS); ++i) rP(i) = static_cast<Element>(tSrS(i));
         };
         float scale_old[2];
-        pipeline_k.consumer_wait(read_k);
-        wait_turn();
-        issue_gemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
-        pass_turn();
-        warpgroup_wait<0>();
-        pipeline_k.consumer_release(read_k);
-        ++read_k;
-        if (info.count == 1) shared.q_empty.arrive();
-        softmax(tSrS, info.first, scale_old);
-        to_p();
-        // Each further item: its S = Q K^T issued beside P V of the last one, the softmax between. Every warpgroup
-        // runs every item, also one none of whose cells its 64 rows keep: skipping those took four inlined
-        // variants of this step, which cost more in instruction fetch than they saved (A/B, H100, D 128: full +3%,
-        // sliding window +4.5%, block-causal -5%).
-        for (int item = info.first + 1; item < info.first + info.count; ++item) {
+        // One step per item: its S = Q K^T, issued beside P V of the last one (none for the first item), the
+        // softmax while that P V runs. One copy of the step (the first item takes it too): fewer inlined copies of
+        // the masked softmax cost less in instruction fetch (see performance.md, Hopper forward). The item is read
+        // before the waits, which hide its load's latency (after them it sat between S and the softmax).
+        for (int item = info.first; item < info.first + info.count; ++item) {
+          const bool first = item == info.first;
+          const WorkItem w = p.list.items[item];
           pipeline_k.consumer_wait(read_k);
-          pipeline_v.consumer_wait(read_v);
+          if (!first) pipeline_v.consumer_wait(read_v);
           wait_turn();
           issue_gemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
-          issue_gemm<false, true>(mma_o, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+          if (!first) issue_gemm<false, true>(mma_o, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
           pass_turn();
-          warpgroup_wait<1>();  // S of this item ready; P V of the last one may still run
+          if (first) warpgroup_wait<0>();
+          else warpgroup_wait<1>();  // S of this item ready; P V of the last one may still run
           pipeline_k.consumer_release(read_k);
           ++read_k;
           if (item + 1 == info.first + info.count) shared.q_empty.arrive();
-          softmax(tSrS, item, scale_old);
-          warpgroup_wait<0>();
-          pipeline_v.consumer_release(read_v);
-          ++read_v;
-          rescale(scale_old);
+          softmax(tSrS, w, scale_old);
+          if (!first) {
+            warpgroup_wait<0>();
+            pipeline_v.consumer_release(read_v);
+            ++read_v;
+            rescale(scale_old);
+          }
           to_p();
         }
         pipeline_v.consumer_wait(read_v);

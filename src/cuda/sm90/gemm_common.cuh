@@ -1,6 +1,5 @@
 // Building blocks of the Hopper kernels (sm_90a) on CuTe: the element types, one warpgroup GEMM over all k-steps,
 // an accumulator viewed as the A operand of the next GEMM, and the persistent schedule's two-slot work ring.
-// (Copied from forward_kernel.cuh, token for token, so that the forward can move onto this header.)
 #pragma once
 
 #include <cute/tensor.hpp>
