@@ -184,10 +184,12 @@ struct ForwardKernel {
       float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
 
       // Softcap, mask and online softmax of one item's S; scale_old: how O must be rescaled.
-      auto softmax = [&](auto& tSrS, const WorkItem& w, float (&scale_old)[2]) {
+      auto softmax = [&](auto& tSrS, int item, float (&scale_old)[2]) {
         auto& s = *reinterpret_cast<float(*)[kNBlocks][4]>(raw_pointer_cast(tSrS.data()));
         if (softcapped) detail::softcap_logits(s, p);
-        if (w.flags & detail::kWorkMasked) {
+        const int flags = p.list.items[item].flags;
+        if (flags & detail::kWorkMasked) {
+          const WorkItem w = p.list.items[item];
           const int k0 = w.k0 / kN * kN;
           const KeyInterval keys[2] = {detail::item_keys(w, row0), detail::item_keys(w, row0 + 8)};
           const bool all = detail::keeps_all(keys[0], k0, k0 + kN) && detail::keeps_all(keys[1], k0, k0 + kN);
@@ -217,31 +219,36 @@ struct ForwardKernel {
           for (int i = 0; i < size(tSrS); ++i) rP(i) = static_cast<Element>(tSrS(i));
         };
         float scale_old[2];
-        // One step per item: its S = Q K^T, issued beside P V of the last one (none for the first item), the
-        // softmax while that P V runs. One copy of the step (the first item takes it too): fewer inlined copies of
-        // the masked softmax cost less in instruction fetch (see performance.md, Hopper forward). The item is read
-        // before the waits, which hide its load's latency (after them it sat between S and the softmax).
-        for (int item = info.first; item < info.first + info.count; ++item) {
-          const bool first = item == info.first;
-          const WorkItem w = p.list.items[item];
+        pipeline_k.consumer_wait(read_k);
+        wait_turn();
+        issue_gemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+        pass_turn();
+        warpgroup_wait<0>();
+        pipeline_k.consumer_release(read_k);
+        ++read_k;
+        if (info.count == 1) shared.q_empty.arrive();
+        softmax(tSrS, info.first, scale_old);
+        to_p();
+        // Each further item: its S = Q K^T issued beside P V of the last one, the softmax between. Every warpgroup
+        // runs every item, also one none of whose cells its 64 rows keep: skipping those took four inlined
+        // variants of this step, which cost more in instruction fetch than they saved (A/B, H100, D 128: full +3%,
+        // sliding window +4.5%, block-causal -5%).
+        for (int item = info.first + 1; item < info.first + info.count; ++item) {
           pipeline_k.consumer_wait(read_k);
-          if (!first) pipeline_v.consumer_wait(read_v);
+          pipeline_v.consumer_wait(read_v);
           wait_turn();
           issue_gemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
-          if (!first) issue_gemm<false, true>(mma_o, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+          issue_gemm<false, true>(mma_o, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
           pass_turn();
-          if (first) warpgroup_wait<0>();
-          else warpgroup_wait<1>();  // S of this item ready; P V of the last one may still run
+          warpgroup_wait<1>();  // S of this item ready; P V of the last one may still run
           pipeline_k.consumer_release(read_k);
           ++read_k;
           if (item + 1 == info.first + info.count) shared.q_empty.arrive();
-          softmax(tSrS, w, scale_old);
-          if (!first) {
-            warpgroup_wait<0>();
-            pipeline_v.consumer_release(read_v);
-            ++read_v;
-            rescale(scale_old);
-          }
+          softmax(tSrS, item, scale_old);
+          warpgroup_wait<0>();
+          pipeline_v.consumer_release(read_v);
+          ++read_v;
+          rescale(scale_old);
           to_p();
         }
         pipeline_v.consumer_wait(read_v);
