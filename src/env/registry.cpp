@@ -146,7 +146,8 @@ std::vector<Variable> make_registry() {
               "in the slice list (the earlier left of or above the later) meeting at a multiple of 128 on cuda, 96 "
               "on the CPU engine, none on the GPU reference engine; the distributed global mask stays as given."),
       boolean("MAGI_ATTENTION_CATGQA", "0", kPerformance,
-              not_yet("planned: GPU flex-attention backward kernel (concatenated GQA heads)"),
+              not_yet("planned: concatenated-head tiles in the Hopper backward (both backward kernels already "
+                      "walk the q heads of a kv head inside one block, K and V loaded once)"),
               "In the GPU backward kernel, process the query heads that share one kv head together "
               "(GQA/MQA); experimental."),
       boolean("MAGI_ATTENTION_BWD_HIDE_TAIL_REDUCE", "0", kPerformance, kImplemented,
