@@ -1,13 +1,14 @@
-// Hopper backward (sm_90a): dK, dV and, by fp32 atomics, dQ in one kernel over the plan's k-major list. A block is
-// three warpgroups on one SM and holds one k tile (128 keys) of one kv head: a producer that brings K and V once
-// per tile and then, for every q head of the GQA group and every item of the tile, the item's 64-row chunk of Q
+// Hopper backward (sm_90a): dK, dV and, by fp32 TMA reduce-adds, dQ in one kernel over the plan's k-major list. A
+// block is three warpgroups on one SM and holds one k tile (128 keys) of one kv head: a producer that brings K and V
+// once per tile and then, for every q head of the GQA group and every item of the tile, the item's 64-row chunk of Q
 // and dO (TMA, swizzled) and its lse2 / Delta rows (bulk copies) through a two-stage mbarrier pipeline; and two
 // consumers of 64 keys each that run, per chunk (wgmma):
 //   S^T = K Q^T, dP^T = V dO^T                (both operands in shared memory)
-//   P^T, dS^T from them (the portable family's bwd_cell: softcap, masks, empty rows)
-//   dV += P^T dO, dK += dS^T Q                (P^T, dS^T from registers)
-//   dQ  = dS K                                (dS^T through shared memory: both consumers' keys, each consumer
-//                                              takes half of the D columns), added to p.dq_accum by red.v2.
+//   P^T, dS^T from them (the portable family's bwd_cell: softcap, masks, empty rows), dV += P^T dO issued
+//                                             between them (P^T from registers)
+//   dQ  = dS K, dK += dS^T Q                  (dS^T through shared memory: both consumers' keys, each consumer
+//                                              takes half of the D columns; dS^T from registers)
+//   dQ's tile through shared memory, added to p.dq_accum by one TMA reduce-add per consumer.
 // The grid is persistent (WorkRing). dK / dV stay in registers for the whole tile and are stored at its end.
 #pragma once
 
@@ -25,15 +26,16 @@ using detail::TileInfo;
 using detail::WorkCoords;
 using detail::WorkItem;
 
-// dQ += v, two consecutive floats (8-byte aligned), predicated.
-__device__ __forceinline__ void red_add_v2(float* address, float x, float y, bool enabled) {
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n @p red.global.add.v2.f32 [%0], {%1, %2};\n}\n" ::"l"(address),
-      "f"(x), "f"(y), "r"(static_cast<int>(enabled))
-      : "memory");
+// p, opaque to the optimiser (so that what is computed from it is not hoisted out of a loop).
+template <class P>
+__device__ __forceinline__ P* launder(P* p) {
+  asm volatile("" : "+l"(p));
+  return p;
 }
 
-template <class T, int kD>
+// kSoftcap: a kernel of its own, so that its extra live registers (tanh's derivative needs S and dP at once) do not
+// make ptxas serialise the wgmma pipeline of the common kernel (C7512).
+template <class T, int kD, bool kSoftcap>
 struct BackwardKernel {
   using Element = typename CuteElement<T>::type;
   static constexpr int kM = detail::kDkdvTileQ;       // q rows per chunk (the k-major list's items)
@@ -43,6 +45,7 @@ struct BackwardKernel {
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kStages = 2;
   // setmaxnreg: the producer's share goes to the consumers; the sum must fit the launch's 168 per thread.
+  // (nvcc 13, D 128: the consumers spill below 240; the producer spills ~180 bytes at 24, off the critical path.)
   static constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
   static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= (kConsumers + 1) * 168, "setmaxnreg budget");
 
@@ -70,13 +73,16 @@ struct BackwardKernel {
   // dS (rows x keys, rows contiguous), two buffers: chunk i's in buffer i % 2, so that one barrier per chunk
   // suffices (a consumer past chunk i + 1's barrier knows the other finished chunk i's dQ GEMM).
   using LayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{}, Shape<Int<kM>, Int<kN>, _2>{}));
-  using LayoutdSt = decltype(composition(LayoutdS{}, make_ordered_layout(Shape<Int<kN>, Int<kM>, _2>{},
-                                                                         Step<_2, _1, _3>{})));
   // Global [rows, heads, D] as (rows, D, heads).
   using GmemLayout = Layout<Shape<int32_t, int32_t, int32_t>, Stride<int64_t, _1, int64_t>>;
   using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)), GmemLayout{}));
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(LayoutQ{}),
                                       Shape<Int<kM>, Int<kD>>{}, _1{}));
+  // dQ of one consumer (kM rows x kD / 2 columns, fp32, 128-byte swizzle), the source of its TMA reduce-add.
+  using LayoutdQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, Shape<Int<kM>, Int<kD / kConsumers>>{}));
+  using GmemTensorF = decltype(make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)), GmemLayout{}));
+  using TmaDq = decltype(make_tma_copy(SM90_TMA_REDUCE_ADD{}, GmemTensorF{}, LayoutdQ{},
+                                       Shape<Int<kM>, Int<kD / kConsumers>>{}, _1{}));
   using TmaKV =
       decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, LayoutKV{}, Shape<Int<kN>, Int<kD>>{}, _1{}));
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
@@ -89,6 +95,7 @@ struct BackwardKernel {
     alignas(1024) Element q[cosize_v<LayoutQ>];
     alignas(1024) Element dout[cosize_v<LayoutQ>];
     alignas(1024) Element ds[cosize_v<LayoutdS>];
+    alignas(1024) float dq[kConsumers * cosize_v<LayoutdQ>];
     alignas(16) float lse2[kStages][kM];
     alignas(16) float delta[kStages][kM];
     typename Pipeline::SharedStorage pipeline;
@@ -102,6 +109,7 @@ struct BackwardKernel {
     BwdParams p;
     TmaQ tma_q, tma_do;
     TmaKV tma_k, tma_v;
+    TmaDq tma_dq;
     int num_work;
   };
 
@@ -119,7 +127,11 @@ struct BackwardKernel {
     auto tile = [&](const void* data) {
       return make_tma_copy(SM90_TMA_LOAD{}, tensor(data, p.tk, p.hkv), LayoutKV{}, Shape<Int<kN>, Int<kD>>{}, _1{});
     };
-    return {p, chunk(p.q), chunk(p.dout), tile(p.k), tile(p.v), num_work};
+    auto dq = make_tensor(make_gmem_ptr(p.dq_accum), make_layout(make_shape(max(p.tq, 1), p.d, p.hq),
+                                                                 make_stride(int64_t{p.hq} * p.d, _1{}, int64_t{p.d})));
+    return {p,         chunk(p.q), chunk(p.dout), tile(p.k), tile(p.v),
+            make_tma_copy(SM90_TMA_REDUCE_ADD{}, dq, LayoutdQ{}, Shape<Int<kM>, Int<kD / kConsumers>>{}, _1{}),
+            num_work};
   }
 
   // One thread issues every load: K and V once per work (after the consumers are done with the last one's), then
@@ -188,19 +200,11 @@ struct BackwardKernel {
     auto thr_sdp = mma_sdp.get_thread_slice(thread);
     auto thr_kv = mma_kv.get_thread_slice(thread);
     auto thr_dq = mma_dq.get_thread_slice(thread);
-    Tensor sK = make_tensor(make_smem_ptr(shared.k), LayoutKV{});
-    Tensor sV = make_tensor(make_smem_ptr(shared.v), LayoutKV{});
-    Tensor sQ = make_tensor(make_smem_ptr(shared.q), LayoutQ{});
-    Tensor sdO = make_tensor(make_smem_ptr(shared.dout), LayoutQ{});
-    Tensor tSrK = thr_sdp.partition_fragment_A(sK);
-    Tensor tSrV = thr_sdp.partition_fragment_A(sV);
-    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
-    Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
-    Tensor tKVrQt = thr_kv.partition_fragment_B(make_tensor(make_smem_ptr(shared.q), LayoutQt{}));
-    Tensor tKVrdOt = thr_kv.partition_fragment_B(make_tensor(make_smem_ptr(shared.dout), LayoutQt{}));
-    Tensor tDqrdS = thr_dq.partition_fragment_A(make_tensor(make_smem_ptr(shared.ds), LayoutdS{}));
-    Tensor tDqrKt = thr_dq.partition_fragment_B(make_tensor(make_smem_ptr(shared.k), LayoutKt{}));
-    Tensor tdSsdS = thr_sdp.partition_C(make_tensor(make_smem_ptr(shared.ds), LayoutdSt{}));
+    // This thread's dS^T stores: keys key_local + {0, 8}, rows 8 nb + 2 (lane % 4) + {0, 1} (LayoutdS, by hand:
+    // CuTe's partition kept 32 addresses live).
+    const uint32_t ds_store = detail::smem_addr(shared.ds) + (warp * 16 + lane / 4) * kM * 2 + (lane % 4) * 4;
+    const uint32_t ds_chunk = (lane / 4) * 16;
+    static_assert(kM * sizeof(Element) == 128, "a key's 64 rows are one 128-byte swizzle row");
 
     Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kN>, Int<kM>>{});
     Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<Int<kN>, Int<kM>>{});
@@ -220,7 +224,6 @@ struct BackwardKernel {
     auto& dq = *reinterpret_cast<float(*)[kD / 16][4]>(raw_pointer_cast(tDqrdQ.data()));
 
     const int group = p.hq / p.hkv;
-    const int64_t dq_row_stride = int64_t{p.hq} * p.d;
     PipelineState read;
     int kv_phase = 0;
     int chunks = 0;  // this block's chunks so far (the dS buffer)
@@ -244,6 +247,18 @@ struct BackwardKernel {
             const int stage = read.index();
             const int buffer = chunks & 1;
             pipeline.consumer_wait(read);
+            // The operands' descriptors, rebuilt per chunk from an opaque base: hoisted out of the loops, the ~90
+            // of them took registers that the accumulators need (spills).
+            Element* const base = launder(shared.k);
+            auto at_smem = [&](const Element* member) { return make_smem_ptr(base + (member - shared.k)); };
+            Tensor tSrK = thr_sdp.partition_fragment_A(make_tensor(at_smem(shared.k), LayoutKV{}));
+            Tensor tSrV = thr_sdp.partition_fragment_A(make_tensor(at_smem(shared.v), LayoutKV{}));
+            Tensor tSrQ = thr_sdp.partition_fragment_B(make_tensor(at_smem(shared.q), LayoutQ{}));
+            Tensor tSrdO = thr_sdp.partition_fragment_B(make_tensor(at_smem(shared.dout), LayoutQ{}));
+            Tensor tKVrQt = thr_kv.partition_fragment_B(make_tensor(at_smem(shared.q), LayoutQt{}));
+            Tensor tKVrdOt = thr_kv.partition_fragment_B(make_tensor(at_smem(shared.dout), LayoutQt{}));
+            Tensor tDqrdS = thr_dq.partition_fragment_A(make_tensor(at_smem(shared.ds), LayoutdS{}));
+            Tensor tDqrKt = thr_dq.partition_fragment_B(make_tensor(at_smem(shared.k), LayoutKt{}));
             issue_gemm<true, false>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
             issue_gemm<true, false>(mma_sdp, tSrV, tSrdO(_, _, _, stage), tSrdP);
             // Only warps whose 16 keys the plan marks take the per-cell test; kept rows relative to q0.
@@ -256,49 +271,106 @@ struct BackwardKernel {
                 rows[r].lo -= q0, rows[r].hi -= q0;
               }
             }
-            warpgroup_wait<0>();
-            detail::with_softcap(p, [&](auto softcap) {
-              detail::with_bool(masked, [&](auto is_masked) {
+            // P^T, then dS^T, into 16-bit A operands; dV += P^T dO issued between them. Without softcap P is
+            // computed while dP^T is still in the tensor cores (bwd_cell's arithmetic, in two passes: P = 0 where
+            // not kept, so dS needs no mask); with it, bwd_cell once both are done. The wgmma issues stay outside
+            // the per-warp `masked` branch: the four warps of a warpgroup must issue the same wgmma instruction
+            // (issued from both branches, with their own A registers, dV came out garbage).
+            auto p_and_ds = [&](auto is_masked) {
+              auto kept = [&](int nb, int e) {
+                return decltype(is_masked)::value ? rows[e / 2].contains(nb * 8 + (lane % 4) * 2 + e % 2) : true;
+              };
 #pragma unroll
-                for (int nb = 0; nb < kM / 8; ++nb) {
-                  const int col0 = nb * 8 + (lane % 4) * 2;
-                  const float2 lse2 = *reinterpret_cast<const float2*>(&shared.lse2[stage][col0]);
+              for (int nb = 0; nb < kM / 8; ++nb) {
+                const int col0 = nb * 8 + (lane % 4) * 2;
+                const float2 lse2 = *reinterpret_cast<const float2*>(&shared.lse2[stage][col0]);
+                if constexpr (kSoftcap) {
                   const float2 delta = *reinterpret_cast<const float2*>(&shared.delta[stage][col0]);
 #pragma unroll
                   for (int e = 0; e < 4; ++e) {
-                    const bool kept = decltype(is_masked)::value ? rows[e / 2].contains(col0 + e % 2) : true;
-                    const detail::BwdCell c = detail::bwd_cell<decltype(softcap)::value>(
-                        p, s[nb][e], dp[nb][e], e % 2 ? lse2.y : lse2.x, e % 2 ? delta.y : delta.x, kept);
+                    const detail::BwdCell c = detail::bwd_cell<true>(
+                        p, s[nb][e], dp[nb][e], e % 2 ? lse2.y : lse2.x, e % 2 ? delta.y : delta.x, kept(nb, e));
                     rP(nb * 4 + e) = static_cast<Element>(c.p);
                     rdS(nb * 4 + e) = static_cast<Element>(c.ds);
                   }
+                } else {
+#pragma unroll
+                  for (int e = 0; e < 4; ++e) {
+                    const float lse = e % 2 ? lse2.y : lse2.x;
+                    s[nb][e] = detail::fast_exp2(kept(nb, e) ? s[nb][e] * p.scale_log2 - lse : -INFINITY);
+                    rP(nb * 4 + e) = static_cast<Element>(s[nb][e]);
+                  }
                 }
-              });
-            });
+              }
+            };
+            warpgroup_wait<kSoftcap ? 0 : 1>();  // S^T (and dP^T with softcap)
+            detail::with_bool(masked, p_and_ds);
             issue_gemm<false, true>(mma_kv, tKVrP, tKVrdOt(_, _, _, stage), tdVrdV);
-            copy(rdS, tdSsdS(_, _, _, buffer));
-            issue_gemm<false, true>(mma_kv, tKVrdS, tKVrQt(_, _, _, stage), tdKrdK);
+            if constexpr (!kSoftcap) {
+              warpgroup_wait<1>();  // dP^T (dV may still run)
+#pragma unroll
+              for (int nb = 0; nb < kM / 8; ++nb) {
+                const float2 delta = *reinterpret_cast<const float2*>(&shared.delta[stage][nb * 8 + (lane % 4) * 2]);
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                  rdS(nb * 4 + e) =
+                      static_cast<Element>(s[nb][e] * (dp[nb][e] - (e % 2 ? delta.y : delta.x)) * p.softmax_scale);
+              }
+            }
+            // dS^T into buffer `buffer` of the dS tile (rows contiguous, 128-byte swizzle: the 16-byte chunk
+            // q / 8 of key row k sits at chunk (q / 8) ^ (k % 8)); this thread's two keys are k % 8 = lane / 4.
+            {
+              const auto* pairs = reinterpret_cast<const uint32_t*>(raw_pointer_cast(rdS.data()));
+              const uint32_t at = ds_store + buffer * uint32_t{kM * kN * sizeof(Element)};
+#pragma unroll
+              for (int nb = 0; nb < kM / 8; ++nb)
+#pragma unroll
+                for (int r = 0; r < 2; ++r)
+                  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at + r * 8 * kM * 2 + ((nb * 16) ^ ds_chunk)),
+                               "r"(pairs[nb * 2 + r]));
+            }
             cutlass::arch::fence_view_async_shared();  // dS^T's ordinary stores, read next by the tensor cores
+            // Past this barrier the last chunk's reduce-add has read the dQ tile (its issuer waited).
+            if (thread % 128 == 0) tma_store_wait<0>();
             cutlass::arch::NamedBarrier::sync(128 * kConsumers, 0);
+            // dQ before dK, so that dQ's way out (shared memory, TMA) overlaps dK += dS^T Q.
             Tensor ds_operand = tDqrdS(_, _, _, buffer);
             issue_gemm<true, false>(mma_dq, ds_operand, tDqrKt, tDqrdQ);
+            issue_gemm<false, true>(mma_kv, tKVrdS, tKVrQt(_, _, _, stage), tdKrdK);
+            warpgroup_wait<1>();
+            // dQ rows 16 (warp % 4) + lane / 4 + {0, 8}, this consumer's half of the columns.
+            // Into the dQ tile by hand (LayoutdQ: column c of row r at byte (c / 32) 8192 + (r / 8) 1024 +
+            // (r % 8) 128 + 16 ((c % 32 / 4) ^ (r % 8)) + 4 (c % 4); r % 8 = lane / 4 here), then one
+            // thread adds the tile to dq_accum (rows past tq, columns past d clipped by the TMA unit).
+            const uint32_t tile = detail::smem_addr(shared.dq) + consumer * uint32_t{cosize_v<LayoutdQ> * 4};
+            const uint32_t at = tile + (warp % 4) * 2048 + (lane / 4) * 128 + (lane % 2) * 8;
+            const uint32_t chunk_x = (((lane % 4) / 2) ^ (lane / 4)) * 16;
+#pragma unroll
+            for (int nb = 0; nb < kD / 16; ++nb)
+#pragma unroll
+              for (int r = 0; r < 2; ++r)
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at + (nb / 4) * 8192 + r * 1024 +
+                                                                       (((nb % 4) * 32) ^ chunk_x)),
+                             "f"(dq[nb][2 * r]), "f"(dq[nb][2 * r + 1]));
+            cutlass::arch::fence_view_async_shared();
+            cutlass::arch::NamedBarrier::sync(128, 1 + consumer);
+            if (thread % 128 == 0) {
+              Tensor mdQ = params.tma_dq.get_tma_tensor(make_shape(max(p.tq, 1), p.d, p.hq));
+              Tensor gdQ = local_tile(mdQ(_, _, head), Shape<Int<kM>, Int<kD / kConsumers>>{},
+                                      make_coord(q0 / kM, consumer));
+              Tensor sdQ = make_tensor(make_smem_ptr(shared.dq + consumer * cosize_v<LayoutdQ>), LayoutdQ{});
+              auto [tdQg, tdQs] = tma_partition(params.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sdQ),
+                                                group_modes<0, 2>(gdQ));
+              copy(params.tma_dq, tdQs, tdQg);
+              tma_store_arrive();
+            }
             warpgroup_wait<0>();
+            // P^T and dS^T live until the GEMMs that read them from registers are done.
+            warpgroup_fence_operand(tKVrP);
+            warpgroup_fence_operand(tKVrdS);
             pipeline.consumer_release(read);
             ++read;
             ++chunks;
-            // dQ rows 16 (warp % 4) + lane / 4 + {0, 8}, this consumer's half of the columns.
-            float* const chunk_dq = p.dq_accum + (int64_t{q0} * p.hq + head) * p.d;
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              const int row = (warp % 4) * 16 + lane / 4 + 8 * r;
-              float* const row_dq = chunk_dq + row * dq_row_stride;
-              const bool valid = q0 + row < p.tq;
-#pragma unroll
-              for (int nb = 0; nb < kD / 16; ++nb) {
-                const int col = consumer * (kD / 2) + nb * 8 + (lane % 4) * 2;
-                red_add_v2(row_dq + col, dq[nb][2 * r], dq[nb][2 * r + 1], valid && col < p.d);
-              }
-            }
           }
         }
         shared.kv_empty.arrive();
@@ -322,6 +394,7 @@ struct BackwardKernel {
         }
       }
     }
+    if (thread % 128 == 0) tma_store_wait<0>();  // the last reduce-add has read the dQ tile
   }
 };
 
@@ -336,6 +409,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
     prefetch_tma_descriptor(params.tma_do.get_tma_descriptor());
     prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+    prefetch_tma_descriptor(params.tma_dq.get_tma_descriptor());
     shared.kv_full.init(1);
     shared.kv_empty.init(Kernel::kConsumers * 128);
     shared.work.init(Kernel::kConsumers * 128);
@@ -359,9 +433,9 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
   }
 }
 
-template <class T, int kD>
-void launch_backward_kernel(const BwdParams& p, int sm_margin, cudaStream_t stream) {
-  using Kernel = BackwardKernel<T, kD>;
+template <class T, int kD, bool kSoftcap>
+void launch_backward_variant(const BwdParams& p, int sm_margin, cudaStream_t stream) {
+  using Kernel = BackwardKernel<T, kD, kSoftcap>;
   const int num_work = p.list.num_tiles * p.hkv;
   if (num_work == 0) return;
   int device = 0, sms = 0;
@@ -374,6 +448,12 @@ void launch_backward_kernel(const BwdParams& p, int sm_margin, cudaStream_t stre
   cudaMemsetAsync(p.work_counter, 0, sizeof(int32_t), stream);
   kernel<<<grid, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(Kernel::make_params(p, num_work));
   detail::check_launch("sm90 backward_kernel");
+}
+
+template <class T, int kD>
+void launch_backward_kernel(const BwdParams& p, int sm_margin, cudaStream_t stream) {
+  if (p.softcap > 0.0f) launch_backward_variant<T, kD, true>(p, sm_margin, stream);
+  else launch_backward_variant<T, kD, false>(p, sm_margin, stream);
 }
 
 }  // namespace magi::cuda::sm90
