@@ -214,7 +214,7 @@ void run_backward(int padded, const detail::BwdParams& dkdv, int dkdv_blocks, co
   });
 }
 
-// The Hopper backward (dk/dv, dq by atomics into p.dq_accum) at head-dim tiles 64 and 128.
+// The Hopper backward (dk/dv; dq added into p.dq_accum by TMA reduce-adds) at head-dim tiles 64 and 128.
 template <int kDtype>
 void run_backward_sm90(int padded, const detail::BwdParams& p, int margin, cudaStream_t stream) {
   with_compiled_tile(padded, "sm_90a backward", [&](auto d) {
@@ -409,7 +409,7 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
     detail::launch_dsink_sh(pre.sink, pre.lse, delta, layout.tq_pad, pre.dsink, pre.sink_len, plan.tq, plan.hq,
                             stream);
   timer.end();
-  timer.begin(sm90_dkdv ? "sm90 dkdv_kernel (dq by atomics)"
+  timer.begin(sm90_dkdv ? "sm90 dkdv_kernel (dq by TMA reduce-add)"
               : fused_dq ? "dkdv_kernel (dq by atomics)"
                          : "dkdv_kernel + dq_kernel");
   if (sm90_dkdv) {
