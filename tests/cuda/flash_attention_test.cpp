@@ -433,8 +433,9 @@ TEST(CudaBackend, ForwardTileChoicesMatchReference) {
   int smem_optin = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0), cudaSuccess);
   const bool large_d256_fits = smem_optin >= 128 * 1024;  // Q, K, V tiles of the 8-warp D 256 block
-  EXPECT_EQ(cuda::stats(*test_plan(masks::full(1024, 1024), 1, 1, 256)).forward_tile_q,
-            large_d256_fits || sm90 ? 128 : 64);
+  if (cuda::head_dim_supported(256))  // a build with fewer head-dim tiles (e.g. scripts/dist_gpu_check.sh's)
+    EXPECT_EQ(cuda::stats(*test_plan(masks::full(1024, 1024), 1, 1, 256)).forward_tile_q,
+              large_d256_fits || sm90 ? 128 : 64);
   cuda::PlanTuning bad;
   bad.forward_tile_q = 96;
   EXPECT_THROW(test_plan(documents, 1, 1, 128, bad), InvalidArgument);
