@@ -401,7 +401,8 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
       ((reinterpret_cast<uintptr_t>(p.q) | reinterpret_cast<uintptr_t>(p.k) | reinterpret_cast<uintptr_t>(p.v) |
         reinterpret_cast<uintptr_t>(p.dout)) %
        16) == 0;
-  const bool sm90_dkdv = plan.bwd_family == KernelFamily::Sm90 && fused_dq && tma_aligned;
+  // The Hopper dk/dv kernel adds dQ itself when fused; else (deterministic mode) the portable dq kernel follows it.
+  const bool sm90_dkdv = plan.bwd_family == KernelFamily::Sm90 && tma_aligned;
   StageTimer timer(o.profile, stream);
   timer.begin("preprocess");
   detail::launch_preprocess(tag, pre, stream);
@@ -409,18 +410,22 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
     detail::launch_dsink_sh(pre.sink, pre.lse, delta, layout.tq_pad, pre.dsink, pre.sink_len, plan.tq, plan.hq,
                             stream);
   timer.end();
-  timer.begin(sm90_dkdv ? "sm90 dkdv_kernel (dq by TMA reduce-add)"
+  timer.begin(sm90_dkdv ? (fused_dq ? "sm90 dkdv_kernel (dq by TMA reduce-add)" : "sm90 dkdv_kernel + dq_kernel")
               : fused_dq ? "dkdv_kernel (dq by atomics)"
                          : "dkdv_kernel + dq_kernel");
   if (sm90_dkdv) {
     if (tag == detail::kBf16) run_backward_sm90<detail::kBf16>(plan.padded_d, dkdv, o.sm_margin, stream);
     else run_backward_sm90<detail::kFp16>(plan.padded_d, dkdv, o.sm_margin, stream);
-  } else if (tag == detail::kBf16)
-    run_backward<detail::kBf16>(plan.padded_d, dkdv, dkdv_blocks, dq, dq_blocks, plan.bwd_variant, o.sm_margin,
-                                stream);
-  else
-    run_backward<detail::kFp16>(plan.padded_d, dkdv, dkdv_blocks, dq, dq_blocks, plan.bwd_variant, o.sm_margin,
-                                stream);
+  }
+  const int portable_dkdv_blocks = sm90_dkdv ? 0 : dkdv_blocks;  // the portable launcher then runs the dq kernel only
+  if (!sm90_dkdv || !fused_dq) {
+    if (tag == detail::kBf16)
+      run_backward<detail::kBf16>(plan.padded_d, dkdv, portable_dkdv_blocks, dq, dq_blocks, plan.bwd_variant,
+                                  o.sm_margin, stream);
+    else
+      run_backward<detail::kFp16>(plan.padded_d, dkdv, portable_dkdv_blocks, dq, dq_blocks, plan.bwd_variant,
+                                  o.sm_margin, stream);
+  }
   timer.end();
   if (fused_dq && !dq_in_place) {
     timer.begin("dq conversion");

@@ -43,15 +43,16 @@ bool head_dim_supported(int32_t head_dim);
 enum class KernelFamily { Auto, Sm80, Sm90 };
 // Whether this build and `device` can run the Hopper forward at this head dim.
 bool sm90_forward_available(int32_t head_dim, int32_t device);
-// Whether this build and `device` can run the Hopper backward (dk/dv with dq by atomics) at this head dim.
+// Whether this build and `device` can run the Hopper backward's dk/dv kernel at this head dim.
 bool sm90_backward_available(int32_t head_dim, int32_t device);
 
 // Plan-time choices the planner otherwise makes itself (0 / Auto = choose); benchmarks and tests pin them.
 struct PlanTuning {
   int32_t forward_tile_q = 0;  // rows per forward block: 0, 64 or (D <= 128) 128; the Hopper forward: 0 or 128
   KernelFamily forward_family = KernelFamily::Auto;  // Auto: Sm90 where available; a forced one must be
-  // The backward's: Auto / Sm90 take the Hopper backward where available (head-dim tiles 64 and 128, the default
-  // mode: dq by atomics), else the portable one; Sm80 the portable one.
+  // The backward's: Auto / Sm90 take the Hopper dk/dv kernel where available (head-dim tiles 64 and 128; dq by TMA
+  // reduce-adds in it, or by the portable dq kernel in the deterministic mode), else the portable one; Sm80 the
+  // portable one.
   KernelFamily backward_family = KernelFamily::Auto;
   // Head-dim tiles above 256: the D-split forward's variant (LargeFwdVariant in src/cuda/sm80/tiles.hpp); -1 = the
   // tuned table's choice for the device (plan/tuned_configs.cpp), else the one that fits.
@@ -85,7 +86,7 @@ struct PlanStats {
   int32_t padded_head_dim = 0;
   int32_t forward_tile_q = 0, forward_tile_k = 0;
   KernelFamily forward_family = KernelFamily::Sm80;
-  KernelFamily backward_family = KernelFamily::Sm80;  // the default mode's dk/dv kernel
+  KernelFamily backward_family = KernelFamily::Sm80;  // the dk/dv kernel
   int32_t forward_variant = -1;  // large head dims: the D-split forward's variant
   int32_t backward_variant = -1;  // large head dims: the D-split dk/dv kernel's variant
   int64_t forward_items = 0, dkdv_items = 0, dq_items = 0;

@@ -16,8 +16,8 @@ struct Plan {
   int32_t fwd_tile_q = 0;  // rows per forward block (the fwd list's major tile)
   int32_t fwd_tile_k = 0;
   KernelFamily fwd_family = KernelFamily::Sm80;
-  // The default (non-deterministic) backward's family: Sm90 runs src/cuda/sm90/backward_kernel.cuh on the dkdv
-  // list; the deterministic mode keeps the portable two-kernel path.
+  // The backward's family: Sm90 runs src/cuda/sm90/backward_kernel.cuh on the dkdv
+  // list (with dQ by TMA reduce-adds; in the deterministic mode without, beside the portable dq kernel).
   KernelFamily bwd_family = KernelFamily::Sm80;
   int32_t fwd_variant = -1;  // large head dims: the D-split forward's LargeFwdVariant (sm80/tiles.hpp); else -1
   int32_t bwd_variant = -1;  // large head dims: the D-split dk/dv kernel's LargeBwdVariant; else -1

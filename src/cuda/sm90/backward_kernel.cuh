@@ -9,6 +9,7 @@
 //   dQ  = dS K, dK += dS^T Q                  (dS^T through shared memory: both consumers' keys, each consumer
 //                                              takes half of the D columns; dS^T from registers)
 //   dQ's tile through shared memory, added to p.dq_accum by one TMA reduce-add per consumer.
+// The deterministic mode runs it without dQ (kDq), beside the portable dq kernel.
 // The grid is persistent (WorkRing). dK / dV stay in registers for the whole tile and are stored at its end.
 #pragma once
 
@@ -35,7 +36,9 @@ __device__ __forceinline__ P* launder(P* p) {
 
 // kSoftcap: a kernel of its own, so that its extra live registers (tanh's derivative needs S and dP at once) do not
 // make ptxas serialise the wgmma pipeline of the common kernel (C7512).
-template <class T, int kD, bool kSoftcap>
+// kDq: dQ added here (the default mode); without it (the deterministic mode) the portable dq kernel computes dQ, and
+// this kernel's dK / dV are bitwise reproducible (each block sums its chunks in list order).
+template <class T, int kD, bool kSoftcap, bool kDq>
 struct BackwardKernel {
   using Element = typename CuteElement<T>::type;
   static constexpr int kM = detail::kDkdvTileQ;       // q rows per chunk (the k-major list's items)
@@ -127,7 +130,9 @@ struct BackwardKernel {
     auto tile = [&](const void* data) {
       return make_tma_copy(SM90_TMA_LOAD{}, tensor(data, p.tk, p.hkv), LayoutKV{}, Shape<Int<kN>, Int<kD>>{}, _1{});
     };
-    auto dq = make_tensor(make_gmem_ptr(p.dq_accum), make_layout(make_shape(max(p.tq, 1), p.d, p.hq),
+    // Without kDq the dQ descriptor is never used; it still needs a 16-byte aligned address (Delta's).
+    float* const dq_base = kDq ? p.dq_accum : const_cast<float*>(p.delta);
+    auto dq = make_tensor(make_gmem_ptr(dq_base), make_layout(make_shape(max(p.tq, 1), p.d, p.hq),
                                                                  make_stride(int64_t{p.hq} * p.d, _1{}, int64_t{p.d})));
     return {p,         chunk(p.q), chunk(p.dout), tile(p.k), tile(p.v),
             make_tma_copy(SM90_TMA_REDUCE_ADD{}, dq, LayoutdQ{}, Shape<Int<kM>, Int<kD / kConsumers>>{}, _1{}),
@@ -317,52 +322,56 @@ struct BackwardKernel {
                       static_cast<Element>(s[nb][e] * (dp[nb][e] - (e % 2 ? delta.y : delta.x)) * p.softmax_scale);
               }
             }
-            // dS^T into buffer `buffer` of the dS tile (rows contiguous, 128-byte swizzle: the 16-byte chunk
-            // q / 8 of key row k sits at chunk (q / 8) ^ (k % 8)); this thread's two keys are k % 8 = lane / 4.
-            {
-              const auto* pairs = reinterpret_cast<const uint32_t*>(raw_pointer_cast(rdS.data()));
-              const uint32_t at = ds_store + buffer * uint32_t{kM * kN * sizeof(Element)};
-#pragma unroll
-              for (int nb = 0; nb < kM / 8; ++nb)
-#pragma unroll
+            if constexpr (kDq) {
+              // dS^T into buffer `buffer` of the dS tile (rows contiguous, 128-byte swizzle: the 16-byte chunk
+              // q / 8 of key row k sits at chunk (q / 8) ^ (k % 8)); this thread's two keys are k % 8 = lane / 4.
+              {
+                const auto* pairs = reinterpret_cast<const uint32_t*>(raw_pointer_cast(rdS.data()));
+                const uint32_t at = ds_store + buffer * uint32_t{kM * kN * sizeof(Element)};
+  #pragma unroll
+                for (int nb = 0; nb < kM / 8; ++nb)
+  #pragma unroll
+                  for (int r = 0; r < 2; ++r)
+                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at + r * 8 * kM * 2 + ((nb * 16) ^ ds_chunk)),
+                                 "r"(pairs[nb * 2 + r]));
+              }
+              cutlass::arch::fence_view_async_shared();  // dS^T's ordinary stores, read next by the tensor cores
+              // Past this barrier the last chunk's reduce-add has read the dQ tile (its issuer waited).
+              if (thread % 128 == 0) tma_store_wait<0>();
+              cutlass::arch::NamedBarrier::sync(128 * kConsumers, 0);
+              // dQ before dK, so that dQ's way out (shared memory, TMA) overlaps dK += dS^T Q.
+              Tensor ds_operand = tDqrdS(_, _, _, buffer);
+              issue_gemm<true, false>(mma_dq, ds_operand, tDqrKt, tDqrdQ);
+              issue_gemm<false, true>(mma_kv, tKVrdS, tKVrQt(_, _, _, stage), tdKrdK);
+              warpgroup_wait<1>();
+              // dQ rows 16 (warp % 4) + lane / 4 + {0, 8}, this consumer's half of the columns.
+              // Into the dQ tile by hand (LayoutdQ: column c of row r at byte (c / 32) 8192 + (r / 8) 1024 +
+              // (r % 8) 128 + 16 ((c % 32 / 4) ^ (r % 8)) + 4 (c % 4); r % 8 = lane / 4 here), then one
+              // thread adds the tile to dq_accum (rows past tq, columns past d clipped by the TMA unit).
+              const uint32_t tile = detail::smem_addr(shared.dq) + consumer * uint32_t{cosize_v<LayoutdQ> * 4};
+              const uint32_t at = tile + (warp % 4) * 2048 + (lane / 4) * 128 + (lane % 2) * 8;
+              const uint32_t chunk_x = (((lane % 4) / 2) ^ (lane / 4)) * 16;
+  #pragma unroll
+              for (int nb = 0; nb < kD / 16; ++nb)
+  #pragma unroll
                 for (int r = 0; r < 2; ++r)
-                  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at + r * 8 * kM * 2 + ((nb * 16) ^ ds_chunk)),
-                               "r"(pairs[nb * 2 + r]));
-            }
-            cutlass::arch::fence_view_async_shared();  // dS^T's ordinary stores, read next by the tensor cores
-            // Past this barrier the last chunk's reduce-add has read the dQ tile (its issuer waited).
-            if (thread % 128 == 0) tma_store_wait<0>();
-            cutlass::arch::NamedBarrier::sync(128 * kConsumers, 0);
-            // dQ before dK, so that dQ's way out (shared memory, TMA) overlaps dK += dS^T Q.
-            Tensor ds_operand = tDqrdS(_, _, _, buffer);
-            issue_gemm<true, false>(mma_dq, ds_operand, tDqrKt, tDqrdQ);
-            issue_gemm<false, true>(mma_kv, tKVrdS, tKVrQt(_, _, _, stage), tdKrdK);
-            warpgroup_wait<1>();
-            // dQ rows 16 (warp % 4) + lane / 4 + {0, 8}, this consumer's half of the columns.
-            // Into the dQ tile by hand (LayoutdQ: column c of row r at byte (c / 32) 8192 + (r / 8) 1024 +
-            // (r % 8) 128 + 16 ((c % 32 / 4) ^ (r % 8)) + 4 (c % 4); r % 8 = lane / 4 here), then one
-            // thread adds the tile to dq_accum (rows past tq, columns past d clipped by the TMA unit).
-            const uint32_t tile = detail::smem_addr(shared.dq) + consumer * uint32_t{cosize_v<LayoutdQ> * 4};
-            const uint32_t at = tile + (warp % 4) * 2048 + (lane / 4) * 128 + (lane % 2) * 8;
-            const uint32_t chunk_x = (((lane % 4) / 2) ^ (lane / 4)) * 16;
-#pragma unroll
-            for (int nb = 0; nb < kD / 16; ++nb)
-#pragma unroll
-              for (int r = 0; r < 2; ++r)
-                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at + (nb / 4) * 8192 + r * 1024 +
-                                                                       (((nb % 4) * 32) ^ chunk_x)),
-                             "f"(dq[nb][2 * r]), "f"(dq[nb][2 * r + 1]));
-            cutlass::arch::fence_view_async_shared();
-            cutlass::arch::NamedBarrier::sync(128, 1 + consumer);
-            if (thread % 128 == 0) {
-              Tensor mdQ = params.tma_dq.get_tma_tensor(make_shape(max(p.tq, 1), p.d, p.hq));
-              Tensor gdQ = local_tile(mdQ(_, _, head), Shape<Int<kM>, Int<kD / kConsumers>>{},
-                                      make_coord(q0 / kM, consumer));
-              Tensor sdQ = make_tensor(make_smem_ptr(shared.dq + consumer * cosize_v<LayoutdQ>), LayoutdQ{});
-              auto [tdQg, tdQs] = tma_partition(params.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sdQ),
-                                                group_modes<0, 2>(gdQ));
-              copy(params.tma_dq, tdQs, tdQg);
-              tma_store_arrive();
+                  asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at + (nb / 4) * 8192 + r * 1024 +
+                                                                         (((nb % 4) * 32) ^ chunk_x)),
+                               "f"(dq[nb][2 * r]), "f"(dq[nb][2 * r + 1]));
+              cutlass::arch::fence_view_async_shared();
+              cutlass::arch::NamedBarrier::sync(128, 1 + consumer);
+              if (thread % 128 == 0) {
+                Tensor mdQ = params.tma_dq.get_tma_tensor(make_shape(max(p.tq, 1), p.d, p.hq));
+                Tensor gdQ = local_tile(mdQ(_, _, head), Shape<Int<kM>, Int<kD / kConsumers>>{},
+                                        make_coord(q0 / kM, consumer));
+                Tensor sdQ = make_tensor(make_smem_ptr(shared.dq + consumer * cosize_v<LayoutdQ>), LayoutdQ{});
+                auto [tdQg, tdQs] = tma_partition(params.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sdQ),
+                                                  group_modes<0, 2>(gdQ));
+                copy(params.tma_dq, tdQs, tdQg);
+                tma_store_arrive();
+              }
+            } else {
+              issue_gemm<false, true>(mma_kv, tKVrdS, tKVrQt(_, _, _, stage), tdKrdK);
             }
             warpgroup_wait<0>();
             // P^T and dS^T live until the GEMMs that read them from registers are done.
@@ -394,7 +403,7 @@ struct BackwardKernel {
         }
       }
     }
-    if (thread % 128 == 0) tma_store_wait<0>();  // the last reduce-add has read the dQ tile
+    if (kDq && thread % 128 == 0) tma_store_wait<0>();  // the last reduce-add has read the dQ tile
   }
 };
 
@@ -433,9 +442,9 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
   }
 }
 
-template <class T, int kD, bool kSoftcap>
+template <class T, int kD, bool kSoftcap, bool kDq>
 void launch_backward_variant(const BwdParams& p, int sm_margin, cudaStream_t stream) {
-  using Kernel = BackwardKernel<T, kD, kSoftcap>;
+  using Kernel = BackwardKernel<T, kD, kSoftcap, kDq>;
   const int num_work = p.list.num_tiles * p.hkv;
   if (num_work == 0) return;
   int device = 0, sms = 0;
@@ -452,8 +461,14 @@ void launch_backward_variant(const BwdParams& p, int sm_margin, cudaStream_t str
 
 template <class T, int kD>
 void launch_backward_kernel(const BwdParams& p, int sm_margin, cudaStream_t stream) {
-  if (p.softcap > 0.0f) launch_backward_variant<T, kD, true>(p, sm_margin, stream);
-  else launch_backward_variant<T, kD, false>(p, sm_margin, stream);
+  const bool dq = p.dq_accum != nullptr;
+  if (p.softcap > 0.0f) {
+    if (dq) launch_backward_variant<T, kD, true, true>(p, sm_margin, stream);
+    else launch_backward_variant<T, kD, true, false>(p, sm_margin, stream);
+  } else {
+    if (dq) launch_backward_variant<T, kD, false, true>(p, sm_margin, stream);
+    else launch_backward_variant<T, kD, false, false>(p, sm_margin, stream);
+  }
 }
 
 }  // namespace magi::cuda::sm90

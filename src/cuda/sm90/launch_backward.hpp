@@ -8,7 +8,7 @@
 namespace magi::cuda::sm90 {
 
 // dK, dV (stored) and dQ (added to params.dq_accum: fp32, 16-byte aligned for the TMA reduce-adds, zeroed by the
-// caller) over the plan's k-major list (tiles of dkdv_tile_k(kD) = 128 keys, 64-row chunks) on a persistent grid of
+// caller; params.dq_accum null: no dQ, the deterministic mode's dk/dv kernel) over the plan's k-major list (tiles of dkdv_tile_k(kD) = 128 keys, 64-row chunks) on a persistent grid of
 // (SMs - sm_margin) blocks.
 // kDtype: detail::kBf16 / kFp16; kD: 64 or 128.
 template <int kDtype, int kD>
