@@ -119,6 +119,7 @@ INSTANTIATE_TEST_SUITE_P(
                     FeatureCase{"d192_bf16", DType::BF16, 4, 2, 192, SinkLayout::None, 0.0, false},
                     FeatureCase{"d256_fp16", DType::F16, 2, 1, 256, SinkLayout::None, 0.0, false},
                     FeatureCase{"d256_bf16_mqa", DType::BF16, 4, 1, 256, SinkLayout::None, 0.0, false},
+                    FeatureCase{"d256_bf16_gqa_sink_softcap", DType::BF16, 4, 2, 256, SinkLayout::SH, 30.0, true},
                     FeatureCase{"d40_bf16", DType::BF16, 2, 2, 40, SinkLayout::None, 0.0, false},
                     FeatureCase{"d8_bf16_gqa", DType::BF16, 4, 2, 8, SinkLayout::None, 0.0, false},
                     FeatureCase{"d136_fp16", DType::F16, 2, 1, 136, SinkLayout::None, 0.0, false},
@@ -992,11 +993,13 @@ TEST(CudaBackend, PlansRunTheFamilyAskedFor) {
   const cuda::PlanStats s = cuda::stats(*test_plan(mask, 2, 1, 128));
   EXPECT_EQ(s.forward_family, testing_sm90() ? cuda::KernelFamily::Sm90 : cuda::KernelFamily::Sm80);
   EXPECT_EQ(s.forward_tile_k, testing_sm90() ? 128 : 64);
-  // The backward follows the family at head-dim tiles 64 and 128 and stays portable at 256.
+  // The backward follows the family at head-dim tiles 64, 128 and 256 and stays portable above.
   EXPECT_EQ(s.backward_family, testing_sm90() ? cuda::KernelFamily::Sm90 : cuda::KernelFamily::Sm80);
   EXPECT_EQ(cuda::stats(*test_plan(mask, 2, 1, 64)).backward_family, s.backward_family);
   if (cuda::head_dim_supported(256))
-    EXPECT_EQ(cuda::stats(*test_plan(mask, 2, 1, 256)).backward_family, cuda::KernelFamily::Sm80);
+    EXPECT_EQ(cuda::stats(*test_plan(mask, 2, 1, 256)).backward_family, s.backward_family);
+  if (cuda::head_dim_supported(320))
+    EXPECT_EQ(cuda::stats(*test_plan(mask, 2, 1, 320)).backward_family, cuda::KernelFamily::Sm80);
   cuda::PlanTuning portable_bwd;
   portable_bwd.backward_family = cuda::KernelFamily::Sm80;
   EXPECT_EQ(cuda::stats(*test_plan(mask, 2, 1, 128, portable_bwd)).backward_family, cuda::KernelFamily::Sm80);

@@ -1,14 +1,18 @@
-// Hopper backward (sm_90a): dK, dV and, by fp32 TMA reduce-adds, dQ in one kernel over the plan's k-major list. A
-// block is three warpgroups on one SM and holds one k tile (128 keys) of one kv head: a producer that brings K and V
-// once per tile and then, for every q head of the GQA group and every item of the tile, the item's 64-row chunk of Q
-// and dO (TMA, swizzled) and its lse2 / Delta rows (bulk copies) through a two-stage mbarrier pipeline; and two
-// consumers of 64 keys each that run, per chunk (wgmma):
+// Hopper backward (sm_90a): dK, dV and dQ in one kernel over the plan's k-major list. A block is three warpgroups
+// on one SM and holds one k tile of one kv head: a producer that brings K and V once per tile and then, for every q
+// head of the GQA group and every item of the tile, the item's 64-row chunk of Q and dO (TMA, swizzled) and its
+// lse2 / Delta rows (bulk copies) through a two-stage mbarrier pipeline; and two consumers that run, per chunk
+// (wgmma):
 //   S^T = K Q^T, dP^T = V dO^T                (both operands in shared memory)
-//   P^T, dS^T from them (the portable family's bwd_cell: softcap, masks, empty rows), dV += P^T dO issued
-//                                             between them (P^T from registers)
-//   dQ  = dS K, dK += dS^T Q                  (dS^T through shared memory: both consumers' keys, each consumer
-//                                              takes half of the D columns; dS^T from registers)
-//   dQ's tile through shared memory, added to p.dq_accum by one TMA reduce-add per consumer.
+//   P^T, dS^T from them (the portable family's bwd_cell: softcap, masks, empty rows)
+//   dV += P^T dO, dK += dS^T Q, dQ = dS K     (dS through shared memory)
+// Up to D 128 a tile is 128 keys and each consumer owns 64 of them: P^T and dS^T stay in its registers as the A
+// operands of dV and dK, each consumer takes half of dQ's D columns, and dQ goes through shared memory to one TMA
+// reduce-add per consumer into p.dq_accum. At D 256 (kWide) a tile is 64 keys (a consumer's dK and dV of 64 keys x
+// 256 would need 256 registers a thread) and the consumers split the work by role: one computes S^T, P^T and
+// dV += P^T dO for all 256 columns, the other dP^T, dS^T and dK += dS^T Q; P^T (times the dS factor) crosses in
+// fp32 through shared memory, dS^T in 16 bits for dQ = dS K, whose columns the two split; dQ goes out by vector
+// reductions from registers (its fp32 tile does not fit beside two stages of Q and dO).
 // The deterministic mode runs it without dQ (kDq), beside the portable dq kernel.
 // The grid is persistent (WorkRing). dK / dV stay in registers for the whole tile and are stored at its end.
 #pragma once
@@ -34,6 +38,22 @@ __device__ __forceinline__ P* launder(P* p) {
   return p;
 }
 
+// The consumers' S^T / dP^T GEMMs (M keys, N chunk rows, K D), dV += P^T dO and dK += dS^T Q (M keys, N D, K rows;
+// P^T and dS^T from registers). Up to D 128 the consumers split the keys; at D 256 each runs its GEMMs alone.
+template <class Element, int kN, int kM, int kD, int kConsumers, bool kWide>
+auto sdp_mma() {
+  constexpr int kSplit = kWide ? 1 : kConsumers;
+  return make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<Int<kN / kSplit>, Int<kM>, Int<kD>>>(),
+                        Layout<Shape<Int<kSplit>, _1, _1>>{});
+}
+template <class Element, int kN, int kM, int kD, int kConsumers, bool kWide>
+auto kv_mma() {
+  constexpr int kSplit = kWide ? 1 : kConsumers;
+  return make_tiled_mma(GMMA::rs_op_selector<Element, Element, float, Shape<Int<kN / kSplit>, Int<kD>, Int<kM>>,
+                                             GMMA::Major::K, GMMA::Major::MN>(),
+                        Layout<Shape<Int<kSplit>, _1, _1>>{});
+}
+
 // kSoftcap: a kernel of its own, so that its extra live registers (tanh's derivative needs S and dP at once) do not
 // make ptxas serialise the wgmma pipeline of the common kernel (C7512).
 // kDq: dQ added here (the default mode); without it (the deterministic mode) the portable dq kernel computes dQ, and
@@ -41,9 +61,10 @@ __device__ __forceinline__ P* launder(P* p) {
 template <class T, int kD, bool kSoftcap, bool kDq>
 struct BackwardKernel {
   using Element = typename CuteElement<T>::type;
+  static constexpr bool kWide = kD > 128;
   static constexpr int kM = detail::kDkdvTileQ;       // q rows per chunk (the k-major list's items)
   static constexpr int kN = detail::dkdv_tile_k(kD);  // keys per block (the k-major list's tiles)
-  static_assert(kM == 64 && kN == 128, "two consumer warpgroups of 64 keys; 64-row chunks");
+  static_assert(kM == 64 && kN == (kWide ? 64 : 128) && kD <= 256, "64-row chunks; 128-key tiles, 64 at D 256");
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kStages = 2;
@@ -52,18 +73,14 @@ struct BackwardKernel {
   static constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
   static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= (kConsumers + 1) * 168, "setmaxnreg budget");
 
-  using AtomKeys = Layout<Shape<Int<kConsumers>, _1, _1>>;  // consumers split the keys
-  using MmaSdP = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kN / kConsumers>, Int<kM>, Int<kD>>>(), AtomKeys{}));
-  using MmaKV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, Shape<Int<kN / kConsumers>, Int<kD>, Int<kM>>, GMMA::Major::K,
-                           GMMA::Major::MN>(),
-      AtomKeys{}));
+  using SplitCols = Layout<Shape<_1, Int<kConsumers>, _1>>;
+  using MmaSdP = decltype(sdp_mma<Element, kN, kM, kD, kConsumers, kWide>());
+  using MmaKV = decltype(kv_mma<Element, kN, kM, kD, kConsumers, kWide>());
   // dQ = dS K: M = the chunk's 64 rows, consumers split the D columns; dS and K^T both MN-major in shared memory.
   using MmaDq = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<Int<kM>, Int<kD / kConsumers>, Int<kN>>, GMMA::Major::MN,
                            GMMA::Major::MN>(),
-      Layout<Shape<_1, Int<kConsumers>, _1>>{}));
+      SplitCols{}));
 
   using LayoutKV = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kN>, Int<kD>>{}));
   using LayoutKt =
@@ -73,9 +90,12 @@ struct BackwardKernel {
   // Q and dO read transposed (D x rows) as the B operands of dK += dS^T Q and dV += P^T dO.
   using LayoutQt = decltype(composition(
       LayoutQ{}, make_ordered_layout(Shape<Int<kD>, Int<kM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
-  // dS (rows x keys, rows contiguous), two buffers: chunk i's in buffer i % 2, so that one barrier per chunk
-  // suffices (a consumer past chunk i + 1's barrier knows the other finished chunk i's dQ GEMM).
-  using LayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{}, Shape<Int<kM>, Int<kN>, _2>{}));
+  // dS (rows x keys, rows contiguous). Up to D 128 two buffers: chunk i's in buffer i % 2, so that one barrier per
+  // chunk suffices (a consumer past chunk i + 1's barrier knows the other finished chunk i's GEMMs). At D 256 one:
+  // its writer is past the barrier where the other consumer hands over the next chunk's P^T, after its dQ GEMM.
+  static constexpr int kDsBuffers = kWide ? 1 : 2;
+  using LayoutdS =
+      decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{}, Shape<Int<kM>, Int<kN>, Int<kDsBuffers>>{}));
   // Global [rows, heads, D] as (rows, D, heads).
   using GmemLayout = Layout<Shape<int32_t, int32_t, int32_t>, Stride<int64_t, _1, int64_t>>;
   using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)), GmemLayout{}));
@@ -92,13 +112,19 @@ struct BackwardKernel {
   using PipelineState = cutlass::PipelineState<kStages>;
   static constexpr uint32_t kStageBytes = 2 * kM * kD * sizeof(Element) + 2 * kM * sizeof(float);
 
+  struct DqTiles {  // up to D 128
+    alignas(1024) float dq[kConsumers * cosize_v<LayoutdQ>];
+  };
+  struct PTiles {  // D 256: P^T times the dS factor, fp32, in the S^T fragment's order ([register pair][thread])
+    alignas(16) float g[kN * kM];
+  };
   struct SharedStorage {
     alignas(1024) Element k[cosize_v<LayoutKV>];
     alignas(1024) Element v[cosize_v<LayoutKV>];
     alignas(1024) Element q[cosize_v<LayoutQ>];
     alignas(1024) Element dout[cosize_v<LayoutQ>];
     alignas(1024) Element ds[cosize_v<LayoutdS>];
-    alignas(1024) float dq[kConsumers * cosize_v<LayoutdQ>];
+    std::conditional_t<kWide, PTiles, DqTiles> tiles;
     alignas(16) float lse2[kStages][kM];
     alignas(16) float delta[kStages][kM];
     typename Pipeline::SharedStorage pipeline;
@@ -107,6 +133,7 @@ struct BackwardKernel {
     WorkRing work;
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
+  static_assert(kSmemBytes <= 227 * 1024, "Hopper's shared memory per block");
 
   struct Params {
     BwdParams p;
@@ -194,6 +221,15 @@ struct BackwardKernel {
   }
 
   static __device__ __forceinline__ void consume(const Params& params, SharedStorage& shared, Pipeline& pipeline) {
+    if constexpr (kWide) {
+      consume_wide(params, shared, pipeline);
+    } else {
+      consume_narrow(params, shared, pipeline);
+    }
+  }
+
+  static __device__ __forceinline__ void consume_narrow(const Params& params, SharedStorage& shared,
+                                                        Pipeline& pipeline) {
     const BwdParams& p = params.p;
     const int thread = static_cast<int>(threadIdx.x) - 128;  // 0 .. 255
     const int lane = thread % 32;
@@ -348,7 +384,7 @@ struct BackwardKernel {
               // Into the dQ tile by hand (LayoutdQ: column c of row r at byte (c / 32) 8192 + (r / 8) 1024 +
               // (r % 8) 128 + 16 ((c % 32 / 4) ^ (r % 8)) + 4 (c % 4); r % 8 = lane / 4 here), then one
               // thread adds the tile to dq_accum (rows past tq, columns past d clipped by the TMA unit).
-              const uint32_t tile = detail::smem_addr(shared.dq) + consumer * uint32_t{cosize_v<LayoutdQ> * 4};
+              const uint32_t tile = detail::smem_addr(shared.tiles.dq) + consumer * uint32_t{cosize_v<LayoutdQ> * 4};
               const uint32_t at = tile + (warp % 4) * 2048 + (lane / 4) * 128 + (lane % 2) * 8;
               const uint32_t chunk_x = (((lane % 4) / 2) ^ (lane / 4)) * 16;
   #pragma unroll
@@ -364,7 +400,7 @@ struct BackwardKernel {
                 Tensor mdQ = params.tma_dq.get_tma_tensor(make_shape(max(p.tq, 1), p.d, p.hq));
                 Tensor gdQ = local_tile(mdQ(_, _, head), Shape<Int<kM>, Int<kD / kConsumers>>{},
                                         make_coord(q0 / kM, consumer));
-                Tensor sdQ = make_tensor(make_smem_ptr(shared.dq + consumer * cosize_v<LayoutdQ>), LayoutdQ{});
+                Tensor sdQ = make_tensor(make_smem_ptr(shared.tiles.dq + consumer * cosize_v<LayoutdQ>), LayoutdQ{});
                 auto [tdQg, tdQs] = tma_partition(params.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sdQ),
                                                   group_modes<0, 2>(gdQ));
                 copy(params.tma_dq, tdQs, tdQg);
@@ -404,6 +440,204 @@ struct BackwardKernel {
       }
     }
     if (kDq && thread % 128 == 0) tma_store_wait<0>();  // the last reduce-add has read the dQ tile
+  }
+
+  // D 256, a consumer's share by its role (0: S^T, P^T, dV; 1: dP^T, dS^T, dK; both: half of dQ's columns).
+  // Per chunk: role 0 hands over g = P^T times the dS factor (bwd_cell's split: dS = g (dP - Delta)) at barrier
+  // kGReady and issues dV; role 1 takes g, issues dK, stores dS^T; at barrier kDsReady both issue their dQ half.
+  // The g buffer is rewritten only past the next kDsReady, by when role 1 has read it. One body for both roles (a
+  // role is warp-uniform): the barriers both sync on sit at one instruction (compute-sanitizer's synccheck rejects
+  // a named barrier synced from two places).
+  static __device__ __forceinline__ void consume_wide(const Params& params, SharedStorage& shared,
+                                                      Pipeline& pipeline) {
+    constexpr int kGReady = 1, kDsReady = 2;
+    const BwdParams& p = params.p;
+    const int thread = static_cast<int>(threadIdx.x) - 128;  // 0 .. 255 (dQ's split)
+    const int own = thread % 128;                              // in this consumer
+    const int role = thread / 128;
+    const int lane = thread % 32;
+    const int warp = own / 32;  // keys [16 warp, +16) of the tile in S^T / dP^T, dV / dK; rows of dQ
+    const int key_local = warp * 16 + lane / 4;  // this thread's keys: + {0, 8}
+    MmaSdP mma_sdp;
+    MmaKV mma_kv;
+    MmaDq mma_dq;
+    auto thr_sdp = mma_sdp.get_thread_slice(own);
+    auto thr_kv = mma_kv.get_thread_slice(own);
+    auto thr_dq = mma_dq.get_thread_slice(thread);
+    const uint32_t ds_store = detail::smem_addr(shared.ds) + key_local * kM * 2 + (lane % 4) * 4;
+    const uint32_t ds_chunk = (lane / 4) * 16;
+    static_assert(kM * sizeof(Element) == 128, "a key's 64 rows are one 128-byte swizzle row");
+
+    Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kN>, Int<kM>>{});     // S^T or dP^T
+    Tensor tKVrAcc = partition_fragment_C(mma_kv, Shape<Int<kN>, Int<kD>>{});   // dV or dK
+    Tensor tDqrdQ = partition_fragment_C(mma_dq, Shape<Int<kM>, Int<kD>>{});
+    Tensor rA = make_tensor<Element>(tSrS.layout());  // P^T or dS^T, 16-bit
+    Tensor tKVrA = make_tensor(rA.data(), accumulator_as_a_operand(rA.layout()));
+    static_assert(size(decltype(tSrS){}) == kM / 2, "S^T: this thread's 2 keys x kM / 4 rows");
+    static_assert(size(decltype(tKVrAcc){}) == kD / 2, "dV / dK: 2 keys x kD / 4 columns");
+    static_assert(size(decltype(tDqrdQ){}) == kD / 4, "dQ: 2 rows x kD / 8 columns");
+    auto& s = *reinterpret_cast<float(*)[kM / 8][4]>(raw_pointer_cast(tSrS.data()));
+    auto& dq = *reinterpret_cast<float(*)[kD / 16][4]>(raw_pointer_cast(tDqrdQ.data()));
+    // g in the fragment's order: register pair j of thread t at float2 index j * 128 + t (conflict-free).
+    auto* const g = reinterpret_cast<float2*>(shared.tiles.g) + own;
+
+    const int group = p.hq / p.hkv;
+    PipelineState read;
+    int kv_phase = 0;
+    for (int n = 0;; ++n) {
+      const int linear = shared.work.take(n);
+      if (linear >= params.num_work) break;
+      const WorkCoords at = detail::work_coords(linear, p.hkv, p.list);
+      const TileInfo info = p.list.tiles[at.tile_index];
+      const int kv_head = at.head;
+      const int k_base = info.tile * kN;
+      clear(tKVrAcc);
+      if (info.count > 0) {
+        shared.kv_full.wait(kv_phase);
+        kv_phase ^= 1;
+        for (int head = kv_head * group; head < (kv_head + 1) * group; ++head) {
+          for (int item = info.first; item < info.first + info.count; ++item) {
+            const WorkItem w = p.list.items[item];
+            const int q0 = w.q0 / kM * kM;
+            const int stage = read.index();
+            pipeline.consumer_wait(read);
+            // Descriptors rebuilt per chunk from an opaque base (see consume_narrow).
+            Element* const base = launder(shared.k);
+            auto at_smem = [&](const Element* member) { return make_smem_ptr(base + (member - shared.k)); };
+            Tensor tSrKV = thr_sdp.partition_fragment_A(make_tensor(at_smem(role == 0 ? shared.k : shared.v), LayoutKV{}));
+            Tensor tSrQ = thr_sdp.partition_fragment_B(make_tensor(at_smem(role == 0 ? shared.q : shared.dout), LayoutQ{}));
+            Tensor tKVrB =  // dO^T for dV, Q^T for dK
+                thr_kv.partition_fragment_B(make_tensor(at_smem(role == 0 ? shared.dout : shared.q), LayoutQt{}));
+            issue_gemm<true, false>(mma_sdp, tSrKV, tSrQ(_, _, _, stage), tSrS);
+            // Role 0: only warps whose 16 keys the plan marks take the per-cell test; kept rows relative to q0.
+            const bool masked = role == 0 && ((w.flags >> (detail::kWorkTestGroupShift + warp)) & 1);
+            KeyInterval rows[2] = {{0, 1 << 30}, {0, 1 << 30}};
+            if (masked) {
+#pragma unroll
+              for (int r = 0; r < 2; ++r) {
+                rows[r] = detail::item_queries(w, k_base + key_local + 8 * r);
+                rows[r].lo -= q0, rows[r].hi -= q0;
+              }
+            }
+            warpgroup_wait<0>();
+            if (role == 0) {
+              // bwd_cell's P and dS factor; P = 0 where not kept, so that dS = g (dP - Delta) needs no mask.
+              detail::with_bool(masked, [&](auto is_masked) {
+#pragma unroll
+                for (int nb = 0; nb < kM / 8; ++nb) {
+                  const int col0 = nb * 8 + (lane % 4) * 2;
+                  const float2 lse2 = *reinterpret_cast<const float2*>(&shared.lse2[stage][col0]);
+                  float gv[4];
+#pragma unroll
+                  for (int e = 0; e < 4; ++e) {
+                    const bool kept = decltype(is_masked)::value ? rows[e / 2].contains(col0 + e % 2) : true;
+                    float s2, factor;
+                    if constexpr (kSoftcap) {
+                      const float t = tanhf(s[nb][e] * p.softcap_pre);
+                      s2 = p.softcap_post * t;
+                      factor = p.softmax_scale * (1.0f - t * t);
+                    } else {
+                      s2 = s[nb][e] * p.scale_log2;
+                      factor = p.softmax_scale;
+                    }
+                    const float pr = detail::fast_exp2(kept ? s2 - (e % 2 ? lse2.y : lse2.x) : -INFINITY);
+                    rA(nb * 4 + e) = static_cast<Element>(pr);
+                    gv[e] = pr * factor;
+                  }
+                  g[(nb * 2) * 128] = make_float2(gv[0], gv[1]);
+                  g[(nb * 2 + 1) * 128] = make_float2(gv[2], gv[3]);
+                }
+              });
+              cutlass::arch::NamedBarrier::arrive(256, kGReady);
+            } else {
+              cutlass::arch::NamedBarrier::sync(256, kGReady);
+#pragma unroll
+              for (int nb = 0; nb < kM / 8; ++nb) {
+                const float2 delta = *reinterpret_cast<const float2*>(&shared.delta[stage][nb * 8 + (lane % 4) * 2]);
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                  const float2 gv = g[(nb * 2 + r) * 128];
+                  rA(nb * 4 + 2 * r) = static_cast<Element>(gv.x * (s[nb][2 * r] - delta.x));
+                  rA(nb * 4 + 2 * r + 1) = static_cast<Element>(gv.y * (s[nb][2 * r + 1] - delta.y));
+                }
+              }
+            }
+            issue_gemm<false, true>(mma_kv, tKVrA, tKVrB(_, _, _, stage), tKVrAcc);  // dV += P^T dO, dK += dS^T Q
+            if (kDq && role == 1) {
+              // dS^T into the dS tile (rows contiguous, 128-byte swizzle: the 16-byte chunk q / 8 of key row k sits
+              // at chunk (q / 8) ^ (k % 8)); this thread's two keys are k % 8 = lane / 4.
+              const auto* pairs = reinterpret_cast<const uint32_t*>(raw_pointer_cast(rA.data()));
+#pragma unroll
+              for (int nb = 0; nb < kM / 8; ++nb)
+#pragma unroll
+                for (int r = 0; r < 2; ++r)
+                  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_store + r * 8 * kM * 2 + ((nb * 16) ^ ds_chunk)),
+                               "r"(pairs[nb * 2 + r]));
+              cutlass::arch::fence_view_async_shared();  // read next by the tensor cores
+            }
+            cutlass::arch::NamedBarrier::sync(256, kDsReady);
+            // dV / dK done before dQ is issued: P^T / dS^T's registers then hold dQ (else they spill).
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(tKVrA);
+            if constexpr (kDq) {
+              Tensor tDqrdS = thr_dq.partition_fragment_A(make_tensor(at_smem(shared.ds), LayoutdS{}));
+              Tensor tDqrKt = thr_dq.partition_fragment_B(make_tensor(at_smem(shared.k), LayoutKt{}));
+              Tensor ds_operand = tDqrdS(_, _, _, 0);
+              issue_gemm<true, false>(mma_dq, ds_operand, tDqrKt, tDqrdQ);
+              warpgroup_wait<0>();
+            }
+            pipeline.consumer_release(read);
+            ++read;
+            if constexpr (kDq) add_dq_rows(p, dq, head, q0 + key_local, (thread / 128) * (kD / kConsumers), lane);
+          }
+        }
+        shared.kv_empty.arrive();
+      }
+
+      // dV (role 0) or dK (role 1: the cells' dS already carries the softmax scale); keys past tk and columns past
+      // d dropped.
+      auto& acc = *reinterpret_cast<float(*)[kD / 8][4]>(raw_pointer_cast(tKVrAcc.data()));
+      void* const out = role == 0 ? p.dv : p.dk;
+      const bool fp32 = role == 0 ? p.dv_fp32 : p.grad_fp32;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int key = k_base + key_local + 8 * r;
+        if (key >= p.tk) continue;
+        const int64_t base = (int64_t{key} * p.hkv + kv_head) * p.d;
+#pragma unroll
+        for (int nb = 0; nb < kD / 8; ++nb) {
+          const int col = nb * 8 + (lane % 4) * 2;
+          if (col < p.d) detail::store_pair<T>(out, base + col, acc[nb][2 * r], acc[nb][2 * r + 1], fp32);
+        }
+      }
+    }
+  }
+
+  // D 256: this thread's dQ (rows `row`, + 8; columns col0 + 8 nb + 2 (lane % 4) + {0, 1}) added to dq_accum by
+  // 16-byte reductions: lanes 2i and 2i + 1 swap halves so that each holds 4 adjacent columns of one 8-column block
+  // (even lanes block nb, odd lanes block nb + 1). Rows past tq and columns past d are skipped.
+  template <class Dq>
+  static __device__ __forceinline__ void add_dq_rows(const BwdParams& p, const Dq& dq, int head, int row,
+                                                     int col0, int lane) {
+    const bool odd = lane & 1;
+    const int lane_col = col0 + (lane % 4 / 2) * 4 + (odd ? 8 : 0);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int q = row + 8 * r;
+      float* const at = p.dq_accum + ((int64_t{q} * p.hq + head) * p.d + lane_col);
+#pragma unroll
+      for (int nb = 0; nb < kD / 16; nb += 2) {
+        const float give0 = odd ? dq[nb][2 * r] : dq[nb + 1][2 * r];
+        const float give1 = odd ? dq[nb][2 * r + 1] : dq[nb + 1][2 * r + 1];
+        const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1);
+        const float got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
+        const float4 v = odd ? make_float4(got0, got1, dq[nb + 1][2 * r], dq[nb + 1][2 * r + 1])
+                             : make_float4(dq[nb][2 * r], dq[nb][2 * r + 1], got0, got1);
+#if defined(__CUDA_ARCH__)
+        detail::red_add_v4(at + nb * 8, v, q < p.tq && lane_col + nb * 8 < p.d);
+#endif
+      }
+    }
   }
 };
 
