@@ -85,18 +85,21 @@ struct BackwardLayout {
   int32_t tq_pad = 0;
   bool fused_dq = false;  // dq by fp32 atomics inside the dk/dv kernel (default mode)
   bool dq_in_place = false;  // ... straight into the caller's fp32, 16-byte aligned dq
-  size_t delta = 0, lse2 = 0, counters = 0, dout16 = 0, dq_accum = 0, total = 0;  // byte offsets; 0 = unused
+  // byte offsets; 0 = unused
+  size_t delta = 0, lse2 = 0, counters = 0, dout16 = 0, dq_accum = 0, dq_semaphores = 0, dq_semaphore_bytes = 0,
+         total = 0;
 };
 
-// fuse_allowed: the plan's choice of dq path (Plan::bwd_fuse_dq); workspace_bytes, without a plan, passes true,
-// the larger layout.
+// fuse_allowed: the plan's choice of dq path (Plan::bwd_fuse_dq); ordered_dq: deterministic mode on the Hopper
+// dk/dv kernel, which then adds dQ itself in a fixed order (BwdParams::dq_semaphores). workspace_bytes, without a
+// plan, passes true for both: the larger layout.
 BackwardLayout backward_layout(const BackwardArgs& a, int32_t padded_d, int32_t smem_optin, bool deterministic,
-                               bool fuse_allowed) {
+                               bool fuse_allowed, bool ordered_dq) {
   const auto tq = static_cast<int32_t>(a.q.shape[0]), hq = static_cast<int32_t>(a.q.shape[1]);
   const auto rows_x_d = static_cast<size_t>(a.q.numel());
   BackwardLayout l;
   l.tq_pad = stats_rows(tq);
-  l.fused_dq = !deterministic && fuse_allowed && detail::dkdv_smem_bytes(padded_d, true) <= smem_optin;
+  l.fused_dq = (!deterministic || ordered_dq) && fuse_allowed && detail::dkdv_smem_bytes(padded_d, true) <= smem_optin;
   l.dq_in_place = a.dq.dtype == DType::F32 && reinterpret_cast<uintptr_t>(a.dq.data) % 16 == 0;
   const size_t stats_bytes = align_up(static_cast<size_t>(l.tq_pad) * hq * sizeof(float));
   l.delta = 0;
@@ -110,6 +113,11 @@ BackwardLayout backward_layout(const BackwardArgs& a, int32_t padded_d, int32_t 
   if (l.fused_dq && !l.dq_in_place) {
     l.dq_accum = at;
     at += align_up(rows_x_d * 4);
+  }
+  if (l.fused_dq && deterministic) {
+    l.dq_semaphores = at;
+    l.dq_semaphore_bytes = size_t{2} * hq * (l.tq_pad / detail::kDkdvTileQ) * sizeof(int32_t);
+    at += align_up(l.dq_semaphore_bytes);
   }
   l.total = at;
   return l;
@@ -160,7 +168,7 @@ int64_t workspace_bytes(const ForwardArgs&, const Options&) { return static_cast
 int64_t workspace_bytes(const BackwardArgs& a, const Options& o) {
   const int32_t padded = padded_head_dim(static_cast<int32_t>(a.q.shape[2]));
   return static_cast<int64_t>(
-      backward_layout(a, padded, device_smem_optin(a.q.device.index), o.deterministic, true).total);
+      backward_layout(a, padded, device_smem_optin(a.q.device.index), o.deterministic, true, true).total);
 }
 
 namespace {
@@ -328,7 +336,13 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
   const int tag = dtype_tag(a.q.dtype);
   const ScaleTerms t = scale_terms(o);
   const bool dout_fp32 = a.dout.dtype == DType::F32;
-  const BackwardLayout layout = backward_layout(a, plan.padded_d, plan.smem_optin, o.deterministic, plan.bwd_fuse_dq);
+  // The Hopper kernel's TMA loads need 16-byte aligned bases (rows are: d is a multiple of 8).
+  const bool tma_aligned = ((reinterpret_cast<uintptr_t>(a.q.data) | reinterpret_cast<uintptr_t>(a.k.data) |
+                             reinterpret_cast<uintptr_t>(a.v.data) | reinterpret_cast<uintptr_t>(a.dout.data)) %
+                            16) == 0;
+  const bool sm90_dkdv = plan.bwd_family == KernelFamily::Sm90 && tma_aligned;
+  const BackwardLayout layout = backward_layout(a, plan.padded_d, plan.smem_optin, o.deterministic, plan.bwd_fuse_dq,
+                                                sm90_dkdv && sm90::sm90_ordered_dq(plan.padded_d));
   unsigned char* scratch = scratch_for(a.workspace, plan.device, stream, layout.total);
   auto* const delta = reinterpret_cast<float*>(scratch + layout.delta);
   auto* const lse2 = reinterpret_cast<float*>(scratch + layout.lse2);
@@ -396,21 +410,22 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
     // The preprocess zeroes the atomics' target, unless they add to the caller's sum in place.
     if (!(a.accumulate_dq && dq_in_place)) pre.dq_zero = dkdv.dq_accum;
   }
-  // The Hopper kernel's TMA loads need 16-byte aligned bases (rows are: d is a multiple of 8).
-  const bool tma_aligned =
-      ((reinterpret_cast<uintptr_t>(p.q) | reinterpret_cast<uintptr_t>(p.k) | reinterpret_cast<uintptr_t>(p.v) |
-        reinterpret_cast<uintptr_t>(p.dout)) %
-       16) == 0;
-  // The Hopper dk/dv kernel adds dQ itself when fused; else (deterministic mode) the portable dq kernel follows it.
-  const bool sm90_dkdv = plan.bwd_family == KernelFamily::Sm90 && tma_aligned;
+  // The Hopper dk/dv kernel adds dQ itself when fused (in a fixed order in deterministic mode); else the portable
+  // dq kernel follows it.
   StageTimer timer(o.profile, stream);
   timer.begin("preprocess");
+  if (layout.dq_semaphores != 0) {
+    dkdv.dq_semaphores = reinterpret_cast<int32_t*>(scratch + layout.dq_semaphores);
+    check(cudaMemsetAsync(dkdv.dq_semaphores, 0, layout.dq_semaphore_bytes, stream), "cudaMemsetAsync (dq order)");
+  }
   detail::launch_preprocess(tag, pre, stream);
   if (o.sink_layout == SinkLayout::SH)
     detail::launch_dsink_sh(pre.sink, pre.lse, delta, layout.tq_pad, pre.dsink, pre.sink_len, plan.tq, plan.hq,
                             stream);
   timer.end();
-  timer.begin(sm90_dkdv ? (fused_dq ? "sm90 dkdv_kernel (dq by TMA reduce-add)" : "sm90 dkdv_kernel + dq_kernel")
+  timer.begin(sm90_dkdv ? (fused_dq ? (o.deterministic ? "sm90 dkdv_kernel (dq by ordered TMA reduce-adds)"
+                                                       : "sm90 dkdv_kernel (dq by TMA reduce-add)")
+                                    : "sm90 dkdv_kernel + dq_kernel")
               : fused_dq ? "dkdv_kernel (dq by atomics)"
                          : "dkdv_kernel + dq_kernel");
   if (sm90_dkdv) {

@@ -14,7 +14,10 @@ struct WorkItem {
   int32_t causal_offset;  // slice: k <= q + causal_offset   (ke - qe)
   int32_t inv_offset;     // slice: k >= q + inv_offset      (ks - qs)
   int32_t flags;  // WorkFlags, and the test groups from bit kWorkTestGroupShift on
-  int32_t pad;
+  // k-major lists: how many items before this one, in the Hopper dk/dv kernel's order (tiles in the list's order,
+  // each tile's items last first), have its 64-row q chunk: the order in which its deterministic mode adds their
+  // dQ (plan/plan.cpp: rank_dq_adds).
+  int32_t rank;
 };
 enum WorkFlags : int32_t {
   kWorkCausal = 1,  // apply the causal bound
@@ -115,6 +118,9 @@ struct BwdParams {
   // Non-deterministic mode: the dk/dv kernel also adds dQ = dS K into this zeroed fp32 [Tq, Hq, D] buffer
   // with atomics (5 GEMMs instead of 7) and the dq kernel is skipped. Null: deterministic two-kernel path.
   float* dq_accum;
+  // Deterministic mode on the Hopper dk/dv kernel up to D 128: its dQ adds into dq_accum in item rank order,
+  // each (consumer, q head, 64-row chunk) counting its finished adds here ([2][Hq][tq_pad / 64], zeroed).
+  int32_t* dq_semaphores;
 };
 
 }  // namespace magi::cuda::detail

@@ -171,13 +171,16 @@ TEST(CudaBackend, DeterministicModeMatchesReference) {
   EXPECT_TRUE(check_cuda_case(mask, d256, seed + 2, "random 512x640, d256 softcap fp32", true));
 }
 
-// A small deterministic-mode case (the sanitizer runs it: the dq kernel and the 64-key dk/dv kernel).
+// Small deterministic-mode cases (the sanitizers run them: the dq kernel beside the dk/dv kernels, and on Hopper
+// at D 128 the dk/dv kernel's dQ adds in turns).
 TEST(CudaBackend, DeterministicModeSmallCase) {
   const uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
   const Mask mask = random_rectangles(rng, 300, 260, 12);
   CaseConfig c = config(DType::F16, 4, 2, 64);
   EXPECT_TRUE(check_cuda_case(mask, c, seed + 1, "random 300x260", true));
+  CaseConfig d128 = config(DType::BF16, 4, 2, 128);
+  EXPECT_TRUE(check_cuda_case(mask, d128, seed + 3, "random 300x260, d128", true));
   CaseConfig d256 = config(DType::BF16, 2, 1, 256);
   EXPECT_TRUE(check_cuda_case(mask, d256, seed + 2, "random 300x260, d256", true));
 }

@@ -13,7 +13,9 @@
 // dV += P^T dO for all 256 columns, the other dP^T, dS^T and dK += dS^T Q; P^T (times the dS factor) crosses in
 // fp32 through shared memory, dS^T in 16 bits for dQ = dS K, whose columns the two split; dQ goes out by vector
 // reductions from registers (its fp32 tile does not fit beside two stages of Q and dO).
-// The deterministic mode runs it without dQ (kDq), beside the portable dq kernel.
+// Deterministic mode: dK / dV are reproducible as they are (a block sums its chunks in a fixed order); up to D 128
+// the dQ reduce-adds take turns in a fixed order (OrderedDqAdds), at D 256 the kernel runs without dQ (kDq) beside
+// the portable dq kernel.
 // The grid is persistent (WorkRing). dK / dV stay in registers for the whole tile and are stored at its end.
 #pragma once
 
@@ -54,10 +56,43 @@ auto kv_mma() {
                         Layout<Shape<Int<kSplit>, _1, _1>>{});
 }
 
+// The dQ reduce-adds of one consumer's issuing thread. Default: unordered (the TMA unit adds). Deterministic
+// (p.dq_semaphores set): each (consumer, q head, chunk) takes its adds in item rank order: an add waits until its
+// semaphore counts `rank` finished adds, and counts itself once complete, which is checked only before the next
+// add's turn (or at the end), so that a thread never waits on a turn while holding back a count.
+struct OrderedDqAdds {
+  int32_t* pending = nullptr;  // the semaphore of the last add, not yet counted
+
+  // Before the dQ tile is rewritten: the last add has read it; in order, it is complete and counted.
+  __device__ __forceinline__ void finish_last() {
+    if (pending == nullptr) {
+      tma_store_wait<0>();
+      return;
+    }
+    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // writes done, not only the tile read
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(pending) : "memory");
+    pending = nullptr;
+  }
+  // Before the add of chunk q0 / 64 of `head` (finish_last called since the last add): in order, wait for its turn.
+  __device__ __forceinline__ void wait_turn(const BwdParams& p, int consumer, int head, int q0, int rank) {
+    if (p.dq_semaphores == nullptr) return;
+    int32_t* const semaphore =
+        p.dq_semaphores + (int64_t{consumer} * p.hq + head) * (p.tq_pad / detail::kDkdvTileQ) + q0 / detail::kDkdvTileQ;
+    int32_t done = -1;
+    while (true) {
+      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(done) : "l"(semaphore) : "memory");
+      if (done == rank) break;
+      __nanosleep(64);
+    }
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+    pending = semaphore;
+  }
+};
+
 // kSoftcap: a kernel of its own, so that its extra live registers (tanh's derivative needs S and dP at once) do not
 // make ptxas serialise the wgmma pipeline of the common kernel (C7512).
-// kDq: dQ added here (the default mode); without it (the deterministic mode) the portable dq kernel computes dQ, and
-// this kernel's dK / dV are bitwise reproducible (each block sums its chunks in list order).
+// kDq: dQ added here; without it (the deterministic mode at D 256) the portable dq kernel computes dQ.
 template <class T, int kD, bool kSoftcap, bool kDq>
 struct BackwardKernel {
   using Element = typename CuteElement<T>::type;
@@ -204,7 +239,7 @@ struct BackwardKernel {
             tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
         auto [tdOg, tdOs] =
             tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
-        for (int item = info.first; item < info.first + info.count; ++item) {
+        for (int item = info.first + info.count - 1; item >= info.first; --item) {  // see rank_dq_adds
           const int chunk = p.list.items[item].q0 / kM;
           pipeline.producer_acquire(write);
           uint64_t* const full = pipeline.producer_get_barrier(write);
@@ -268,6 +303,7 @@ struct BackwardKernel {
     PipelineState read;
     int kv_phase = 0;
     int chunks = 0;  // this block's chunks so far (the dS buffer)
+    OrderedDqAdds dq_adds;
     for (int n = 0;; ++n) {
       const int linear = shared.work.take(n);
       if (linear >= params.num_work) break;
@@ -282,7 +318,7 @@ struct BackwardKernel {
         shared.kv_full.wait(kv_phase);
         kv_phase ^= 1;
         for (int head = kv_head * group; head < (kv_head + 1) * group; ++head) {
-          for (int item = info.first; item < info.first + info.count; ++item) {
+          for (int item = info.first + info.count - 1; item >= info.first; --item) {  // see rank_dq_adds
             const WorkItem w = p.list.items[item];
             const int q0 = w.q0 / kM * kM;
             const int stage = read.index();
@@ -302,6 +338,9 @@ struct BackwardKernel {
             Tensor tDqrKt = thr_dq.partition_fragment_B(make_tensor(at_smem(shared.k), LayoutKt{}));
             issue_gemm<true, false>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
             issue_gemm<true, false>(mma_sdp, tSrV, tSrdO(_, _, _, stage), tSrdP);
+            // In order, the last chunk's add counted as soon as it is complete (under this chunk's first GEMMs): a
+            // later k tile waiting on it loses less.
+            if (kDq && p.dq_semaphores != nullptr && thread % 128 == 0) dq_adds.finish_last();
             // Only warps whose 16 keys the plan marks take the per-cell test; kept rows relative to q0.
             const bool masked = (w.flags >> (detail::kWorkTestGroupShift + warp)) & 1;
             KeyInterval rows[2] = {{0, 1 << 30}, {0, 1 << 30}};
@@ -373,7 +412,7 @@ struct BackwardKernel {
               }
               cutlass::arch::fence_view_async_shared();  // dS^T's ordinary stores, read next by the tensor cores
               // Past this barrier the last chunk's reduce-add has read the dQ tile (its issuer waited).
-              if (thread % 128 == 0) tma_store_wait<0>();
+              if (thread % 128 == 0) dq_adds.finish_last();
               cutlass::arch::NamedBarrier::sync(128 * kConsumers, 0);
               // dQ before dK, so that dQ's way out (shared memory, TMA) overlaps dK += dS^T Q.
               Tensor ds_operand = tDqrdS(_, _, _, buffer);
@@ -403,6 +442,7 @@ struct BackwardKernel {
                 Tensor sdQ = make_tensor(make_smem_ptr(shared.tiles.dq + consumer * cosize_v<LayoutdQ>), LayoutdQ{});
                 auto [tdQg, tdQs] = tma_partition(params.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sdQ),
                                                   group_modes<0, 2>(gdQ));
+                dq_adds.wait_turn(p, consumer, head, q0, w.rank);
                 copy(params.tma_dq, tdQs, tdQg);
                 tma_store_arrive();
               }
@@ -439,12 +479,13 @@ struct BackwardKernel {
         }
       }
     }
-    if (kDq && thread % 128 == 0) tma_store_wait<0>();  // the last reduce-add has read the dQ tile
+    if (kDq && thread % 128 == 0) dq_adds.finish_last();  // the last reduce-add has read the dQ tile
   }
 
   // D 256, a consumer's share by its role (0: S^T, P^T, dV; 1: dP^T, dS^T, dK; both: half of dQ's columns).
   // Per chunk: role 0 hands over g = P^T times the dS factor (bwd_cell's split: dS = g (dP - Delta)) at barrier
   // kGReady and issues dV; role 1 takes g, issues dK, stores dS^T; at barrier kDsReady both issue their dQ half.
+  // (kGReady is a sync for both, not an arrive for role 0: racecheck reported the g handover as a race at times.)
   // The g buffer is rewritten only past the next kDsReady, by when role 1 has read it. One body for both roles (a
   // role is warp-uniform): the barriers both sync on sit at one instruction (compute-sanitizer's synccheck rejects
   // a named barrier synced from two places).
@@ -496,7 +537,7 @@ struct BackwardKernel {
         shared.kv_full.wait(kv_phase);
         kv_phase ^= 1;
         for (int head = kv_head * group; head < (kv_head + 1) * group; ++head) {
-          for (int item = info.first; item < info.first + info.count; ++item) {
+          for (int item = info.first + info.count - 1; item >= info.first; --item) {  // see rank_dq_adds
             const WorkItem w = p.list.items[item];
             const int q0 = w.q0 / kM * kM;
             const int stage = read.index();
@@ -548,9 +589,9 @@ struct BackwardKernel {
                   g[(nb * 2 + 1) * 128] = make_float2(gv[2], gv[3]);
                 }
               });
-              cutlass::arch::NamedBarrier::arrive(256, kGReady);
-            } else {
-              cutlass::arch::NamedBarrier::sync(256, kGReady);
+            }
+            cutlass::arch::NamedBarrier::sync(256, kGReady);
+            if (role == 1) {
 #pragma unroll
               for (int nb = 0; nb < kM / 8; ++nb) {
                 const float2 delta = *reinterpret_cast<const float2*>(&shared.delta[stage][nb * 8 + (lane % 4) * 2]);
