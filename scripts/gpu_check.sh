@@ -90,8 +90,9 @@ if [ $RUN_SANITIZER = 1 ]; then
   # D 256 and both forward tiles: All/Features.MatchReference/d256_fp16, CudaBackend.ForwardTileChoicesMatchReference.
   small='CudaBackend.EmptyMaskGivesZerosAndMinusInf:CudaBackend.DeterministicModeSmallCase:All/Features.MatchReference/d40_bf16:All/Features.MatchReference/sink_sh'
   small+=':All/Features.MatchReference/d256_fp16:CudaBackend.ForwardTileChoicesMatchReference'
-  # Large head dims where built (D 520 in the 576 tile, forward + backward; the deterministic D-split backward).
-  small+=':Dims/LargeHeadDim.MatchReference/d520_bf16_random_slices'
+  # Large head dims where built (D 520 in the 576 tile, forward + backward; D 384: on sm_90 the Hopper forward's
+  # column split, with a merge of two consumers' lse; the deterministic D-split backward).
+  small+=':Dims/LargeHeadDim.MatchReference/d520_bf16_random_slices:Dims/LargeHeadDim.MatchReference/d384_bf16_random_slices_sink_sh'
   small+=':Dims/LargeHeadDimBackward.MatchesReference/d320_random_bf16_fp32_grads_deterministic'
   small=${SANITIZE_FILTER:-$small}
   # Once per forward kernel family (the suite's ctest runs are per family too); synccheck for the Hopper one's
@@ -141,6 +142,9 @@ if [ $RUN_BENCH = 1 ] && [ $LARGE_D = 1 ]; then
   note "flash_bench --large-d rc $? ($(( $(date +%s) - t0 )) s)"
   MAGI_ATTENTION_CUDA_IGNORE_TUNED_CONFIGS=1 "$BUILD/bench/cuda/flash_bench" --large-d --impl magi_safe \
     > "$LOGS/bench_magi_safe.csv" 2>> "$LOGS/bench_magi.err"
+  # The portable family beside the plan's (on sm_90 the Hopper forward up to D 512).
+  "$BUILD/bench/cuda/flash_bench" --large-d --family sm80 --impl magi_sm80 \
+    > "$LOGS/bench_magi_sm80.csv" 2>> "$LOGS/bench_magi.err"
   grep -E "^# magi" "$LOGS/bench_magi.err" | sort -u | head -30
   PEER_ARGS=(--large-d)
   [ $RUN_PEERS = 1 ] || PEER_ARGS=(--skip-all)
@@ -148,7 +152,8 @@ if [ $RUN_BENCH = 1 ] && [ $LARGE_D = 1 ]; then
     > "$LOGS/bench_peers.csv" 2> "$LOGS/bench_peers.err"
   note "peers rc $? ($(( $(date +%s) - t0 )) s); $(grep -c '^#' "$LOGS/bench_peers.err") peer errors"
   grep '^#' "$LOGS/bench_peers.err" | cut -c1-300 | head -10
-  python3 - "$LOGS/bench_magi.csv" "$LOGS/bench_magi_safe.csv" "$LOGS/bench_peers.csv" <<'PY' | tee "$LOGS/table.txt"
+  python3 - "$LOGS/bench_magi.csv" "$LOGS/bench_magi_safe.csv" "$LOGS/bench_magi_sm80.csv" "$LOGS/bench_peers.csv" \
+    <<'PY' | tee "$LOGS/table.txt"
 import csv, sys
 rows, order = {}, []
 for path in sys.argv[1:]:
@@ -156,7 +161,7 @@ for path in sys.argv[1:]:
         key = (r["mask"], int(r["head_dim"]))
         if key not in rows: rows[key] = {}; order.append(key)
         rows[key][r["impl"]] = (float(r["fwd_tflops"]), float(r["bwd_tflops"]))
-impls = ["magi", "magi_safe", "sdpa_mem", "ffpa"]
+impls = ["magi", "magi_safe", "magi_sm80", "sdpa_mem", "ffpa"]
 print("\nTFLOP/s fwd/bwd (bf16, 16 heads, 1 x 8k tokens; varlen causal: long-tailed documents), same GPU, same run")
 print(f"{'mask':16s} {'D':>5s} " + " ".join(f"{i:>13s}" for i in impls))
 for key in order:

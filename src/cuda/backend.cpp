@@ -16,6 +16,7 @@
 #include "cuda/sm80/tiles.hpp"
 #include "cuda/sm90/launch.hpp"
 #include "cuda/sm90/launch_backward.hpp"
+#include "cuda/sm90/tiles.hpp"
 #include "cuda/small_kernels.hpp"
 #include "cuda/tile_list.hpp"
 #include "magi/error.hpp"
@@ -200,7 +201,7 @@ void run_forward_sm90(int padded, const detail::FwdParams& p, int margin, cudaSt
   with_compiled_tile(padded, "sm_90a forward", [&](auto d) {
     constexpr int kD = decltype(d)::value;
 #if MAGI_CUDA_SM90
-    if constexpr (!detail::is_large_head_dim(kD)) return sm90::launch_forward<kDtype, kD>(p, margin, stream);
+    if constexpr (sm90::sm90_forward_tile(kD)) return sm90::launch_forward<kDtype, kD>(p, margin, stream);
 #endif
     (void)p, (void)margin, (void)stream;
     throw NotAvailable("cuda backend: no sm_90a forward kernel for head-dim tile " + std::to_string(kD));

@@ -487,8 +487,10 @@ TEST(CudaBackend, PartialResultMergeMatchesTheWholeMask) {
   std::mt19937_64 rng(seed);
   int index = 0;
   for (bool in_place : {true, false}) {
-    for (int32_t d : {64, 128, 520}) {  // 520: the D-split forward (where built)
-      if (!cuda::head_dim_supported(d) || (d > 256 && family_under_test() == cuda::KernelFamily::Sm90)) continue;
+    for (int32_t d : {64, 128, 384, 520}) {  // 384: the Hopper forward's column split; 520: the D-split forward
+      if (!cuda::head_dim_supported(d) ||
+          (family_under_test() == cuda::KernelFamily::Sm90 && !cuda::sm90_forward_available(d, 0)))
+        continue;
       for (bool documents : {false, true}) {
         CaseConfig c = config(index % 2 ? DType::F16 : DType::BF16, 4, 2, d);
         c.backward = false;
@@ -798,7 +800,8 @@ TEST(CudaBackend, AutoRangeMergedMasksMatchReference) {
   }
 }
 
-// Large head dims (tiles above 256: the D-split forward), every mask kind and feature against the fp64 reference;
+// Large head dims (tiles above 256: the D-split forward; in the Hopper family's run the Hopper forward up to 512),
+// every mask kind and feature against the fp64 reference;
 // parametrised over D x dtype x case, skipped only where this build lacks the tile (MAGI_ATTN_CUDA_HEAD_DIMS).
 // Forward and backward through the API (the backward from the kernel's own out and lse).
 struct LargeDimCase {
@@ -819,7 +822,8 @@ class LargeHeadDim : public testing::TestWithParam<std::tuple<int32_t, DType, La
 TEST_P(LargeHeadDim, MatchReference) {
   const auto [d, dtype, lc] = GetParam();
   if (!cuda::head_dim_supported(d)) GTEST_SKIP() << "head dim " << d << " is not in this build's tiles";
-  if (family_under_test() == cuda::KernelFamily::Sm90) GTEST_SKIP() << "the Hopper forward stops at D 256";
+  if (family_under_test() == cuda::KernelFamily::Sm90 && !cuda::sm90_forward_available(d, 0))
+    GTEST_SKIP() << "the Hopper forward stops at D 512";
   const uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
   CaseConfig c = config(dtype, lc.hq, lc.hkv, d);
@@ -904,7 +908,7 @@ TEST_P(LargeHeadDimBackward, MatchesReference) {
   const LargeDimBackwardCase& lc = GetParam();
   if (!cuda::head_dim_supported(lc.d)) GTEST_SKIP() << "this build has no head-dim tile for " << lc.d;
   // The backward kernels are the portable family's whatever the forward family: its run covers them.
-  if (family_under_test() == cuda::KernelFamily::Sm90) GTEST_SKIP() << "the Hopper forward stops at D 256";
+  if (family_under_test() == cuda::KernelFamily::Sm90) GTEST_SKIP() << "the portable family's run covers these";
   const uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
   const int32_t tokens = lc.d <= 520 ? 384 : 256;  // the fp64 reference's time
@@ -933,7 +937,7 @@ INSTANTIATE_TEST_SUITE_P(Dims, LargeHeadDimBackward, testing::ValuesIn(large_dim
 // is refused.
 TEST(CudaBackend, LargeHeadDimBackwardVariantsAgree) {
   if (!cuda::head_dim_supported(320)) GTEST_SKIP() << "this build has no head-dim tile for 320";
-  if (family_under_test() == cuda::KernelFamily::Sm90) GTEST_SKIP() << "the Hopper forward stops at D 256";
+  if (family_under_test() == cuda::KernelFamily::Sm90) GTEST_SKIP() << "the portable family's run covers these";
   const uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
   const Mask mask = random_rectangles(rng, 384, 448, 24);
@@ -1003,6 +1007,25 @@ TEST(CudaBackend, PlansRunTheFamilyAskedFor) {
     EXPECT_EQ(cuda::stats(*test_plan(mask, 2, 1, 256)).backward_family, s.backward_family);
   if (cuda::head_dim_supported(320))
     EXPECT_EQ(cuda::stats(*test_plan(mask, 2, 1, 320)).backward_family, cuda::KernelFamily::Sm80);
+  // The Hopper forward runs up to tile 512 (64-row tiles above 320); a forward_variant asks for the portable one.
+  if (cuda::head_dim_supported(512)) {
+    const cuda::PlanStats large = cuda::stats(*test_plan(mask, 2, 1, 512));
+    EXPECT_EQ(large.forward_family, s.forward_family);
+    EXPECT_EQ(large.forward_tile_q, 64);
+    if (testing_sm90()) {
+      cuda::PlanTuning variant;
+      variant.forward_variant = 0;
+      EXPECT_EQ(cuda::stats(*cuda::make_plan(mask, 2, 1, 512, 0, variant)).forward_family, cuda::KernelFamily::Sm80);
+      variant.forward_family = cuda::KernelFamily::Sm90;
+      EXPECT_THROW(cuda::make_plan(mask, 2, 1, 512, 0, variant), InvalidArgument);
+    }
+  }
+  if (cuda::head_dim_supported(1024)) {
+    EXPECT_EQ(cuda::stats(*cuda::make_plan(mask, 2, 1, 1024, 0)).forward_family, cuda::KernelFamily::Sm80);
+    cuda::PlanTuning hopper;
+    hopper.forward_family = cuda::KernelFamily::Sm90;
+    EXPECT_THROW(cuda::make_plan(mask, 2, 1, 1024, 0, hopper), NotAvailable);
+  }
   cuda::PlanTuning portable_bwd;
   portable_bwd.backward_family = cuda::KernelFamily::Sm80;
   EXPECT_EQ(cuda::stats(*test_plan(mask, 2, 1, 128, portable_bwd)).backward_family, cuda::KernelFamily::Sm80);

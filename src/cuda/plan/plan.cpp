@@ -35,8 +35,10 @@ constexpr bool every_tile_divides(int length) {
     } else {
       for (int q : {detail::kFwdTileQ, detail::kFwdSmallTileQ})
         if (length % q != 0 || length % detail::fwd_tile_k(d, q) != 0) return false;
-      if (length % sm90::kForwardTileQ != 0 || length % sm90::forward_tile_k(d) != 0) return false;
     }
+    if (sm90::sm90_forward_tile(d) &&
+        (length % sm90::forward_tile_q(d) != 0 || length % sm90::forward_tile_k(d) != 0))
+      return false;
     if (length % detail::kDkdvTileQ != 0 || length % detail::dkdv_tile_k(d) != 0) return false;
     if (length % detail::dq_tile_q(d) != 0 || length % detail::dq_tile_k(d) != 0) return false;
   }
@@ -228,7 +230,7 @@ bool sm90_forward_available(int32_t head_dim, int32_t device) {
   check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute");
   check(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), "cudaDeviceGetAttribute");
   const int32_t padded = padded_head_dim(head_dim);
-  return major == 9 && minor == 0 && !detail::is_large_head_dim(padded) && sm90::forward_smem_bytes(padded) <= smem;
+  return major == 9 && minor == 0 && sm90::sm90_forward_tile(padded) && sm90::forward_smem_bytes(padded) <= smem;
 #else
   (void)head_dim;
   (void)device;
@@ -278,9 +280,16 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   check(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device), "cudaDeviceGetAttribute");
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
 
-  const bool sm90 = tuning.forward_family != KernelFamily::Sm80 && sm90_forward_available(head_dim, device);
-  if (tuning.forward_family == KernelFamily::Sm90 && detail::is_large_head_dim(plan->padded_d))
-    throw NotAvailable("cuda plan: the Hopper (sm_90a) forward stops at head dim 256 (head dim " +
+  // A forward_variant names one of the portable D-split forward's variants: Auto then means the portable family.
+  const bool sm90 = tuning.forward_family != KernelFamily::Sm80 &&
+                    !(tuning.forward_family == KernelFamily::Auto && tuning.forward_variant >= 0) &&
+                    sm90_forward_available(head_dim, device);
+  if (tuning.forward_family == KernelFamily::Sm90 && tuning.forward_variant >= 0)
+    throw InvalidArgument("cuda plan: forward_variant " + std::to_string(tuning.forward_variant) +
+                          " is a variant of the portable family's large-D forward (allowed with forward family "
+                          "sm90: -1)");
+  if (tuning.forward_family == KernelFamily::Sm90 && !sm90::sm90_forward_tile(plan->padded_d))
+    throw NotAvailable("cuda plan: the Hopper (sm_90a) forward stops at head dim 512 (head dim " +
                        std::to_string(head_dim) + " runs the portable family; allowed families here: auto, sm80)");
   if (tuning.forward_family == KernelFamily::Sm90 && !sm90)
     throw NotAvailable("cuda plan: the Hopper (sm_90a) forward is not available here (it needs a build for 90a "
@@ -297,12 +306,14 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
     int major = 0, minor = 0;
     check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
     check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute");
-    plan->fwd_variant = large_forward_variant(major * 10 + minor, plan->smem_optin, plan->padded_d, tuning.forward_variant);
+    if (!sm90)
+      plan->fwd_variant =
+          large_forward_variant(major * 10 + minor, plan->smem_optin, plan->padded_d, tuning.forward_variant);
     plan->bwd_variant =
         large_backward_variant(major * 10 + minor, plan->smem_optin, plan->padded_d, tuning.backward_variant);
     plan->bwd_fuse_dq = large_backward_fuses_dq(major * 10 + minor, plan->smem_optin, plan->padded_d);
   }
-  const int small_q = sm90 ? sm90::kForwardTileQ : large_d ? detail::large_fwd_tile_q(plan->padded_d) : detail::kFwdSmallTileQ;
+  const int small_q = sm90 ? sm90::forward_tile_q(plan->padded_d) : large_d ? detail::large_fwd_tile_q(plan->padded_d) : detail::kFwdSmallTileQ;
   const int large_q = sm90 || large_d ? small_q
                       : detail::fwd_smem_bytes(plan->padded_d, detail::kFwdTileQ) <= plan->smem_optin
                           ? detail::kFwdTileQ

@@ -1,7 +1,8 @@
 // Hopper forward (sm_90a). A block is three warpgroups on one SM: a producer that brings Q and each work item's K
-// and V tiles into swizzled shared memory with TMA (K and V in mbarrier pipelines of kForwardStages stages), and
-// two consumers of 64 q rows each that run S = Q K^T (wgmma, both operands in shared memory) and O += P V (P from
-// registers). A consumer issues the next item's Q K^T before its P V of the current one and computes the softmax
+// and V tiles into swizzled shared memory with TMA (K and V in mbarrier pipelines of forward_stages stages), and
+// two consumers that run S = Q K^T (wgmma, both operands in shared memory) and O += P V (P from registers). Up to
+// D 320 each consumer holds 64 q rows; above, both hold the same 64 rows and half of O's columns each
+// (tiles.hpp). A consumer issues the next item's Q K^T before its P V of the current one and computes the softmax
 // while both run; the two consumers take turns to issue (ping-pong), so the tensor cores serve one while the other
 // computes its softmax. The grid is persistent, fed by the producer (WorkRing). Masking, softcap, the online
 // softmax and the epilogue (sink, merge with a previous result, lse, max_logits) are the portable family's
@@ -31,24 +32,30 @@ using detail::WorkItem;
 template <class T, int kD>
 struct ForwardKernel {
   using Element = typename CuteElement<T>::type;
-  static constexpr int kM = kForwardTileQ, kN = forward_tile_k(kD), kStages = forward_stages(kD);
-  static constexpr int kConsumers = 2;  // warpgroups of kM / kConsumers rows
+  static constexpr int kM = forward_tile_q(kD), kN = forward_tile_k(kD), kStages = forward_stages(kD);
+  static constexpr int kConsumers = 2;
+  static constexpr bool kSplitColumns = forward_splits_columns(kD);
+  static constexpr int kOCols = kSplitColumns ? kD / kConsumers : kD;  // O's columns in one consumer
+  static_assert(kOCols % 64 == 0 || !kSplitColumns, "a consumer's V columns are whole 128-byte swizzle atoms");
   static constexpr int kThreads = 128 * (kConsumers + 1);
-  static constexpr int kNBlocks = kN / 8, kDBlocks = kD / 8;
+  static constexpr int kNBlocks = kN / 8, kDBlocks = kD / 8, kOBlocks = kOCols / 8;
   // Registers per thread after the producer gives its share to the consumers (setmaxnreg). The consumers' increase
   // waits until the producer's decrease frees enough of the launch's 168 per thread, so the sum must fit (else the
   // kernel hangs). The producer spills below 56 (D 128, nvcc 13); D 256's consumers spill least at 232.
   static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
-  static constexpr int kProducerRegisters = kD > 128 ? 40 : 56, kConsumerRegisters = kD > 128 ? 232 : 224;
+  static constexpr int kProducerRegisters = kD == 320 ? 24 : kD > 128 ? 40 : 56;
+  static constexpr int kConsumerRegisters = kD == 320 ? 240 : kD > 128 ? 232 : 224;
   static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= (kConsumers + 1) * kLaunchRegisters,
                 "setmaxnreg: the consumers would wait for registers forever");
 
-  using AtomLayout = Layout<Shape<Int<kConsumers>, _1, _1>>;
+  // Row split: one tiled MMA over both consumers (64 rows each). Column split: each consumer is a tiled MMA of its own.
+  static constexpr int kMmaGroups = kSplitColumns ? 1 : kConsumers;
+  using AtomLayout = Layout<Shape<Int<kMmaGroups>, _1, _1>>;
   using MmaS = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kM / kConsumers>, Int<kN>, Int<kD>>>(), AtomLayout{}));
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kM / kMmaGroups>, Int<kN>, Int<kD>>>(), AtomLayout{}));
   using MmaO = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, Shape<Int<kM / kConsumers>, Int<kD>, Int<kN>>, GMMA::Major::K,
-                           GMMA::Major::MN>(),
+      GMMA::rs_op_selector<Element, Element, float, Shape<Int<kM / kMmaGroups>, Int<kOCols>, Int<kN>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
       AtomLayout{}));
   using LayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kM>, Int<kD>>{}));
   using LayoutKV =
@@ -148,8 +155,9 @@ struct ForwardKernel {
     const FwdParams& p = params.p;
     const int thread = static_cast<int>(threadIdx.x) - 128;  // 0 .. 128 * kConsumers - 1
     const int lane = thread % 32;
-    const int strip = thread / 32;  // this warp's 16 rows of the tile
     const int group = thread / 128;  // this consumer warpgroup
+    const int mma_thread = kSplitColumns ? thread % 128 : thread;
+    const int strip = mma_thread / 32;  // this warp's 16 rows of the tile
     // Ping-pong: the consumers take turns to issue their GEMMs (named barrier `group` says it is this one's turn),
     // so that one's softmax runs while the tensor cores serve the other. Both walk the same items, so their
     // turns alternate for the whole kernel; group 0 starts.
@@ -158,11 +166,23 @@ struct ForwardKernel {
     if (group == 1) pass_turn();
     MmaS mma_s;
     MmaO mma_o;
-    auto thread_s = mma_s.get_thread_slice(thread);
-    auto thread_o = mma_o.get_thread_slice(thread);
+    auto thread_s = mma_s.get_thread_slice(mma_thread);
+    auto thread_o = mma_o.get_thread_slice(mma_thread);
+    // Q's GEMM descriptors, built where they are used: hoisted out of the loops they take a 64-bit register per
+    // k-step, which above D 128 spilled and were reloaded from local memory inside the item loop.
     Tensor tSrQ = thread_s.partition_fragment_A(make_tensor(make_smem_ptr(shared.q), LayoutQ{}));
+    auto q_operand = [&] {
+      if constexpr (kD <= 128) return tSrQ;
+      Element* q = shared.q;
+      asm volatile("" : "+l"(q));
+      return thread_s.partition_fragment_A(make_tensor(make_smem_ptr(q), LayoutQ{}));
+    };
     Tensor tSrK = thread_s.partition_fragment_B(make_tensor(make_smem_ptr(shared.k), LayoutKV{}));
-    Tensor tOrV = thread_o.partition_fragment_B(make_tensor(make_smem_ptr(shared.v), LayoutVt{}));
+    // This consumer's columns of V (all of them in the row split): whole swizzle atoms, so the slice's descriptors
+    // start on an atom.
+    Tensor sVt = local_tile(make_tensor(make_smem_ptr(shared.v), LayoutVt{}),
+                            Shape<Int<kOCols>, Int<kN>, Int<kStages>>{}, make_coord(kSplitColumns ? group : 0, 0, 0));
+    Tensor tOrV = thread_o.partition_fragment_B(sVt);
 
     const bool softcapped = p.softcap > 0.0f;
     const float logit_scale = softcapped ? 1.0f : p.scale_log2;
@@ -178,9 +198,9 @@ struct ForwardKernel {
       const TileInfo info = p.list.tiles[at.tile_index];
       const int head = at.head;
       const int row0 = info.tile * kM + strip * 16 + lane / 4;
-      Tensor tOrO = partition_fragment_C(mma_o, Shape<Int<kM>, Int<kD>>{});
+      Tensor tOrO = partition_fragment_C(mma_o, Shape<Int<kM>, Int<kOCols>>{});
       clear(tOrO);
-      auto& acc = *reinterpret_cast<float(*)[kDBlocks][4]>(raw_pointer_cast(tOrO.data()));
+      auto& acc = *reinterpret_cast<float(*)[kOBlocks][4]>(raw_pointer_cast(tOrO.data()));
       float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
 
       // Softcap, mask and online softmax of one item's S; scale_old: how O must be rescaled.
@@ -200,7 +220,7 @@ struct ForwardKernel {
       auto rescale = [&](const float (&scale_old)[2]) {
         if (!__any_sync(0xffffffffu, scale_old[0] != 1.0f || scale_old[1] != 1.0f)) return;
 #pragma unroll
-        for (int i = 0; i < kDBlocks; ++i) {
+        for (int i = 0; i < kOBlocks; ++i) {
           acc[i][0] *= scale_old[0];
           acc[i][1] *= scale_old[0];
           acc[i][2] *= scale_old[1];
@@ -221,7 +241,10 @@ struct ForwardKernel {
         float scale_old[2];
         pipeline_k.consumer_wait(read_k);
         wait_turn();
-        issue_gemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+        {
+          auto q = q_operand();
+          issue_gemm<true, false>(mma_s, q, tSrK(_, _, _, read_k.index()), tSrS);
+        }
         pass_turn();
         warpgroup_wait<0>();
         pipeline_k.consumer_release(read_k);
@@ -237,7 +260,10 @@ struct ForwardKernel {
           pipeline_k.consumer_wait(read_k);
           pipeline_v.consumer_wait(read_v);
           wait_turn();
-          issue_gemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+          {
+            auto q = q_operand();
+            issue_gemm<true, false>(mma_s, q, tSrK(_, _, _, read_k.index()), tSrS);
+          }
           issue_gemm<false, true>(mma_o, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
           pass_turn();
           warpgroup_wait<1>();  // S of this item ready; P V of the last one may still run
@@ -261,7 +287,18 @@ struct ForwardKernel {
       }
 
       float block_max = -INFINITY;
-      detail::finish_forward_rows<T, kDBlocks>(p, acc, row_max, row_sum, logit_scale, row0, head, lane, block_max);
+      if constexpr (kSplitColumns) {
+        float lse_rows[2];
+        detail::finish_forward_rows<T, kOBlocks>(p, acc, row_max, row_sum, logit_scale, row0, head, lane, block_max,
+                                                 group * kOCols, kOCols, lse_rows);
+        // Both consumers have read prev_lse (it may be lse) before the first writes lse; their rows' lse agree.
+        cutlass::arch::NamedBarrier::sync(128 * kConsumers, kConsumers);
+        if (group == 0 && lane % 4 == 0)
+          for (int r = 0; r < 2; ++r)
+            if (row0 + 8 * r < p.tq) p.lse[int64_t{row0 + 8 * r} * p.hq + head] = lse_rows[r];
+      } else {
+        detail::finish_forward_rows<T, kOBlocks>(p, acc, row_max, row_sum, logit_scale, row0, head, lane, block_max);
+      }
       detail::publish_max_logits(p, block_max, head, lane);
     }
   }

@@ -3,16 +3,26 @@
 
 namespace magi::cuda::sm90 {
 
-// A block holds one 128-row q tile: two consumer warpgroups of 64 rows each, plus a producer warpgroup.
-constexpr int kForwardTileQ = 128;
-// Keys per item: 128 up to D 128; 80 at D 256 (the registers of a 64 x 256 fp32 accumulator per warpgroup, and
-// two stages of K and V in shared memory beside Q).
-constexpr int forward_tile_k(int padded_head_dim) { return padded_head_dim <= 128 ? 128 : 64; }
-// K and V pipelines of this many stages each (D 64 has room for more).
-constexpr int forward_stages(int padded_head_dim) { return padded_head_dim <= 64 ? 4 : 2; }
+// Head-dim tiles with a Hopper forward: up to 512 (at 576 and above one warpgroup's share of O does not fit its
+// registers; the portable D-split forward runs those).
+constexpr bool sm90_forward_tile(int padded_head_dim) { return padded_head_dim <= 512; }
+// A block is a producer warpgroup and two consumer warpgroups. Up to D 320 each consumer holds 64 q rows with all
+// of O's columns (a 128-row tile). Above, 64 x D fp32 does not fit one warpgroup's registers: both consumers hold
+// the same 64 rows, each half of O's columns, and each computes the tile's S itself.
+constexpr bool forward_splits_columns(int padded_head_dim) { return padded_head_dim > 320; }
+constexpr int forward_tile_q(int padded_head_dim) { return forward_splits_columns(padded_head_dim) ? 64 : 128; }
+// Keys per item: 128 up to D 128, 64 at D 256 (a 64 x 256 fp32 accumulator per warpgroup), 32 above (shared
+// memory for Q and two or three stages of K and V).
+constexpr int forward_tile_k(int padded_head_dim) {
+  return padded_head_dim <= 128 ? 128 : padded_head_dim <= 256 ? 64 : 32;
+}
+// K and V pipelines of this many stages each (as many as shared memory holds, up to 4).
+constexpr int forward_stages(int padded_head_dim) {
+  return padded_head_dim <= 64 ? 4 : padded_head_dim == 320 || padded_head_dim == 384 ? 3 : 2;
+}
 constexpr int forward_smem_bytes(int padded_head_dim) {
   const int kv_rows = 2 * forward_stages(padded_head_dim) * forward_tile_k(padded_head_dim);
-  return (kForwardTileQ + kv_rows) * padded_head_dim * 2 + 1024;
+  return (forward_tile_q(padded_head_dim) + kv_rows) * padded_head_dim * 2 + 1024;
 }
 
 }  // namespace magi::cuda::sm90

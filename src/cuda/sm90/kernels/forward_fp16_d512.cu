@@ -1,0 +1,11 @@
+// Hopper forward, fp16, head dims up to 512.
+#include "cuda/small_kernels.hpp"
+#include "cuda/sm90/forward_kernel.cuh"
+#include "cuda/sm90/launch.hpp"
+
+namespace magi::cuda::sm90 {
+template <>
+void launch_forward<detail::kFp16, 512>(const detail::FwdParams& params, int sm_margin, cudaStream_t stream) {
+  launch_forward_kernel<__half, 512>(params, sm_margin, stream);
+}
+}  // namespace magi::cuda::sm90
