@@ -7,9 +7,10 @@
 # usage: scripts/gpu_check.sh [--arch "80;90a"] [--skip-tests] [--skip-sanitizer] [--skip-python] [--skip-bench]
 #                             [--skip-peers] [--quick] [--profile] [--large-d]
 #   --quick: D=128 only in the benchmark, FlexAttention only on varlen causal.
-#   --large-d: the benchmark at the large head dims instead (flash_bench --large-d: D 320 / 512 / 1024, full and
-#              causal over 8k tokens, varlen causal documents; the tuned table's variant beside the safe one,
-#              MAGI_ATTENTION_CUDA_IGNORE_TUNED_CONFIGS=1) and its peers (SDPA memory-efficient, ffpa-attn 0.2.4).
+#   --large-d: the benchmark at the large head dims instead (flash_bench --large-d: D 320 / 384 / 512 / 1024, or
+#              LARGE_BENCH_DIMS; full and causal over 8k tokens, varlen causal documents; the plan's choice beside
+#              MAGI_ATTENTION_CUDA_IGNORE_TUNED_CONFIGS=1 and the portable family) and its peers (SDPA
+#              memory-efficient, ffpa-attn 0.2.4).
 #   --profile: Nsight Compute counters of the default forward kernel (D 128: full, causal, varlen causal): tensor
 #              pipe and issue utilisation, the leading stall reasons (ncu_*.csv, profile.txt).
 # Env: HEAD_DIMS (MAGI_ATTN_CUDA_HEAD_DIMS of the C++ build and of pip install; default: the build's default, "all"
@@ -90,9 +91,9 @@ if [ $RUN_SANITIZER = 1 ]; then
   # D 256 and both forward tiles: All/Features.MatchReference/d256_fp16, CudaBackend.ForwardTileChoicesMatchReference.
   small='CudaBackend.EmptyMaskGivesZerosAndMinusInf:CudaBackend.DeterministicModeSmallCase:All/Features.MatchReference/d40_bf16:All/Features.MatchReference/sink_sh'
   small+=':All/Features.MatchReference/d256_fp16:CudaBackend.ForwardTileChoicesMatchReference'
-  # Large head dims where built (D 520 in the 576 tile, forward + backward; D 384: on sm_90 the Hopper forward's
-  # column split, with a merge of two consumers' lse; the deterministic D-split backward).
-  small+=':Dims/LargeHeadDim.MatchReference/d520_bf16_random_slices:Dims/LargeHeadDim.MatchReference/d384_bf16_random_slices_sink_sh'
+  # Large head dims where built (D 520 in the 576 tile, forward + backward; D 376 in the 384 tile: on sm_90 the
+  # Hopper forward's column split, its S halves through shared memory; the deterministic D-split backward).
+  small+=':Dims/LargeHeadDim.MatchReference/d520_bf16_random_slices:Dims/LargeHeadDim.MatchReference/d376_bf16_random_slices_sink_sh'
   small+=':Dims/LargeHeadDimBackward.MatchesReference/d320_random_bf16_fp32_grads_deterministic'
   small=${SANITIZE_FILTER:-$small}
   # Once per forward kernel family (the suite's ctest runs are per family too); synccheck for the Hopper one's
@@ -137,13 +138,14 @@ fi
 
 if [ $RUN_BENCH = 1 ] && [ $LARGE_D = 1 ]; then
   # Large head dims: the plan's variant (tuned table) and the safe one, then the peers; one table.
+  LARGE_DIMS="--dims ${LARGE_BENCH_DIMS:-320,384,512,1024}"
   t0=$(date +%s)
-  "$BUILD/bench/cuda/flash_bench" --large-d --cases "$LOGS/cases.json" > "$LOGS/bench_magi.csv" 2> "$LOGS/bench_magi.err"
+  "$BUILD/bench/cuda/flash_bench" --large-d $LARGE_DIMS --cases "$LOGS/cases.json" > "$LOGS/bench_magi.csv" 2> "$LOGS/bench_magi.err"
   note "flash_bench --large-d rc $? ($(( $(date +%s) - t0 )) s)"
-  MAGI_ATTENTION_CUDA_IGNORE_TUNED_CONFIGS=1 "$BUILD/bench/cuda/flash_bench" --large-d --impl magi_safe \
+  MAGI_ATTENTION_CUDA_IGNORE_TUNED_CONFIGS=1 "$BUILD/bench/cuda/flash_bench" --large-d $LARGE_DIMS --impl magi_safe \
     > "$LOGS/bench_magi_safe.csv" 2>> "$LOGS/bench_magi.err"
   # The portable family beside the plan's (on sm_90 the Hopper forward up to D 512).
-  "$BUILD/bench/cuda/flash_bench" --large-d --family sm80 --impl magi_sm80 \
+  "$BUILD/bench/cuda/flash_bench" --large-d $LARGE_DIMS --family sm80 --impl magi_sm80 \
     > "$LOGS/bench_magi_sm80.csv" 2>> "$LOGS/bench_magi.err"
   grep -E "^# magi" "$LOGS/bench_magi.err" | sort -u | head -30
   PEER_ARGS=(--large-d)

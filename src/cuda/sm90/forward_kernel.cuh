@@ -36,6 +36,7 @@ struct ForwardKernel {
   static constexpr int kConsumers = 2;
   static constexpr bool kSplitColumns = forward_splits_columns(kD);
   static constexpr int kOCols = kSplitColumns ? kD / kConsumers : kD;  // O's columns in one consumer
+  static constexpr int kSDepth = kSplitColumns ? kD / kConsumers : kD;  // the part of D one consumer's S covers
   static_assert(kOCols % 64 == 0 || !kSplitColumns, "a consumer's V columns are whole 128-byte swizzle atoms");
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kNBlocks = kN / 8, kDBlocks = kD / 8, kOBlocks = kOCols / 8;
@@ -52,7 +53,8 @@ struct ForwardKernel {
   static constexpr int kMmaGroups = kSplitColumns ? 1 : kConsumers;
   using AtomLayout = Layout<Shape<Int<kMmaGroups>, _1, _1>>;
   using MmaS = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kM / kMmaGroups>, Int<kN>, Int<kD>>>(), AtomLayout{}));
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kM / kMmaGroups>, Int<kN>, Int<kSDepth>>>(),
+      AtomLayout{}));
   using MmaO = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, Shape<Int<kM / kMmaGroups>, Int<kOCols>, Int<kN>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
@@ -77,6 +79,8 @@ struct ForwardKernel {
     alignas(1024) Element k[cosize_v<LayoutKV>];
     alignas(1024) Element v[cosize_v<LayoutKV>];
     typename Pipeline::SharedStorage pipeline_k, pipeline_v;
+    // Column split: S over each consumer's half of D, [item parity][consumer][accumulator register][thread].
+    float s_half[kSplitColumns ? 2 : 0][kConsumers][kM * kN / 128][128];
     cutlass::arch::ClusterTransactionBarrier q_full;
     cutlass::arch::ClusterBarrier q_empty;
     WorkRing work;
@@ -170,14 +174,35 @@ struct ForwardKernel {
     auto thread_o = mma_o.get_thread_slice(mma_thread);
     // Q's GEMM descriptors, built where they are used: hoisted out of the loops they take a 64-bit register per
     // k-step, which above D 128 spilled and were reloaded from local memory inside the item loop.
-    Tensor tSrQ = thread_s.partition_fragment_A(make_tensor(make_smem_ptr(shared.q), LayoutQ{}));
+    // The column split's consumer takes its half of D of Q and K (whole swizzle atoms, as V's columns below).
+    const int depth_part = kSplitColumns ? group : 0;
+    auto q_part = [&](Element* q) {
+      return local_tile(make_tensor(make_smem_ptr(q), LayoutQ{}), Shape<Int<kM>, Int<kSDepth>>{},
+                        make_coord(0, depth_part));
+    };
+    Tensor tSrQ = thread_s.partition_fragment_A(q_part(shared.q));
     auto q_operand = [&] {
       if constexpr (kD <= 128) return tSrQ;
       Element* q = shared.q;
       asm volatile("" : "+l"(q));
-      return thread_s.partition_fragment_A(make_tensor(make_smem_ptr(q), LayoutQ{}));
+      return thread_s.partition_fragment_A(q_part(q));
     };
-    Tensor tSrK = thread_s.partition_fragment_B(make_tensor(make_smem_ptr(shared.k), LayoutKV{}));
+    Tensor tSrK = thread_s.partition_fragment_B(local_tile(make_tensor(make_smem_ptr(shared.k), LayoutKV{}),
+                                                           Shape<Int<kN>, Int<kSDepth>, Int<kStages>>{},
+                                                           make_coord(0, depth_part, 0)));
+    // Column split: this consumer's S half plus the other's (the same sum in both, a + b == b + a), through shared
+    // memory; a barrier per item, two buffers so that the next item's write waits for no read.
+    int s_parity = 0;
+    auto add_other_half = [&](auto& s) {
+      if constexpr (kSplitColumns) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(s); ++i) shared.s_half[s_parity][group][i][mma_thread] = s(i);
+        cutlass::arch::NamedBarrier::sync(128 * kConsumers, kConsumers + 1);
+        CUTE_UNROLL
+        for (int i = 0; i < size(s); ++i) s(i) += shared.s_half[s_parity][group ^ 1][i][mma_thread];
+        s_parity ^= 1;
+      }
+    };
     // This consumer's columns of V (all of them in the row split): whole swizzle atoms, so the slice's descriptors
     // start on an atom.
     Tensor sVt = local_tile(make_tensor(make_smem_ptr(shared.v), LayoutVt{}),
@@ -250,6 +275,7 @@ struct ForwardKernel {
         pipeline_k.consumer_release(read_k);
         ++read_k;
         if (info.count == 1) shared.q_empty.arrive();
+        add_other_half(tSrS);
         softmax(tSrS, info.first, scale_old);
         to_p();
         // Each further item: its S = Q K^T issued beside P V of the last one, the softmax between. Every warpgroup
@@ -270,6 +296,7 @@ struct ForwardKernel {
           pipeline_k.consumer_release(read_k);
           ++read_k;
           if (item + 1 == info.first + info.count) shared.q_empty.arrive();
+          add_other_half(tSrS);
           softmax(tSrS, item, scale_old);
           warpgroup_wait<0>();
           pipeline_v.consumer_release(read_v);

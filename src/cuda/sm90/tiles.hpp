@@ -8,7 +8,7 @@ namespace magi::cuda::sm90 {
 constexpr bool sm90_forward_tile(int padded_head_dim) { return padded_head_dim <= 512; }
 // A block is a producer warpgroup and two consumer warpgroups. Up to D 320 each consumer holds 64 q rows with all
 // of O's columns (a 128-row tile). Above, 64 x D fp32 does not fit one warpgroup's registers: both consumers hold
-// the same 64 rows, each half of O's columns, and each computes the tile's S itself.
+// the same 64 rows, each half of O's columns; each computes S over its half of D and adds the other's half.
 constexpr bool forward_splits_columns(int padded_head_dim) { return padded_head_dim > 320; }
 constexpr int forward_tile_q(int padded_head_dim) { return forward_splits_columns(padded_head_dim) ? 64 : 128; }
 // Keys per item: 128 up to D 128, 64 at D 256 (a 64 x 256 fp32 accumulator per warpgroup), 32 above (shared
@@ -20,9 +20,15 @@ constexpr int forward_tile_k(int padded_head_dim) {
 constexpr int forward_stages(int padded_head_dim) {
   return padded_head_dim <= 64 ? 4 : padded_head_dim == 320 || padded_head_dim == 384 ? 3 : 2;
 }
+// The column split's S halves (fp32, two consumers, two items in flight).
+constexpr int forward_exchange_bytes(int padded_head_dim) {
+  return forward_splits_columns(padded_head_dim) ? 2 * 2 * forward_tile_q(padded_head_dim) * forward_tile_k(padded_head_dim) * 4
+                                                 : 0;
+}
 constexpr int forward_smem_bytes(int padded_head_dim) {
   const int kv_rows = 2 * forward_stages(padded_head_dim) * forward_tile_k(padded_head_dim);
-  return (forward_tile_q(padded_head_dim) + kv_rows) * padded_head_dim * 2 + 1024;
+  return (forward_tile_q(padded_head_dim) + kv_rows) * padded_head_dim * 2 + forward_exchange_bytes(padded_head_dim) +
+         1024;
 }
 
 }  // namespace magi::cuda::sm90
