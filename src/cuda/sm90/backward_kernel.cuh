@@ -255,6 +255,60 @@ struct BackwardKernel {
     }
   }
 
+  // The consumers' persistent loop (both layouts): per work (a k tile of one kv head) begin(), then per chunk (each
+  // q head of the kv head's group, the tile's items last first: see rank_dq_adds) chunk(head, item, k_base, stage,
+  // release) once its stage is full (release() hands the stage back), then end(kv_head, k_base).
+  template <class Begin, class Chunk, class End>
+  static __device__ __forceinline__ void for_each_chunk(const Params& params, SharedStorage& shared, Pipeline& pipeline,
+                                                        Begin&& begin, Chunk&& chunk, End&& end) {
+    const BwdParams& p = params.p;
+    const int group = p.hq / p.hkv;
+    PipelineState read;
+    int kv_phase = 0;
+    for (int n = 0;; ++n) {
+      const int linear = shared.work.take(n);
+      if (linear >= params.num_work) break;
+      const WorkCoords at = detail::work_coords(linear, p.hkv, p.list);
+      const TileInfo info = p.list.tiles[at.tile_index];
+      const int k_base = info.tile * kN;
+      begin();
+      if (info.count > 0) {
+        shared.kv_full.wait(kv_phase);
+        kv_phase ^= 1;
+        for (int head = at.head * group; head < (at.head + 1) * group; ++head) {
+          for (int item = info.first + info.count - 1; item >= info.first; --item) {
+            const int stage = read.index();
+            pipeline.consumer_wait(read);
+            chunk(head, item, k_base, stage, [&] {
+              pipeline.consumer_release(read);
+              ++read;
+            });
+          }
+        }
+        shared.kv_empty.arrive();
+      }
+      end(at.head, k_base);
+    }
+  }
+
+  // dK or dV of this thread's keys (k_base + key_local + {0, 8}) from the accumulator's [8-column block][2 row +
+  // column] view; keys past tk and columns past d dropped.
+  template <class Acc>
+  static __device__ __forceinline__ void store_key_rows(const BwdParams& p, void* out, const Acc& acc, bool fp32,
+                                                        int kv_head, int k_base, int key_local, int lane) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int key = k_base + key_local + 8 * r;
+      if (key >= p.tk) continue;
+      const int64_t base = (int64_t{key} * p.hkv + kv_head) * p.d;
+#pragma unroll
+      for (int nb = 0; nb < kD / 8; ++nb) {
+        const int col = nb * 8 + (lane % 4) * 2;
+        if (col < p.d) detail::store_pair<T>(out, base + col, acc[nb][2 * r], acc[nb][2 * r + 1], fp32);
+      }
+    }
+  }
+
   static __device__ __forceinline__ void consume(const Params& params, SharedStorage& shared, Pipeline& pipeline) {
     if constexpr (kWide) {
       consume_wide(params, shared, pipeline);
@@ -299,186 +353,157 @@ struct BackwardKernel {
     auto& dp = *reinterpret_cast<float(*)[kM / 8][4]>(raw_pointer_cast(tSrdP.data()));
     auto& dq = *reinterpret_cast<float(*)[kD / 16][4]>(raw_pointer_cast(tDqrdQ.data()));
 
-    const int group = p.hq / p.hkv;
-    PipelineState read;
-    int kv_phase = 0;
+    const int key_local = warp * 16 + lane / 4;  // this thread's keys: + {0, 8}
     int chunks = 0;  // this block's chunks so far (the dS buffer)
     OrderedDqAdds dq_adds;
-    for (int n = 0;; ++n) {
-      const int linear = shared.work.take(n);
-      if (linear >= params.num_work) break;
-      const WorkCoords at = detail::work_coords(linear, p.hkv, p.list);
-      const TileInfo info = p.list.tiles[at.tile_index];
-      const int kv_head = at.head;
-      const int k_base = info.tile * kN;
-      const int key_local = warp * 16 + lane / 4;  // this thread's keys: + {0, 8}
+    auto begin = [&] {
       clear(tdVrdV);
       clear(tdKrdK);
-      if (info.count > 0) {
-        shared.kv_full.wait(kv_phase);
-        kv_phase ^= 1;
-        for (int head = kv_head * group; head < (kv_head + 1) * group; ++head) {
-          for (int item = info.first + info.count - 1; item >= info.first; --item) {  // see rank_dq_adds
-            const WorkItem w = p.list.items[item];
-            const int q0 = w.q0 / kM * kM;
-            const int stage = read.index();
-            const int buffer = chunks & 1;
-            pipeline.consumer_wait(read);
-            // The operands' descriptors, rebuilt per chunk from an opaque base: hoisted out of the loops, the ~90
-            // of them took registers that the accumulators need (spills).
-            Element* const base = launder(shared.k);
-            auto at_smem = [&](const Element* member) { return make_smem_ptr(base + (member - shared.k)); };
-            Tensor tSrK = thr_sdp.partition_fragment_A(make_tensor(at_smem(shared.k), LayoutKV{}));
-            Tensor tSrV = thr_sdp.partition_fragment_A(make_tensor(at_smem(shared.v), LayoutKV{}));
-            Tensor tSrQ = thr_sdp.partition_fragment_B(make_tensor(at_smem(shared.q), LayoutQ{}));
-            Tensor tSrdO = thr_sdp.partition_fragment_B(make_tensor(at_smem(shared.dout), LayoutQ{}));
-            Tensor tKVrQt = thr_kv.partition_fragment_B(make_tensor(at_smem(shared.q), LayoutQt{}));
-            Tensor tKVrdOt = thr_kv.partition_fragment_B(make_tensor(at_smem(shared.dout), LayoutQt{}));
-            Tensor tDqrdS = thr_dq.partition_fragment_A(make_tensor(at_smem(shared.ds), LayoutdS{}));
-            Tensor tDqrKt = thr_dq.partition_fragment_B(make_tensor(at_smem(shared.k), LayoutKt{}));
-            issue_gemm<true, false>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
-            issue_gemm<true, false>(mma_sdp, tSrV, tSrdO(_, _, _, stage), tSrdP);
-            // In order, the last chunk's add counted as soon as it is complete (under this chunk's first GEMMs): a
-            // later k tile waiting on it loses less.
-            if (kDq && p.dq_semaphores != nullptr && thread % 128 == 0) dq_adds.finish_last();
-            // Only warps whose 16 keys the plan marks take the per-cell test; kept rows relative to q0.
-            const bool masked = (w.flags >> (detail::kWorkTestGroupShift + warp)) & 1;
-            KeyInterval rows[2] = {{0, 1 << 30}, {0, 1 << 30}};
-            if (masked) {
+    };
+    auto chunk = [&](int head, int item, int k_base, int stage, auto&& release) {
+      const WorkItem w = p.list.items[item];
+      const int q0 = w.q0 / kM * kM;
+      const int buffer = chunks & 1;
+      // The operands' descriptors, rebuilt per chunk from an opaque base: hoisted out of the loops, the ~90
+      // of them took registers that the accumulators need (spills).
+      Element* const base = launder(shared.k);
+      auto at_smem = [&](const Element* member) { return make_smem_ptr(base + (member - shared.k)); };
+      Tensor tSrK = thr_sdp.partition_fragment_A(make_tensor(at_smem(shared.k), LayoutKV{}));
+      Tensor tSrV = thr_sdp.partition_fragment_A(make_tensor(at_smem(shared.v), LayoutKV{}));
+      Tensor tSrQ = thr_sdp.partition_fragment_B(make_tensor(at_smem(shared.q), LayoutQ{}));
+      Tensor tSrdO = thr_sdp.partition_fragment_B(make_tensor(at_smem(shared.dout), LayoutQ{}));
+      Tensor tKVrQt = thr_kv.partition_fragment_B(make_tensor(at_smem(shared.q), LayoutQt{}));
+      Tensor tKVrdOt = thr_kv.partition_fragment_B(make_tensor(at_smem(shared.dout), LayoutQt{}));
+      Tensor tDqrdS = thr_dq.partition_fragment_A(make_tensor(at_smem(shared.ds), LayoutdS{}));
+      Tensor tDqrKt = thr_dq.partition_fragment_B(make_tensor(at_smem(shared.k), LayoutKt{}));
+      issue_gemm<true, false>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
+      issue_gemm<true, false>(mma_sdp, tSrV, tSrdO(_, _, _, stage), tSrdP);
+      // In order, the last chunk's add counted as soon as it is complete (under this chunk's first GEMMs): a
+      // later k tile waiting on it loses less.
+      if (kDq && p.dq_semaphores != nullptr && thread % 128 == 0) dq_adds.finish_last();
+      // Only warps whose 16 keys the plan marks take the per-cell test; kept rows relative to q0.
+      const bool masked = (w.flags >> (detail::kWorkTestGroupShift + warp)) & 1;
+      KeyInterval rows[2] = {{0, 1 << 30}, {0, 1 << 30}};
+      if (masked) {
 #pragma unroll
-              for (int r = 0; r < 2; ++r) {
-                rows[r] = detail::item_queries(w, k_base + key_local + 8 * r);
-                rows[r].lo -= q0, rows[r].hi -= q0;
-              }
+        for (int r = 0; r < 2; ++r) {
+          rows[r] = detail::item_queries(w, k_base + key_local + 8 * r);
+          rows[r].lo -= q0, rows[r].hi -= q0;
+        }
+      }
+      // P^T, then dS^T, into 16-bit A operands; dV += P^T dO issued between them. Without softcap P is
+      // computed while dP^T is still in the tensor cores (bwd_cell's arithmetic, in two passes: P = 0 where
+      // not kept, so dS needs no mask); with it, bwd_cell once both are done. The wgmma issues stay outside
+      // the per-warp `masked` branch: the four warps of a warpgroup must issue the same wgmma instruction
+      // (issued from both branches, with their own A registers, dV came out garbage).
+      auto p_and_ds = [&](auto is_masked) {
+        auto kept = [&](int nb, int e) {
+          return decltype(is_masked)::value ? rows[e / 2].contains(nb * 8 + (lane % 4) * 2 + e % 2) : true;
+        };
+#pragma unroll
+        for (int nb = 0; nb < kM / 8; ++nb) {
+          const int col0 = nb * 8 + (lane % 4) * 2;
+          const float2 lse2 = *reinterpret_cast<const float2*>(&shared.lse2[stage][col0]);
+          if constexpr (kSoftcap) {
+            const float2 delta = *reinterpret_cast<const float2*>(&shared.delta[stage][col0]);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const detail::BwdCell c = detail::bwd_cell<true>(
+                  p, s[nb][e], dp[nb][e], e % 2 ? lse2.y : lse2.x, e % 2 ? delta.y : delta.x, kept(nb, e));
+              rP(nb * 4 + e) = static_cast<Element>(c.p);
+              rdS(nb * 4 + e) = static_cast<Element>(c.ds);
             }
-            // P^T, then dS^T, into 16-bit A operands; dV += P^T dO issued between them. Without softcap P is
-            // computed while dP^T is still in the tensor cores (bwd_cell's arithmetic, in two passes: P = 0 where
-            // not kept, so dS needs no mask); with it, bwd_cell once both are done. The wgmma issues stay outside
-            // the per-warp `masked` branch: the four warps of a warpgroup must issue the same wgmma instruction
-            // (issued from both branches, with their own A registers, dV came out garbage).
-            auto p_and_ds = [&](auto is_masked) {
-              auto kept = [&](int nb, int e) {
-                return decltype(is_masked)::value ? rows[e / 2].contains(nb * 8 + (lane % 4) * 2 + e % 2) : true;
-              };
+          } else {
 #pragma unroll
-              for (int nb = 0; nb < kM / 8; ++nb) {
-                const int col0 = nb * 8 + (lane % 4) * 2;
-                const float2 lse2 = *reinterpret_cast<const float2*>(&shared.lse2[stage][col0]);
-                if constexpr (kSoftcap) {
-                  const float2 delta = *reinterpret_cast<const float2*>(&shared.delta[stage][col0]);
-#pragma unroll
-                  for (int e = 0; e < 4; ++e) {
-                    const detail::BwdCell c = detail::bwd_cell<true>(
-                        p, s[nb][e], dp[nb][e], e % 2 ? lse2.y : lse2.x, e % 2 ? delta.y : delta.x, kept(nb, e));
-                    rP(nb * 4 + e) = static_cast<Element>(c.p);
-                    rdS(nb * 4 + e) = static_cast<Element>(c.ds);
-                  }
-                } else {
-#pragma unroll
-                  for (int e = 0; e < 4; ++e) {
-                    const float lse = e % 2 ? lse2.y : lse2.x;
-                    s[nb][e] = detail::fast_exp2(kept(nb, e) ? s[nb][e] * p.scale_log2 - lse : -INFINITY);
-                    rP(nb * 4 + e) = static_cast<Element>(s[nb][e]);
-                  }
-                }
-              }
-            };
-            warpgroup_wait<kSoftcap ? 0 : 1>();  // S^T (and dP^T with softcap)
-            detail::with_bool(masked, p_and_ds);
-            issue_gemm<false, true>(mma_kv, tKVrP, tKVrdOt(_, _, _, stage), tdVrdV);
-            if constexpr (!kSoftcap) {
-              warpgroup_wait<1>();  // dP^T (dV may still run)
-#pragma unroll
-              for (int nb = 0; nb < kM / 8; ++nb) {
-                const float2 delta = *reinterpret_cast<const float2*>(&shared.delta[stage][nb * 8 + (lane % 4) * 2]);
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                  rdS(nb * 4 + e) =
-                      static_cast<Element>(s[nb][e] * (dp[nb][e] - (e % 2 ? delta.y : delta.x)) * p.softmax_scale);
-              }
+            for (int e = 0; e < 4; ++e) {
+              const float lse = e % 2 ? lse2.y : lse2.x;
+              s[nb][e] = detail::fast_exp2(kept(nb, e) ? s[nb][e] * p.scale_log2 - lse : -INFINITY);
+              rP(nb * 4 + e) = static_cast<Element>(s[nb][e]);
             }
-            if constexpr (kDq) {
-              // dS^T into buffer `buffer` of the dS tile (rows contiguous, 128-byte swizzle: the 16-byte chunk
-              // q / 8 of key row k sits at chunk (q / 8) ^ (k % 8)); this thread's two keys are k % 8 = lane / 4.
-              {
-                const auto* pairs = reinterpret_cast<const uint32_t*>(raw_pointer_cast(rdS.data()));
-                const uint32_t at = ds_store + buffer * uint32_t{kM * kN * sizeof(Element)};
-  #pragma unroll
-                for (int nb = 0; nb < kM / 8; ++nb)
-  #pragma unroll
-                  for (int r = 0; r < 2; ++r)
-                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at + r * 8 * kM * 2 + ((nb * 16) ^ ds_chunk)),
-                                 "r"(pairs[nb * 2 + r]));
-              }
-              cutlass::arch::fence_view_async_shared();  // dS^T's ordinary stores, read next by the tensor cores
-              // Past this barrier the last chunk's reduce-add has read the dQ tile (its issuer waited).
-              if (thread % 128 == 0) dq_adds.finish_last();
-              cutlass::arch::NamedBarrier::sync(128 * kConsumers, 0);
-              // dQ before dK, so that dQ's way out (shared memory, TMA) overlaps dK += dS^T Q.
-              Tensor ds_operand = tDqrdS(_, _, _, buffer);
-              issue_gemm<true, false>(mma_dq, ds_operand, tDqrKt, tDqrdQ);
-              issue_gemm<false, true>(mma_kv, tKVrdS, tKVrQt(_, _, _, stage), tdKrdK);
-              warpgroup_wait<1>();
-              // dQ rows 16 (warp % 4) + lane / 4 + {0, 8}, this consumer's half of the columns.
-              // Into the dQ tile by hand (LayoutdQ: column c of row r at byte (c / 32) 8192 + (r / 8) 1024 +
-              // (r % 8) 128 + 16 ((c % 32 / 4) ^ (r % 8)) + 4 (c % 4); r % 8 = lane / 4 here), then one
-              // thread adds the tile to dq_accum (rows past tq, columns past d clipped by the TMA unit).
-              const uint32_t tile = detail::smem_addr(shared.tiles.dq) + consumer * uint32_t{cosize_v<LayoutdQ> * 4};
-              const uint32_t at = tile + (warp % 4) * 2048 + (lane / 4) * 128 + (lane % 2) * 8;
-              const uint32_t chunk_x = (((lane % 4) / 2) ^ (lane / 4)) * 16;
-  #pragma unroll
-              for (int nb = 0; nb < kD / 16; ++nb)
-  #pragma unroll
-                for (int r = 0; r < 2; ++r)
-                  asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at + (nb / 4) * 8192 + r * 1024 +
-                                                                         (((nb % 4) * 32) ^ chunk_x)),
-                               "f"(dq[nb][2 * r]), "f"(dq[nb][2 * r + 1]));
-              cutlass::arch::fence_view_async_shared();
-              cutlass::arch::NamedBarrier::sync(128, 1 + consumer);
-              if (thread % 128 == 0) {
-                Tensor mdQ = params.tma_dq.get_tma_tensor(make_shape(max(p.tq, 1), p.d, p.hq));
-                Tensor gdQ = local_tile(mdQ(_, _, head), Shape<Int<kM>, Int<kD / kConsumers>>{},
-                                        make_coord(q0 / kM, consumer));
-                Tensor sdQ = make_tensor(make_smem_ptr(shared.tiles.dq + consumer * cosize_v<LayoutdQ>), LayoutdQ{});
-                auto [tdQg, tdQs] = tma_partition(params.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sdQ),
-                                                  group_modes<0, 2>(gdQ));
-                dq_adds.wait_turn(p, consumer, head, q0, w.rank);
-                copy(params.tma_dq, tdQs, tdQg);
-                tma_store_arrive();
-              }
-            } else {
-              issue_gemm<false, true>(mma_kv, tKVrdS, tKVrQt(_, _, _, stage), tdKrdK);
-            }
-            warpgroup_wait<0>();
-            // P^T and dS^T live until the GEMMs that read them from registers are done.
-            warpgroup_fence_operand(tKVrP);
-            warpgroup_fence_operand(tKVrdS);
-            pipeline.consumer_release(read);
-            ++read;
-            ++chunks;
           }
         }
-        shared.kv_empty.arrive();
+      };
+      warpgroup_wait<kSoftcap ? 0 : 1>();  // S^T (and dP^T with softcap)
+      detail::with_bool(masked, p_and_ds);
+      issue_gemm<false, true>(mma_kv, tKVrP, tKVrdOt(_, _, _, stage), tdVrdV);
+      if constexpr (!kSoftcap) {
+        warpgroup_wait<1>();  // dP^T (dV may still run)
+#pragma unroll
+        for (int nb = 0; nb < kM / 8; ++nb) {
+          const float2 delta = *reinterpret_cast<const float2*>(&shared.delta[stage][nb * 8 + (lane % 4) * 2]);
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            rdS(nb * 4 + e) =
+                static_cast<Element>(s[nb][e] * (dp[nb][e] - (e % 2 ? delta.y : delta.x)) * p.softmax_scale);
+        }
       }
-
-      // dK (the cells' dS already carries the softmax scale) and dV; keys past tk and columns past d dropped.
+      if constexpr (kDq) {
+        // dS^T into buffer `buffer` of the dS tile (rows contiguous, 128-byte swizzle: the 16-byte chunk
+        // q / 8 of key row k sits at chunk (q / 8) ^ (k % 8)); this thread's two keys are k % 8 = lane / 4.
+        {
+          const auto* pairs = reinterpret_cast<const uint32_t*>(raw_pointer_cast(rdS.data()));
+          const uint32_t at = ds_store + buffer * uint32_t{kM * kN * sizeof(Element)};
+  #pragma unroll
+          for (int nb = 0; nb < kM / 8; ++nb)
+  #pragma unroll
+            for (int r = 0; r < 2; ++r)
+              asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at + r * 8 * kM * 2 + ((nb * 16) ^ ds_chunk)),
+                           "r"(pairs[nb * 2 + r]));
+        }
+        cutlass::arch::fence_view_async_shared();  // dS^T's ordinary stores, read next by the tensor cores
+        // Past this barrier the last chunk's reduce-add has read the dQ tile (its issuer waited).
+        if (thread % 128 == 0) dq_adds.finish_last();
+        cutlass::arch::NamedBarrier::sync(128 * kConsumers, 0);
+        // dQ before dK, so that dQ's way out (shared memory, TMA) overlaps dK += dS^T Q.
+        Tensor ds_operand = tDqrdS(_, _, _, buffer);
+        issue_gemm<true, false>(mma_dq, ds_operand, tDqrKt, tDqrdQ);
+        issue_gemm<false, true>(mma_kv, tKVrdS, tKVrQt(_, _, _, stage), tdKrdK);
+        warpgroup_wait<1>();
+        // dQ rows 16 (warp % 4) + lane / 4 + {0, 8}, this consumer's half of the columns.
+        // Into the dQ tile by hand (LayoutdQ: column c of row r at byte (c / 32) 8192 + (r / 8) 1024 +
+        // (r % 8) 128 + 16 ((c % 32 / 4) ^ (r % 8)) + 4 (c % 4); r % 8 = lane / 4 here), then one
+        // thread adds the tile to dq_accum (rows past tq, columns past d clipped by the TMA unit).
+        const uint32_t tile = detail::smem_addr(shared.tiles.dq) + consumer * uint32_t{cosize_v<LayoutdQ> * 4};
+        const uint32_t at = tile + (warp % 4) * 2048 + (lane / 4) * 128 + (lane % 2) * 8;
+        const uint32_t chunk_x = (((lane % 4) / 2) ^ (lane / 4)) * 16;
+  #pragma unroll
+        for (int nb = 0; nb < kD / 16; ++nb)
+  #pragma unroll
+          for (int r = 0; r < 2; ++r)
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at + (nb / 4) * 8192 + r * 1024 +
+                                                                   (((nb % 4) * 32) ^ chunk_x)),
+                         "f"(dq[nb][2 * r]), "f"(dq[nb][2 * r + 1]));
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::sync(128, 1 + consumer);
+        if (thread % 128 == 0) {
+          Tensor mdQ = params.tma_dq.get_tma_tensor(make_shape(max(p.tq, 1), p.d, p.hq));
+          Tensor gdQ = local_tile(mdQ(_, _, head), Shape<Int<kM>, Int<kD / kConsumers>>{},
+                                  make_coord(q0 / kM, consumer));
+          Tensor sdQ = make_tensor(make_smem_ptr(shared.tiles.dq + consumer * cosize_v<LayoutdQ>), LayoutdQ{});
+          auto [tdQg, tdQs] = tma_partition(params.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sdQ),
+                                            group_modes<0, 2>(gdQ));
+          dq_adds.wait_turn(p, consumer, head, q0, w.rank);
+          copy(params.tma_dq, tdQs, tdQg);
+          tma_store_arrive();
+        }
+      } else {
+        issue_gemm<false, true>(mma_kv, tKVrdS, tKVrQt(_, _, _, stage), tdKrdK);
+      }
+      warpgroup_wait<0>();
+      // P^T and dS^T live until the GEMMs that read them from registers are done.
+      warpgroup_fence_operand(tKVrP);
+      warpgroup_fence_operand(tKVrdS);
+      release();
+      ++chunks;
+    };
+    // dK (the cells' dS already carries the softmax scale) and dV.
+    auto end = [&](int kv_head, int k_base) {
       auto& dk = *reinterpret_cast<float(*)[kD / 8][4]>(raw_pointer_cast(tdKrdK.data()));
       auto& dv = *reinterpret_cast<float(*)[kD / 8][4]>(raw_pointer_cast(tdVrdV.data()));
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int key = k_base + key_local + 8 * r;
-        if (key >= p.tk) continue;
-        const int64_t base = (int64_t{key} * p.hkv + kv_head) * p.d;
-#pragma unroll
-        for (int nb = 0; nb < kD / 8; ++nb) {
-          const int col = nb * 8 + (lane % 4) * 2;
-          if (col < p.d) {
-            detail::store_pair<T>(p.dk, base + col, dk[nb][2 * r], dk[nb][2 * r + 1], p.grad_fp32);
-            detail::store_pair<T>(p.dv, base + col, dv[nb][2 * r], dv[nb][2 * r + 1], p.dv_fp32);
-          }
-        }
-      }
-    }
+      store_key_rows(p, p.dk, dk, p.grad_fp32, kv_head, k_base, key_local, lane);
+      store_key_rows(p, p.dv, dv, p.dv_fp32, kv_head, k_base, key_local, lane);
+    };
+    for_each_chunk(params, shared, pipeline, begin, chunk, end);
     if (kDq && thread % 128 == 0) dq_adds.finish_last();  // the last reduce-add has read the dQ tile
   }
 
@@ -522,136 +547,105 @@ struct BackwardKernel {
     // g in the fragment's order: register pair j of thread t at float2 index j * 128 + t (conflict-free).
     auto* const g = reinterpret_cast<float2*>(shared.tiles.g) + own;
 
-    const int group = p.hq / p.hkv;
-    PipelineState read;
-    int kv_phase = 0;
-    for (int n = 0;; ++n) {
-      const int linear = shared.work.take(n);
-      if (linear >= params.num_work) break;
-      const WorkCoords at = detail::work_coords(linear, p.hkv, p.list);
-      const TileInfo info = p.list.tiles[at.tile_index];
-      const int kv_head = at.head;
-      const int k_base = info.tile * kN;
-      clear(tKVrAcc);
-      if (info.count > 0) {
-        shared.kv_full.wait(kv_phase);
-        kv_phase ^= 1;
-        for (int head = kv_head * group; head < (kv_head + 1) * group; ++head) {
-          for (int item = info.first + info.count - 1; item >= info.first; --item) {  // see rank_dq_adds
-            const WorkItem w = p.list.items[item];
-            const int q0 = w.q0 / kM * kM;
-            const int stage = read.index();
-            pipeline.consumer_wait(read);
-            // Descriptors rebuilt per chunk from an opaque base (see consume_narrow).
-            Element* const base = launder(shared.k);
-            auto at_smem = [&](const Element* member) { return make_smem_ptr(base + (member - shared.k)); };
-            Tensor tSrKV = thr_sdp.partition_fragment_A(make_tensor(at_smem(role == 0 ? shared.k : shared.v), LayoutKV{}));
-            Tensor tSrQ = thr_sdp.partition_fragment_B(make_tensor(at_smem(role == 0 ? shared.q : shared.dout), LayoutQ{}));
-            Tensor tKVrB =  // dO^T for dV, Q^T for dK
-                thr_kv.partition_fragment_B(make_tensor(at_smem(role == 0 ? shared.dout : shared.q), LayoutQt{}));
-            issue_gemm<true, false>(mma_sdp, tSrKV, tSrQ(_, _, _, stage), tSrS);
-            // Role 0: only warps whose 16 keys the plan marks take the per-cell test; kept rows relative to q0.
-            const bool masked = role == 0 && ((w.flags >> (detail::kWorkTestGroupShift + warp)) & 1);
-            KeyInterval rows[2] = {{0, 1 << 30}, {0, 1 << 30}};
-            if (masked) {
+    auto begin = [&] { clear(tKVrAcc); };
+    auto chunk = [&](int head, int item, int k_base, int stage, auto&& release) {
+      const WorkItem w = p.list.items[item];
+      const int q0 = w.q0 / kM * kM;
+      // Descriptors rebuilt per chunk from an opaque base (see consume_narrow).
+      Element* const base = launder(shared.k);
+      auto at_smem = [&](const Element* member) { return make_smem_ptr(base + (member - shared.k)); };
+      Tensor tSrKV = thr_sdp.partition_fragment_A(make_tensor(at_smem(role == 0 ? shared.k : shared.v), LayoutKV{}));
+      Tensor tSrQ = thr_sdp.partition_fragment_B(make_tensor(at_smem(role == 0 ? shared.q : shared.dout), LayoutQ{}));
+      Tensor tKVrB =  // dO^T for dV, Q^T for dK
+          thr_kv.partition_fragment_B(make_tensor(at_smem(role == 0 ? shared.dout : shared.q), LayoutQt{}));
+      issue_gemm<true, false>(mma_sdp, tSrKV, tSrQ(_, _, _, stage), tSrS);
+      // Role 0: only warps whose 16 keys the plan marks take the per-cell test; kept rows relative to q0.
+      const bool masked = role == 0 && ((w.flags >> (detail::kWorkTestGroupShift + warp)) & 1);
+      KeyInterval rows[2] = {{0, 1 << 30}, {0, 1 << 30}};
+      if (masked) {
 #pragma unroll
-              for (int r = 0; r < 2; ++r) {
-                rows[r] = detail::item_queries(w, k_base + key_local + 8 * r);
-                rows[r].lo -= q0, rows[r].hi -= q0;
+        for (int r = 0; r < 2; ++r) {
+          rows[r] = detail::item_queries(w, k_base + key_local + 8 * r);
+          rows[r].lo -= q0, rows[r].hi -= q0;
+        }
+      }
+      warpgroup_wait<0>();
+      if (role == 0) {
+        // bwd_cell's P and dS factor; P = 0 where not kept, so that dS = g (dP - Delta) needs no mask.
+        detail::with_bool(masked, [&](auto is_masked) {
+#pragma unroll
+          for (int nb = 0; nb < kM / 8; ++nb) {
+            const int col0 = nb * 8 + (lane % 4) * 2;
+            const float2 lse2 = *reinterpret_cast<const float2*>(&shared.lse2[stage][col0]);
+            float gv[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const bool kept = decltype(is_masked)::value ? rows[e / 2].contains(col0 + e % 2) : true;
+              float s2, factor;
+              if constexpr (kSoftcap) {
+                const float t = tanhf(s[nb][e] * p.softcap_pre);
+                s2 = p.softcap_post * t;
+                factor = p.softmax_scale * (1.0f - t * t);
+              } else {
+                s2 = s[nb][e] * p.scale_log2;
+                factor = p.softmax_scale;
               }
+              const float pr = detail::fast_exp2(kept ? s2 - (e % 2 ? lse2.y : lse2.x) : -INFINITY);
+              rA(nb * 4 + e) = static_cast<Element>(pr);
+              gv[e] = pr * factor;
             }
-            warpgroup_wait<0>();
-            if (role == 0) {
-              // bwd_cell's P and dS factor; P = 0 where not kept, so that dS = g (dP - Delta) needs no mask.
-              detail::with_bool(masked, [&](auto is_masked) {
+            g[(nb * 2) * 128] = make_float2(gv[0], gv[1]);
+            g[(nb * 2 + 1) * 128] = make_float2(gv[2], gv[3]);
+          }
+        });
+      }
+      cutlass::arch::NamedBarrier::sync(256, kGReady);
+      if (role == 1) {
 #pragma unroll
-                for (int nb = 0; nb < kM / 8; ++nb) {
-                  const int col0 = nb * 8 + (lane % 4) * 2;
-                  const float2 lse2 = *reinterpret_cast<const float2*>(&shared.lse2[stage][col0]);
-                  float gv[4];
+        for (int nb = 0; nb < kM / 8; ++nb) {
+          const float2 delta = *reinterpret_cast<const float2*>(&shared.delta[stage][nb * 8 + (lane % 4) * 2]);
 #pragma unroll
-                  for (int e = 0; e < 4; ++e) {
-                    const bool kept = decltype(is_masked)::value ? rows[e / 2].contains(col0 + e % 2) : true;
-                    float s2, factor;
-                    if constexpr (kSoftcap) {
-                      const float t = tanhf(s[nb][e] * p.softcap_pre);
-                      s2 = p.softcap_post * t;
-                      factor = p.softmax_scale * (1.0f - t * t);
-                    } else {
-                      s2 = s[nb][e] * p.scale_log2;
-                      factor = p.softmax_scale;
-                    }
-                    const float pr = detail::fast_exp2(kept ? s2 - (e % 2 ? lse2.y : lse2.x) : -INFINITY);
-                    rA(nb * 4 + e) = static_cast<Element>(pr);
-                    gv[e] = pr * factor;
-                  }
-                  g[(nb * 2) * 128] = make_float2(gv[0], gv[1]);
-                  g[(nb * 2 + 1) * 128] = make_float2(gv[2], gv[3]);
-                }
-              });
-            }
-            cutlass::arch::NamedBarrier::sync(256, kGReady);
-            if (role == 1) {
-#pragma unroll
-              for (int nb = 0; nb < kM / 8; ++nb) {
-                const float2 delta = *reinterpret_cast<const float2*>(&shared.delta[stage][nb * 8 + (lane % 4) * 2]);
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                  const float2 gv = g[(nb * 2 + r) * 128];
-                  rA(nb * 4 + 2 * r) = static_cast<Element>(gv.x * (s[nb][2 * r] - delta.x));
-                  rA(nb * 4 + 2 * r + 1) = static_cast<Element>(gv.y * (s[nb][2 * r + 1] - delta.y));
-                }
-              }
-            }
-            issue_gemm<false, true>(mma_kv, tKVrA, tKVrB(_, _, _, stage), tKVrAcc);  // dV += P^T dO, dK += dS^T Q
-            if (kDq && role == 1) {
-              // dS^T into the dS tile (rows contiguous, 128-byte swizzle: the 16-byte chunk q / 8 of key row k sits
-              // at chunk (q / 8) ^ (k % 8)); this thread's two keys are k % 8 = lane / 4.
-              const auto* pairs = reinterpret_cast<const uint32_t*>(raw_pointer_cast(rA.data()));
-#pragma unroll
-              for (int nb = 0; nb < kM / 8; ++nb)
-#pragma unroll
-                for (int r = 0; r < 2; ++r)
-                  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_store + r * 8 * kM * 2 + ((nb * 16) ^ ds_chunk)),
-                               "r"(pairs[nb * 2 + r]));
-              cutlass::arch::fence_view_async_shared();  // read next by the tensor cores
-            }
-            cutlass::arch::NamedBarrier::sync(256, kDsReady);
-            // dV / dK done before dQ is issued: P^T / dS^T's registers then hold dQ (else they spill).
-            warpgroup_wait<0>();
-            warpgroup_fence_operand(tKVrA);
-            if constexpr (kDq) {
-              Tensor tDqrdS = thr_dq.partition_fragment_A(make_tensor(at_smem(shared.ds), LayoutdS{}));
-              Tensor tDqrKt = thr_dq.partition_fragment_B(make_tensor(at_smem(shared.k), LayoutKt{}));
-              Tensor ds_operand = tDqrdS(_, _, _, 0);
-              issue_gemm<true, false>(mma_dq, ds_operand, tDqrKt, tDqrdQ);
-              warpgroup_wait<0>();
-            }
-            pipeline.consumer_release(read);
-            ++read;
-            if constexpr (kDq) add_dq_rows(p, dq, head, q0 + key_local, (thread / 128) * (kD / kConsumers), lane);
+          for (int r = 0; r < 2; ++r) {
+            const float2 gv = g[(nb * 2 + r) * 128];
+            rA(nb * 4 + 2 * r) = static_cast<Element>(gv.x * (s[nb][2 * r] - delta.x));
+            rA(nb * 4 + 2 * r + 1) = static_cast<Element>(gv.y * (s[nb][2 * r + 1] - delta.y));
           }
         }
-        shared.kv_empty.arrive();
       }
-
-      // dV (role 0) or dK (role 1: the cells' dS already carries the softmax scale); keys past tk and columns past
-      // d dropped.
+      issue_gemm<false, true>(mma_kv, tKVrA, tKVrB(_, _, _, stage), tKVrAcc);  // dV += P^T dO, dK += dS^T Q
+      if (kDq && role == 1) {
+        // dS^T into the dS tile (rows contiguous, 128-byte swizzle: the 16-byte chunk q / 8 of key row k sits
+        // at chunk (q / 8) ^ (k % 8)); this thread's two keys are k % 8 = lane / 4.
+        const auto* pairs = reinterpret_cast<const uint32_t*>(raw_pointer_cast(rA.data()));
+#pragma unroll
+        for (int nb = 0; nb < kM / 8; ++nb)
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_store + r * 8 * kM * 2 + ((nb * 16) ^ ds_chunk)),
+                         "r"(pairs[nb * 2 + r]));
+        cutlass::arch::fence_view_async_shared();  // read next by the tensor cores
+      }
+      cutlass::arch::NamedBarrier::sync(256, kDsReady);
+      // dV / dK done before dQ is issued: P^T / dS^T's registers then hold dQ (else they spill).
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tKVrA);
+      if constexpr (kDq) {
+        Tensor tDqrdS = thr_dq.partition_fragment_A(make_tensor(at_smem(shared.ds), LayoutdS{}));
+        Tensor tDqrKt = thr_dq.partition_fragment_B(make_tensor(at_smem(shared.k), LayoutKt{}));
+        Tensor ds_operand = tDqrdS(_, _, _, 0);
+        issue_gemm<true, false>(mma_dq, ds_operand, tDqrKt, tDqrdQ);
+        warpgroup_wait<0>();
+      }
+      release();
+      if constexpr (kDq) add_dq_rows(p, dq, head, q0 + key_local, (thread / 128) * (kD / kConsumers), lane);
+    };
+    // dV (role 0) or dK (role 1: the cells' dS already carries the softmax scale).
+    auto end = [&](int kv_head, int k_base) {
       auto& acc = *reinterpret_cast<float(*)[kD / 8][4]>(raw_pointer_cast(tKVrAcc.data()));
-      void* const out = role == 0 ? p.dv : p.dk;
-      const bool fp32 = role == 0 ? p.dv_fp32 : p.grad_fp32;
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int key = k_base + key_local + 8 * r;
-        if (key >= p.tk) continue;
-        const int64_t base = (int64_t{key} * p.hkv + kv_head) * p.d;
-#pragma unroll
-        for (int nb = 0; nb < kD / 8; ++nb) {
-          const int col = nb * 8 + (lane % 4) * 2;
-          if (col < p.d) detail::store_pair<T>(out, base + col, acc[nb][2 * r], acc[nb][2 * r + 1], fp32);
-        }
-      }
-    }
+      store_key_rows(p, role == 0 ? p.dv : p.dk, acc, role == 0 ? p.dv_fp32 : p.grad_fp32, kv_head, k_base,
+                     key_local, lane);
+    };
+    for_each_chunk(params, shared, pipeline, begin, chunk, end);
   }
 
   // D 256: this thread's dQ (rows `row`, + 8; columns col0 + 8 nb + 2 (lane % 4) + {0, 1}) added to dq_accum by
