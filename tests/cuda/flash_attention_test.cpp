@@ -1003,12 +1003,15 @@ TEST(CudaBackend, PlansRunTheFamilyAskedFor) {
   // The backward follows the family at head-dim tiles 64, 128 and 256 and stays portable above.
   EXPECT_EQ(s.backward_family, testing_sm90() ? cuda::KernelFamily::Sm90 : cuda::KernelFamily::Sm80);
   EXPECT_EQ(cuda::stats(*test_plan(mask, 2, 1, 64)).backward_family, s.backward_family);
-  if (cuda::head_dim_supported(256))
-    EXPECT_EQ(cuda::stats(*test_plan(mask, 2, 1, 256)).backward_family, s.backward_family);
+  // (A build without some tile runs that head dim padded in a larger one: only the exact tiles are checked.)
+  if (cuda::head_dim_supported(256)) {
+    const cuda::PlanStats d256 = cuda::stats(*test_plan(mask, 2, 1, 256));
+    if (d256.padded_head_dim == 256) EXPECT_EQ(d256.backward_family, s.backward_family);
+  }
   if (cuda::head_dim_supported(320))
     EXPECT_EQ(cuda::stats(*test_plan(mask, 2, 1, 320)).backward_family, cuda::KernelFamily::Sm80);
   // The Hopper forward runs up to tile 512 (64-row tiles above 320); a forward_variant asks for the portable one.
-  if (cuda::head_dim_supported(512)) {
+  if (cuda::head_dim_supported(512) && cuda::stats(*test_plan(mask, 2, 1, 512)).padded_head_dim == 512) {
     const cuda::PlanStats large = cuda::stats(*test_plan(mask, 2, 1, 512));
     EXPECT_EQ(large.forward_family, s.forward_family);
     EXPECT_EQ(large.forward_tile_q, 64);
