@@ -5,7 +5,7 @@
 // usage: flash_bench [--cases out.json] [--reps N] [--quick] [--only MASK] [--dims 64,128,256] [--seq 8192]
 //                    [--batch 2] [--deterministic] [--sm-margin N] [--impl NAME] [--fwd-tile-q 64|128]
 //                    [--family auto|sm80|sm90] [--bwd-family auto|sm80|sm90] [--large-d] [--fwd-variant 0|1|2|3]
-//                    [--bwd-variant 0|1] [--forward-only]
+//                    [--bwd-variant 0|1] [--forward-only] [--fwd-heads-per-pass N]
 //   --family pins both kernels' family, --bwd-family (given after it) the backward's alone.
 //   --batch sequences of --seq tokens (16 heads, bf16); --quick = D 128 only. The backward runs in the default
 //   mode (dq by atomics); --deterministic also times the deterministic backward (rows `magi_det`); --forward-only
@@ -16,6 +16,7 @@
 //   the long-tailed documents over the same tokens (varlen causal).
 //   --fwd-variant pins the large-D forward's variant (0 resident, 1 deep, 2 streamed, 3 paired; default: the plan's choice);
 //   --bwd-variant the large-D dk/dv kernel's (0 single, 1 paired: two blocks per SM, D 320 only).
+//   --fwd-heads-per-pass N: the forward's work order in passes of N q heads (a divisor of 16; 16 = one pass).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -170,6 +171,8 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--sm-margin") && i + 1 < argc) sm_margin = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--impl") && i + 1 < argc) impl = argv[++i];
     else if (!std::strcmp(argv[i], "--fwd-tile-q") && i + 1 < argc) tuning.forward_tile_q = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--fwd-heads-per-pass") && i + 1 < argc)
+      tuning.forward_heads_per_pass = std::atoi(argv[++i]);
     else if ((!std::strcmp(argv[i], "--family") || !std::strcmp(argv[i], "--bwd-family")) && i + 1 < argc) {
       // --family: both kernels' family; --bwd-family (after it): the backward's alone.
       const bool both = !std::strcmp(argv[i], "--family");
@@ -267,11 +270,13 @@ int main(int argc, char** argv) {
       if (!only.empty() && c.name != only) continue;
       auto plan = magi::cuda::make_plan(c.mask, heads, heads, d, 0, tuning);
       const magi::cuda::PlanStats ps = magi::cuda::stats(*plan);
-      std::fprintf(stderr, "# %s %s D %d: %s forward, %s backward, %d x %d tiles, variant %d, bwd variant %d\n",
+      std::fprintf(stderr,
+                   "# %s %s D %d: %s forward, %s backward, %d x %d tiles, variant %d, bwd variant %d, forward passes "
+                   "of %d heads\n",
                    impl.c_str(), c.name.c_str(), d,
                    ps.forward_family == magi::cuda::KernelFamily::Sm90 ? "sm90" : "sm80",
                    ps.backward_family == magi::cuda::KernelFamily::Sm90 ? "sm90" : "sm80", ps.forward_tile_q,
-                   ps.forward_tile_k, ps.forward_variant, ps.backward_variant);
+                   ps.forward_tile_k, ps.forward_variant, ps.backward_variant, ps.forward_heads_per_pass);
       const double fwd_ms = time_ms([&] { magi::cuda::forward(*plan, fa, options, stream); }, reps, stream);
       const double bwd_ms =
           forward_only ? 0.0 : time_ms([&] { magi::cuda::backward(*plan, ba, options, stream); }, reps, stream);

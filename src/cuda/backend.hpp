@@ -60,6 +60,9 @@ struct PlanTuning {
   // Head-dim tiles above 256: the D-split dk/dv kernel's variant (LargeBwdVariant, tiles.hpp); -1 = the tuned
   // table's choice, else kLargeBwdSingle.
   int32_t backward_variant = -1;
+  // q heads per pass of the forward's work order (work_coords; a divisor of the q heads, which is one pass); 0 = the
+  // planner's choice.
+  int32_t forward_heads_per_pass = 0;
 };
 
 // A length that every tile of every plan divides (both families, every head dim and tile choice; plan.cpp checks
@@ -89,6 +92,7 @@ struct PlanStats {
   KernelFamily backward_family = KernelFamily::Sm80;  // the dk/dv kernel
   int32_t forward_variant = -1;  // large head dims: the D-split forward's variant
   int32_t backward_variant = -1;  // large head dims: the D-split dk/dv kernel's variant
+  int32_t forward_heads_per_pass = 0;
   int64_t forward_items = 0, dkdv_items = 0, dq_items = 0;
   int64_t forward_tiles = 0, dkdv_tiles = 0, dq_tiles = 0;
   int64_t device_bytes = 0;

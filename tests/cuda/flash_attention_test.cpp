@@ -445,6 +445,50 @@ TEST(CudaBackend, ForwardTileChoicesMatchReference) {
   EXPECT_THROW(test_plan(documents, 1, 1, 128, bad), InvalidArgument);
 }
 
+// The forward's work order in passes of q heads (work_coords): every pass size gives the reference's result, with
+// q-overlap, GQA, sink and softcap. The planner takes passes for the Hopper forward over long key ranges only.
+TEST(CudaBackend, ForwardPassOrdersMatchReference) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  const Mask rectangles = random_rectangles(rng, 900, 700, 40);
+  std::vector<int32_t> cu{0};
+  while (cu.back() < 1500) cu.push_back(std::min(1500, cu.back() + 40 + static_cast<int32_t>(rng() % 400)));
+  const Mask documents = masks::varlen_causal(cu);
+  int index = 0;
+  for (const Mask* mask : {&rectangles, &documents}) {
+    for (int32_t per_pass : {1, 2}) {
+      for (int32_t d : {64, 128}) {
+        CaseConfig c = config(index % 2 ? DType::F16 : DType::BF16, 4, 2, d);
+        if (index % 3 == 0) c.sink_layout = SinkLayout::SH;
+        if (index % 4 == 1) c.softcap = 15.0;
+        cuda::PlanTuning tuning;
+        tuning.forward_heads_per_pass = per_pass;
+        EXPECT_TRUE(check_cuda_case(*mask, c, seed + index,
+                                    (mask == &documents ? "documents, passes of " : "rectangles, passes of ") +
+                                        std::to_string(per_pass),
+                                    false, tuning));
+        ++index;
+      }
+    }
+  }
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  int32_t expected = 16;  // one pass
+  if (testing_sm90())
+    for (int32_t h = 1; h <= std::max(1, sms / 32); ++h)
+      if (16 % h == 0) expected = h;
+  EXPECT_EQ(cuda::stats(*test_plan(masks::full(1024, 4096), 16, 4, 128)).forward_heads_per_pass, expected)
+      << "seed " << seed;
+  EXPECT_EQ(cuda::stats(*test_plan(documents, 16, 4, 128)).forward_heads_per_pass, 16) << "seed " << seed;
+  cuda::PlanTuning pinned;
+  pinned.forward_heads_per_pass = 8;
+  EXPECT_EQ(cuda::stats(*test_plan(documents, 16, 4, 128, pinned)).forward_heads_per_pass, 8);
+  for (int32_t bad : {3, -2, 32}) {
+    pinned.forward_heads_per_pass = bad;
+    EXPECT_THROW(test_plan(documents, 16, 4, 128, pinned), InvalidArgument) << bad;
+  }
+}
+
 // Causal documents over the keys, then 150 query rows with no slice: split at a key, whole q tiles of the
 // second part have no items (they only take the first part's result), and the last rows are empty in both.
 Mask documents_then_empty_rows(std::mt19937_64& rng) {

@@ -176,16 +176,17 @@ HostList convert(const Mask& mask, const tiling::TileLists& lists, bool q_major)
 
 
 // Passes for a list's blocks (work_coords): as many heads per pass as fit their `head_bytes` each in half the
-// L2 (a divisor of `heads`); heavy tiles first, those that could end after everything else if they started in
-// the last pass (more items than a pass gives each of the `slots` resident blocks), moved to the front in the
-// list's order.
+// L2 (a divisor of `heads`), or `per_pass` where given; heavy tiles first, those that could end after everything
+// else if they started in the last pass (more items than a pass gives each of the `slots` resident blocks), moved
+// to the front in the list's order.
 struct PassOrder {
   int32_t heads_per_pass, heavy_tiles;
 };
-PassOrder order_in_passes(HostList& list, int32_t heads, double head_bytes, int64_t l2_bytes, int64_t slots) {
-  int32_t per_pass = 1;
-  for (int32_t h = 1; h <= heads; ++h)
-    if (heads % h == 0 && h * head_bytes <= 0.5 * static_cast<double>(l2_bytes)) per_pass = h;
+PassOrder order_in_passes(HostList& list, int32_t heads, double head_bytes, int64_t l2_bytes, int64_t slots,
+                          int32_t per_pass = 0) {
+  if (per_pass == 0)
+    for (int32_t h = 1; h <= heads; ++h)
+      if (heads % h == 0 && (h == 1 || h * head_bytes <= 0.5 * static_cast<double>(l2_bytes))) per_pass = h;
   int64_t items = 0;
   for (const detail::TileInfo& t : list.tiles) items += t.count;
   const double pass_share = static_cast<double>(items) * per_pass / static_cast<double>(slots);
@@ -342,13 +343,38 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   const int fwd_k = fwd_tiles.tile_minor;
   plan->fwd_tile_q = fwd_q;
   plan->fwd_tile_k = fwd_k;
-  const HostList fwd = convert(mask, fwd_tiles, true);
+  HostList fwd = convert(mask, fwd_tiles, true);
   for (const detail::TileInfo& t : fwd.tiles) plan->fwd_itemless_tiles += t.count == 0;
+  if (tuning.forward_heads_per_pass != 0 &&
+      (tuning.forward_heads_per_pass < 0 || heads_q % tuning.forward_heads_per_pass != 0))
+    throw InvalidArgument("cuda plan: forward_heads_per_pass " + std::to_string(tuning.forward_heads_per_pass) +
+                          " must divide the " + std::to_string(heads_q) + " q heads (allowed: 0 = the planner's "
+                          "choice, or a divisor of the q heads)");
+  // The Hopper forward in passes of q heads where its works stream long key ranges (2048 keys or more on average),
+  // about 32 blocks per head at a time: the blocks running together then share each head's K and V in L2. In one
+  // pass every wave of q tiles re-read them from DRAM (ncu, H100, 2 x 8k full mask, D 256: L2 hit rate 67%
+  // against cuDNN's 99.97%, the consumers' top stall the wait for K). A/B of 1, 2, 4, 8 and 16 heads per pass
+  // (H100, 16 heads): 4 gained 2-5% on the full, causal, shared-question and varlen-full masks at D 128 / 256;
+  // 16 x 1k causal lost 4-7% in any pass, and the portable forward 2-5% (causal, sliding window, shared question):
+  // those keep one.
+  int64_t fwd_keys = 0, fwd_busy_tiles = 0;
+  for (const detail::TileInfo& t : fwd.tiles) {
+    fwd_keys += int64_t{t.count} * fwd_k;
+    fwd_busy_tiles += t.count > 0;
+  }
+  int32_t fwd_per_pass = tuning.forward_heads_per_pass;
+  if (fwd_per_pass == 0) {
+    fwd_per_pass = heads_q;
+    if (sm90 && fwd_keys >= 2048 * fwd_busy_tiles)
+      for (int32_t h = 1; h <= std::max(1, sms / 32); ++h)
+        if (heads_q % h == 0) fwd_per_pass = h;
+  }
+  const PassOrder fwd_passes = fwd_per_pass == heads_q ? PassOrder{heads_q, 0}
+                                                       : order_in_passes(fwd, heads_q, 0.0, l2_bytes, sms, fwd_per_pass);
   HostList dkdv =
       convert(mask, tiling::by_k_tile(mask, detail::dkdv_tile_k(plan->padded_d), detail::kDkdvTileQ), false);
   // The dk/dv kernel (one block per SM) in passes of kv heads sharing their group's Q, dO and fp32 dq accumulator
-  // in L2: varlen causal backward +7% (H100). The forward lost 2-5% in passes (causal, sliding window, shared
-  // question) and keeps one.
+  // in L2: varlen causal backward +7% (H100).
   const double group_bytes = 8.0 * (plan->hq / plan->hkv) * plan->tq * plan->padded_d;
   const PassOrder dkdv_passes = order_in_passes(dkdv, plan->hkv, group_bytes, l2_bytes, sms);
   rank_dq_adds(dkdv);
@@ -393,8 +419,8 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
     d.heavy_tiles = passes.heavy_tiles;
     return d;
   };
-  // The forward and dq lists run as one pass: every head of a tile in turn, in the list's order.
-  plan->fwd = make_list(fwd, o_fwd, {plan->hq, 0});
+  // The dq list runs as one pass: every head of a tile in turn, in the list's order.
+  plan->fwd = make_list(fwd, o_fwd, fwd_passes);
   plan->dkdv = make_list(dkdv, o_dkdv, dkdv_passes);
   plan->dq = make_list(dq, o_dq, {plan->hq, 0});
   plan->fwd_items = static_cast<int64_t>(fwd.items.size());
@@ -412,6 +438,7 @@ PlanStats stats(const Plan& plan) {
   s.backward_family = plan.bwd_family;
   s.forward_variant = plan.fwd_variant;
   s.backward_variant = plan.bwd_variant;
+  s.forward_heads_per_pass = plan.fwd.heads_per_pass;
   s.forward_items = plan.fwd_items;
   s.dkdv_items = plan.dkdv_items;
   s.dq_items = plan.dq_items;
