@@ -692,13 +692,8 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
     shared.kv_empty.init(Kernel::kConsumers * 128);
     shared.work.init(Kernel::kConsumers * 128);
   }
-  typename Kernel::Pipeline::Params pipeline_params;
-  pipeline_params.transaction_bytes = Kernel::kStageBytes;
-  pipeline_params.role = warp_group == 0 ? Kernel::Pipeline::ThreadCategory::Producer
-                                         : Kernel::Pipeline::ThreadCategory::Consumer;
-  pipeline_params.is_leader = threadIdx.x == 0;
-  pipeline_params.num_consumers = Kernel::kConsumers * 128;
-  typename Kernel::Pipeline pipeline(shared.pipeline, pipeline_params, Shape<_1, _1, _1>{});
+  auto pipeline = make_tma_pipeline<typename Kernel::Pipeline>(shared.pipeline, Kernel::kStageBytes,
+                                                               Kernel::kConsumers * 128, warp_group == 0);
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 

@@ -1,5 +1,5 @@
 // Hopper forward (sm_90a). A block is three warpgroups on one SM: a producer that brings Q and each work item's K
-// and V tiles into swizzled shared memory with TMA (K and V in mbarrier pipelines of forward_stages stages), and
+// and V tiles into swizzled shared memory with TMA (K and V in mbarrier pipelines, K one item ahead), and
 // two consumers that run S = Q K^T (wgmma, both operands in shared memory) and O += P V (P from registers). Up to
 // D 320 each consumer holds 64 q rows; above, both hold the same 64 rows and half of O's columns each
 // (tiles.hpp). A consumer issues the next item's Q K^T before its P V of the current one and computes the softmax
@@ -32,7 +32,8 @@ using detail::WorkItem;
 template <class T, int kD>
 struct ForwardKernel {
   using Element = typename CuteElement<T>::type;
-  static constexpr int kM = forward_tile_q(kD), kN = forward_tile_k(kD), kStages = forward_stages(kD);
+  static constexpr int kM = forward_tile_q(kD), kN = forward_tile_k(kD);
+  static constexpr int kKStages = forward_k_stages(kD), kVStages = forward_stages(kD);
   static constexpr int kConsumers = 2;
   static constexpr bool kSplitColumns = forward_splits_columns(kD);
   static constexpr int kOCols = kSplitColumns ? kD / kConsumers : kD;  // O's columns in one consumer
@@ -60,25 +61,29 @@ struct ForwardKernel {
                            GMMA::Major::K, GMMA::Major::MN>(),
       AtomLayout{}));
   using LayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kM>, Int<kD>>{}));
+  template <int kStages>
   using LayoutKV =
       decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kN>, Int<kD>, Int<kStages>>{}));
+  using LayoutK = LayoutKV<kKStages>;
+  using LayoutV = LayoutKV<kVStages>;
   // V read transposed (D x keys) as the B operand of P V.
   using LayoutVt = decltype(composition(
-      LayoutKV{}, make_ordered_layout(Shape<Int<kD>, Int<kN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+      LayoutV{}, make_ordered_layout(Shape<Int<kD>, Int<kN>, Int<kVStages>>{}, Step<_2, _1, _3>{})));
   // Global [rows, heads, D] as (rows, D, heads).
   using GmemLayout = Layout<Shape<int32_t, int32_t, int32_t>, Stride<int64_t, _1, int64_t>>;
   using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)), GmemLayout{}));
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, LayoutQ{}, Shape<Int<kM>, Int<kD>>{}, _1{}));
-  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(LayoutKV{}),
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(LayoutK{}),
                                        Shape<Int<kN>, Int<kD>>{}, _1{}));
-  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
-  using PipelineState = cutlass::PipelineState<kStages>;
+  using PipelineK = cutlass::PipelineTmaAsync<kKStages>;
+  using PipelineV = cutlass::PipelineTmaAsync<kVStages>;
 
   struct SharedStorage {
     alignas(1024) Element q[cosize_v<LayoutQ>];
-    alignas(1024) Element k[cosize_v<LayoutKV>];
-    alignas(1024) Element v[cosize_v<LayoutKV>];
-    typename Pipeline::SharedStorage pipeline_k, pipeline_v;
+    alignas(1024) Element k[cosize_v<LayoutK>];
+    alignas(1024) Element v[cosize_v<LayoutV>];
+    typename PipelineK::SharedStorage pipeline_k;
+    typename PipelineV::SharedStorage pipeline_v;
     // Column split: S over each consumer's half of D, [item parity][consumer][accumulator register][thread].
     float s_half[kSplitColumns ? 2 : 0][kConsumers][kM * kN / 128][128];
     cutlass::arch::ClusterTransactionBarrier q_full;
@@ -86,6 +91,7 @@ struct ForwardKernel {
     WorkRing work;
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
+  static constexpr int kStageBytes = kN * kD * sizeof(Element);  // one K or V tile
   static_assert(kSmemBytes <= forward_smem_bytes(kD), "tiles.hpp's shared-memory size is the planner's");
 
   struct Params {
@@ -104,26 +110,26 @@ struct ForwardKernel {
     };
     return {p,
             make_tma_copy(SM90_TMA_LOAD{}, tensor(p.q, p.tq, p.hq), LayoutQ{}, Shape<Int<kM>, Int<kD>>{}, _1{}),
-            make_tma_copy(SM90_TMA_LOAD{}, tensor(p.k, p.tk, p.hkv), take<0, 2>(LayoutKV{}),
+            make_tma_copy(SM90_TMA_LOAD{}, tensor(p.k, p.tk, p.hkv), take<0, 2>(LayoutK{}),
                           Shape<Int<kN>, Int<kD>>{}, _1{}),
-            make_tma_copy(SM90_TMA_LOAD{}, tensor(p.v, p.tk, p.hkv), take<0, 2>(LayoutKV{}),
+            make_tma_copy(SM90_TMA_LOAD{}, tensor(p.v, p.tk, p.hkv), take<0, 2>(LayoutV{}),
                           Shape<Int<kN>, Int<kD>>{}, _1{}),
             num_work};
   }
 
   // One thread issues every load: Q once per work (after the consumers are done with the last one), then K and V of
-  // each item.
-  static __device__ __forceinline__ void produce(const Params& params, SharedStorage& shared, Pipeline& pipeline_k,
-                                                 Pipeline& pipeline_v) {
+  // each item, K one item ahead (its wait comes first in a step).
+  static __device__ __forceinline__ void produce(const Params& params, SharedStorage& shared, PipelineK& pipeline_k,
+                                                 PipelineV& pipeline_v) {
     const FwdParams& p = params.p;
     Tensor mQ = params.tma_q.get_tma_tensor(make_shape(max(p.tq, 1), p.d, p.hq));
     Tensor mK = params.tma_k.get_tma_tensor(make_shape(max(p.tk, 1), p.d, p.hkv));
     Tensor mV = params.tma_v.get_tma_tensor(make_shape(max(p.tk, 1), p.d, p.hkv));
     Tensor sQ = make_tensor(make_smem_ptr(shared.q), LayoutQ{});
-    Tensor sK = make_tensor(make_smem_ptr(shared.k), LayoutKV{});
-    Tensor sV = make_tensor(make_smem_ptr(shared.v), LayoutKV{});
-    PipelineState write_k = cutlass::make_producer_start_state<Pipeline>();
-    PipelineState write_v = cutlass::make_producer_start_state<Pipeline>();
+    Tensor sK = make_tensor(make_smem_ptr(shared.k), LayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(shared.v), LayoutV{});
+    auto write_k = cutlass::make_producer_start_state<PipelineK>();
+    auto write_v = cutlass::make_producer_start_state<PipelineV>();
     int q_loads = 0;
     for (int n = 0;; ++n) {
       const int linear = shared.work.publish(n, p.work_counter);
@@ -142,20 +148,26 @@ struct ForwardKernel {
       shared.q_full.arrive_and_expect_tx(kM * kD * sizeof(Element));
       copy(params.tma_q.with(reinterpret_cast<uint64_t&>(shared.q_full), 0), tQg, tQs);
       ++q_loads;
-      for (int item = info.first; item < info.first + info.count; ++item) {
-        const int k_tile = p.list.items[item].k0 / kN;
+      auto load_k = [&](int item) {
         pipeline_k.producer_acquire(write_k);
-        copy(params.tma_k.with(*pipeline_k.producer_get_barrier(write_k), 0), tKg(_, k_tile), tKs(_, write_k.index()));
+        copy(params.tma_k.with(*pipeline_k.producer_get_barrier(write_k), 0), tKg(_, p.list.items[item].k0 / kN),
+             tKs(_, write_k.index()));
         ++write_k;
+      };
+      const int end = info.first + info.count;
+      load_k(info.first);
+      for (int item = info.first; item < end; ++item) {
+        if (item + 1 < end) load_k(item + 1);
         pipeline_v.producer_acquire(write_v);
-        copy(params.tma_v.with(*pipeline_v.producer_get_barrier(write_v), 0), tVg(_, k_tile), tVs(_, write_v.index()));
+        copy(params.tma_v.with(*pipeline_v.producer_get_barrier(write_v), 0), tVg(_, p.list.items[item].k0 / kN),
+             tVs(_, write_v.index()));
         ++write_v;
       }
     }
   }
 
-  static __device__ __forceinline__ void consume(const Params& params, SharedStorage& shared, Pipeline& pipeline_k,
-                                                 Pipeline& pipeline_v) {
+  static __device__ __forceinline__ void consume(const Params& params, SharedStorage& shared, PipelineK& pipeline_k,
+                                                 PipelineV& pipeline_v) {
     const FwdParams& p = params.p;
     const int thread = static_cast<int>(threadIdx.x) - 128;  // 0 .. 128 * kConsumers - 1
     const int lane = thread % 32;
@@ -187,8 +199,8 @@ struct ForwardKernel {
       asm volatile("" : "+l"(q));
       return thread_s.partition_fragment_A(q_part(q));
     };
-    Tensor tSrK = thread_s.partition_fragment_B(local_tile(make_tensor(make_smem_ptr(shared.k), LayoutKV{}),
-                                                           Shape<Int<kN>, Int<kSDepth>, Int<kStages>>{},
+    Tensor tSrK = thread_s.partition_fragment_B(local_tile(make_tensor(make_smem_ptr(shared.k), LayoutK{}),
+                                                           Shape<Int<kN>, Int<kSDepth>, Int<kKStages>>{},
                                                            make_coord(0, depth_part, 0)));
     // Column split: this consumer's S half plus the other's (the same sum in both, a + b == b + a), through shared
     // memory; a barrier per item, two buffers so that the next item's write waits for no read.
@@ -206,14 +218,15 @@ struct ForwardKernel {
     // This consumer's columns of V (all of them in the row split): whole swizzle atoms, so the slice's descriptors
     // start on an atom.
     Tensor sVt = local_tile(make_tensor(make_smem_ptr(shared.v), LayoutVt{}),
-                            Shape<Int<kOCols>, Int<kN>, Int<kStages>>{}, make_coord(kSplitColumns ? group : 0, 0, 0));
+                            Shape<Int<kOCols>, Int<kN>, Int<kVStages>>{}, make_coord(kSplitColumns ? group : 0, 0, 0));
     Tensor tOrV = thread_o.partition_fragment_B(sVt);
 
     const bool softcapped = p.softcap > 0.0f;
     const float logit_scale = softcapped ? 1.0f : p.scale_log2;
     // Lazy rescale (see online_softmax); max_logits needs the true maxima.
     const float max_slack = p.max_logits == nullptr ? 8.0f / logit_scale : 0.0f;
-    PipelineState read_k, read_v;
+    cutlass::PipelineState<kKStages> read_k;
+    cutlass::PipelineState<kVStages> read_v;
     int q_phase = 0;
 
     for (int n = 0;; ++n) {
@@ -344,14 +357,10 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1) forward_kernel(const __gr
     shared.q_empty.init(Kernel::kConsumers * 128);
     shared.work.init(Kernel::kConsumers * 128);
   }
-  typename Kernel::Pipeline::Params pipeline_params;
-  pipeline_params.transaction_bytes = Kernel::kN * Kernel::kDBlocks * 8 * sizeof(typename Kernel::Element);
-  pipeline_params.role = warp_group == 0 ? Kernel::Pipeline::ThreadCategory::Producer
-                                         : Kernel::Pipeline::ThreadCategory::Consumer;
-  pipeline_params.is_leader = threadIdx.x == 0;
-  pipeline_params.num_consumers = Kernel::kConsumers * 128;
-  typename Kernel::Pipeline pipeline_k(shared.pipeline_k, pipeline_params, Shape<_1, _1, _1>{});
-  typename Kernel::Pipeline pipeline_v(shared.pipeline_v, pipeline_params, Shape<_1, _1, _1>{});
+  auto pipeline_k = make_tma_pipeline<typename Kernel::PipelineK>(shared.pipeline_k, Kernel::kStageBytes,
+                                                                  Kernel::kConsumers * 128, warp_group == 0);
+  auto pipeline_v = make_tma_pipeline<typename Kernel::PipelineV>(shared.pipeline_v, Kernel::kStageBytes,
+                                                                  Kernel::kConsumers * 128, warp_group == 0);
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 

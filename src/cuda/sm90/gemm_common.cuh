@@ -6,6 +6,7 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/cutlass.h>
 #include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/pipeline.hpp>
 
 #include "cuda/kernel_common.cuh"
 
@@ -48,6 +49,18 @@ __device__ __forceinline__ void issue_gemm(Mma& mma, TA& a, const TB& b, TC& c) 
   warpgroup_commit_batch();
   warpgroup_fence_operand(c);
   if constexpr (kRegistersA) warpgroup_fence_operand(a);
+}
+
+// A TMA pipeline of one CTA: `producer` says which side this thread is on; thread 0 leads.
+template <class Pipeline>
+__device__ __forceinline__ Pipeline make_tma_pipeline(typename Pipeline::SharedStorage& storage, int stage_bytes,
+                                                      int consumer_threads, bool producer) {
+  typename Pipeline::Params params;
+  params.transaction_bytes = stage_bytes;
+  params.role = producer ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  params.is_leader = threadIdx.x == 0;
+  params.num_consumers = consumer_threads;
+  return Pipeline(storage, params, Shape<_1, _1, _1>{});
 }
 
 // The persistent schedule of both families (first_work_index, claim_work_index), fed by the producer: it claims
