@@ -148,16 +148,14 @@ struct ForwardKernel {
       shared.q_full.arrive_and_expect_tx(kM * kD * sizeof(Element));
       copy(params.tma_q.with(reinterpret_cast<uint64_t&>(shared.q_full), 0), tQg, tQs);
       ++q_loads;
-      auto load_k = [&](int item) {
-        pipeline_k.producer_acquire(write_k);
-        copy(params.tma_k.with(*pipeline_k.producer_get_barrier(write_k), 0), tKg(_, p.list.items[item].k0 / kN),
-             tKs(_, write_k.index()));
-        ++write_k;
-      };
       const int end = info.first + info.count;
-      load_k(info.first);
-      for (int item = info.first; item < end; ++item) {
-        if (item + 1 < end) load_k(item + 1);
+      for (int item = info.first, next_k = info.first; item < end; ++item) {
+        for (; next_k <= item + 1 && next_k < end; ++next_k) {
+          pipeline_k.producer_acquire(write_k);
+          copy(params.tma_k.with(*pipeline_k.producer_get_barrier(write_k), 0), tKg(_, p.list.items[next_k].k0 / kN),
+               tKs(_, write_k.index()));
+          ++write_k;
+        }
         pipeline_v.producer_acquire(write_v);
         copy(params.tma_v.with(*pipeline_v.producer_get_barrier(write_v), 0), tVg(_, p.list.items[item].k0 / kN),
              tVs(_, write_v.index()));
