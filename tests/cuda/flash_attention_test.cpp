@@ -404,15 +404,20 @@ TEST(CudaBackend, HundredThousandSlicesMatchCpuEngine) {
   EXPECT_TRUE(check_close("dv", dev.dv.download().values(), cpu.dv.values(), Quantity::Grad, c.dtype, context));
 }
 
+// Causal documents of 40-239 tokens over 1500 rows (the planner's 64-row forward tile case on the portable family).
+Mask short_causal_documents(std::mt19937_64& rng) {
+  std::vector<int32_t> cu{0};
+  while (cu.back() < 1500) cu.push_back(std::min(1500, cu.back() + 40 + static_cast<int32_t>(rng() % 200)));
+  return masks::varlen_causal(cu);
+}
+
 // Both forward q tiles on the same masks (the planner picks 64 rows for fragmented masks, 128 otherwise),
 // with q-overlap, GQA, sink and softcap; and the planner's choice itself.
 TEST(CudaBackend, ForwardTileChoicesMatchReference) {
   const uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
   const Mask rectangles = random_rectangles(rng, 900, 700, 40);
-  std::vector<int32_t> cu{0};
-  while (cu.back() < 1500) cu.push_back(std::min(1500, cu.back() + 40 + static_cast<int32_t>(rng() % 200)));
-  const Mask documents = masks::varlen_causal(cu);
+  const Mask documents = short_causal_documents(rng);
   int index = 0;
   const bool sm90 = testing_sm90();  // the Hopper forward has one tile shape (128 rows)
   const std::vector<int32_t> tiles = sm90 ? std::vector<int32_t>{128} : std::vector<int32_t>{64, 128};
@@ -451,9 +456,7 @@ TEST(CudaBackend, ForwardPassOrdersMatchReference) {
   const uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
   const Mask rectangles = random_rectangles(rng, 900, 700, 40);
-  std::vector<int32_t> cu{0};
-  while (cu.back() < 1500) cu.push_back(std::min(1500, cu.back() + 40 + static_cast<int32_t>(rng() % 400)));
-  const Mask documents = masks::varlen_causal(cu);
+  const Mask documents = short_causal_documents(rng);
   int index = 0;
   for (const Mask* mask : {&rectangles, &documents}) {
     for (int32_t per_pass : {1, 2}) {
