@@ -8,8 +8,9 @@
 #   --pass      the forward or the backward (default bwd); --kernels defaults to that pass's kernels of both families
 #   --mask      a flash_bench mask (the peer runs full or causal: other masks profile ours only)
 #   --seq/--batch  documents of one length (flash_bench --seq / --batch; the peer runs the same shape)
-#   --peer      torch SDPA backend to profile beside ours (default flash; its kernels are the ones run inside an
-#               NVTX range around the one call)
+#   --peer      torch SDPA backend to profile beside ours (default flash; forward: its kernels inside an NVTX range
+#               around the last call; backward: its kernels named *bprop* (cuDNN: a guess from its fprop kernel's
+#               name, not yet seen) or flash_bwd* (FA2))
 #   --hotspots  how many of our kernel's SASS instructions to list by stall samples (default 25; 0: none)
 # Env: BUILD_DIR (default build-ncu), OUT (reports; default $BUILD_DIR/out), HEAD_DIMS (built tiles; default the
 #   --dim), BENCH_ARGS (more flash_bench arguments).
@@ -96,7 +97,14 @@ with sdpa_kernel(SDPBackend.$BACKEND):
         if last: torch.cuda.nvtx.range_pop()
 torch.cuda.synchronize()
 PY
-  ncu --clock-control none --nvtx --nvtx-include "peer/" --launch-count 4 "${SECTIONS[@]}" \
+  # The forward's kernels are the ones inside the NVTX range. The backward's run on autograd's own thread, outside
+  # the range (an H100 run profiled none): those are picked by name, the first iteration's included.
+  if [ "$PASS" = fwd ]; then
+    PEER_FILTER=(--nvtx --nvtx-include "peer/" --launch-count 4)
+  else
+    PEER_FILTER=(--kernel-name "regex:bprop|flash_bwd" --launch-count 6)
+  fi
+  ncu --clock-control none "${PEER_FILTER[@]}" "${SECTIONS[@]}" \
     python3 "$LOGS/peer.py" > "$LOGS/ncu_${PEER}_$TAG.txt" 2>&1
   echo "== $PEER $TAG: rc $?"
   summarize "$LOGS/ncu_${PEER}_$TAG.txt"
