@@ -197,21 +197,16 @@ void run_forward(int padded, const detail::FwdParams& p, int tile_q, int variant
 }
 
 template <int kDtype>
-void run_forward_sm90(int padded, const detail::FwdParams& p, int margin, cudaStream_t stream) {
+void run_forward_sm90(int padded, const detail::FwdParams& p, int tile_q, int itemless, int margin,
+                      cudaStream_t stream) {
   with_compiled_tile(padded, "sm_90a forward", [&](auto d) {
     constexpr int kD = decltype(d)::value;
 #if MAGI_CUDA_SM90
-    if constexpr (sm90::sm90_forward_tile(kD)) return sm90::launch_forward<kDtype, kD>(p, margin, stream);
+    if constexpr (sm90::sm90_forward_tile(kD))
+      return sm90::launch_forward<kDtype, kD>(p, tile_q, itemless, margin, stream);
 #endif
-    (void)p, (void)margin, (void)stream;
+    (void)p, (void)tile_q, (void)itemless, (void)margin, (void)stream;
     throw NotAvailable("cuda backend: no sm_90a forward kernel for head-dim tile " + std::to_string(kD));
-  });
-}
-
-template <int kDtype>
-void run_forward_itemless(int padded, const detail::FwdParams& p, int tile_q, int itemless, cudaStream_t stream) {
-  with_compiled_tile(padded, "forward", [&](auto d) {
-    detail::launch_forward_itemless<kDtype, decltype(d)::value>(p, tile_q, itemless, stream);
   });
 }
 
@@ -303,17 +298,13 @@ void forward(const Plan& plan, const ForwardArgs& a, const Options& o, cudaStrea
   // Item-less tiles take their own copy kernel unless a sink joins their (otherwise empty) rows.
   const int itemless = p.sink_kind == detail::kSinkNone ? plan.fwd_itemless_tiles : 0;
   // A plan without any work item (no keys at all; its rows only take a sink or a previous result) needs no Hopper
-  // kernel: the portable one writes those rows without reading K or V, which may then be empty.
+  // kernel: the portable one writes those rows without reading K or V, which may then be empty (the planner gives
+  // such a plan a tile that the portable family has).
   if (plan.fwd_family == KernelFamily::Sm90 && plan.fwd_items > 0) {
-    // The Hopper kernel walks the tiles with items; the item-less ones (the last of the order) take the copy kernel.
-    detail::FwdParams with_items = p;
-    with_items.list.num_tiles -= itemless;
-    if (tag == detail::kBf16) run_forward_sm90<detail::kBf16>(plan.padded_d, with_items, o.sm_margin, stream);
-    else run_forward_sm90<detail::kFp16>(plan.padded_d, with_items, o.sm_margin, stream);
-    if (itemless > 0) {
-      if (tag == detail::kBf16) run_forward_itemless<detail::kBf16>(plan.padded_d, p, plan.fwd_tile_q, itemless, stream);
-      else run_forward_itemless<detail::kFp16>(plan.padded_d, p, plan.fwd_tile_q, itemless, stream);
-    }
+    if (tag == detail::kBf16)
+      run_forward_sm90<detail::kBf16>(plan.padded_d, p, plan.fwd_tile_q, itemless, o.sm_margin, stream);
+    else
+      run_forward_sm90<detail::kFp16>(plan.padded_d, p, plan.fwd_tile_q, itemless, o.sm_margin, stream);
   } else if (tag == detail::kBf16) {
     run_forward<detail::kBf16>(plan.padded_d, p, plan.fwd_tile_q, plan.fwd_variant, itemless, o.sm_margin, stream);
   } else {

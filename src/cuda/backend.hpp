@@ -48,7 +48,7 @@ bool sm90_backward_available(int32_t head_dim, int32_t device);
 
 // Plan-time choices the planner otherwise makes itself (0 / Auto = choose); benchmarks and tests pin them.
 struct PlanTuning {
-  int32_t forward_tile_q = 0;  // rows per forward block: 0, 64 or (D <= 128) 128; the Hopper forward: 0 or 128
+  int32_t forward_tile_q = 0;  // rows per forward block: 0, 64 or (D <= 128) 128; the Hopper forward: 0 or its tile
   KernelFamily forward_family = KernelFamily::Auto;  // Auto: Sm90 where available; a forced one must be
   // The backward's: Auto / Sm90 take the Hopper dk/dv kernel where available (head-dim tiles 64 and 128; dq by TMA
   // reduce-adds in it, or by the portable dq kernel in the deterministic mode), else the portable one; Sm80 the
@@ -68,7 +68,7 @@ struct PlanTuning {
 // A length that every tile of every plan divides (both families, every head dim and tile choice; plan.cpp checks
 // it against the tile shapes): slices merged only at its multiples leave the work lists, and so the results,
 // bitwise unchanged (deterministic-mode MAGI_ATTENTION_AUTO_RANGE_MERGE; MergeRule in magi/mask.hpp).
-inline constexpr int32_t kTileMultiple = 128;
+inline constexpr int32_t kTileMultiple = 384;  // the Hopper forward's 192-row tiles (D 64) and every 128
 
 // Builds the work lists on the host and uploads them to `device` (synchronous; done once per mask and
 // shapes). Throws NotAvailable when the head dim has no compiled kernel.

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cuda/cuda_test_support.hpp"
+#include "cuda/sm90/tiles.hpp"
 #include "magi/error.hpp"
 #include "reference/key_parts.hpp"
 #include "reference/random_inputs.hpp"
@@ -151,6 +152,15 @@ TEST(CudaBackend, EmptyMaskGivesZerosAndMinusInf) {
   mask.slices.push_back(make_slice(30, 40, 0, 0, MaskType::Causal));  // empty slice
   CaseConfig c = config(DType::F16, 2, 1, 64);
   EXPECT_TRUE(check_cuda_case(mask, c, fresh_seed(), "mostly empty"));
+  // Item-less q tiles before and after the busy ones, in every head-dim tile's q tiles (the copy kernel).
+  Mask sparse{{make_slice(700, 760, 0, 300, MaskType::Causal)}, 1000, 300};
+  for (int32_t d : {64, 128, 256})
+    if (cuda::head_dim_supported(d))
+      EXPECT_TRUE(check_cuda_case(sparse, config(DType::BF16, 2, 1, d), fresh_seed(), "item-less tiles"));
+  const Mask no_items{{}, 1000, 300};
+  CaseConfig sink = config(DType::BF16, 2, 1, 64);
+  sink.sink_layout = SinkLayout::SH;
+  EXPECT_TRUE(check_cuda_case(no_items, sink, fresh_seed(), "no items, sink"));
 }
 
 // The deterministic (two-kernel) backward against the reference: q-overlap, GQA, every tile, sink, softcap,
@@ -419,11 +429,16 @@ TEST(CudaBackend, ForwardTileChoicesMatchReference) {
   const Mask rectangles = random_rectangles(rng, 900, 700, 40);
   const Mask documents = short_causal_documents(rng);
   int index = 0;
-  const bool sm90 = testing_sm90();  // the Hopper forward has one tile shape (128 rows)
-  const std::vector<int32_t> tiles = sm90 ? std::vector<int32_t>{128} : std::vector<int32_t>{64, 128};
+  const bool sm90 = testing_sm90();
+  // The Hopper forward: 192 or 128 rows at D 64, 128 above.
+  auto tiles = [&](int32_t d) {
+    if (!sm90) return std::vector<int32_t>{64, 128};
+    const int32_t small = cuda::sm90::forward_small_tile_q(d), large = cuda::sm90::forward_tile_q(d);
+    return small == large ? std::vector<int32_t>{large} : std::vector<int32_t>{small, large};
+  };
   for (const Mask* mask : {&rectangles, &documents}) {
-    for (int32_t tile : tiles) {
-      for (int32_t d : {64, 128, 256}) {  // D 256: 8 warps x 128 x 64, or 4 warps x 64 x 32
+    for (int32_t d : {64, 128, 256}) {  // D 256: 8 warps x 128 x 64, or 4 warps x 64 x 32
+      for (int32_t tile : tiles(d)) {
         if (!cuda::head_dim_supported(d)) continue;  // a build with fewer head-dim tiles
         CaseConfig c = config(index % 2 ? DType::F16 : DType::BF16, 4, 2, d);
         if (index % 3 == 0) c.sink_layout = SinkLayout::SSH;
@@ -439,6 +454,13 @@ TEST(CudaBackend, ForwardTileChoicesMatchReference) {
   EXPECT_EQ(cuda::stats(*test_plan(documents, 1, 1, 128)).forward_tile_q, sm90 ? 128 : 64) << "seed " << seed;
   EXPECT_EQ(cuda::stats(*test_plan(masks::full(1024, 1024), 1, 1, 128)).forward_tile_q, 128);
   EXPECT_EQ(cuda::stats(*test_plan(masks::causal(1024, 1024), 1, 1, 128)).forward_tile_q, 128);
+  if (cuda::head_dim_supported(64)) {  // the Hopper forward's three consumers of 64 rows at D 64, if they pay
+    EXPECT_EQ(cuda::stats(*test_plan(masks::full(1536, 1536), 1, 1, 64)).forward_tile_q, sm90 ? 192 : 128);
+    EXPECT_EQ(cuda::stats(*test_plan(masks::varlen_full(cu_seqlens_of({256, 256, 256, 256})), 1, 1, 64)).forward_tile_q,
+              128);
+    // A plan without items (its rows take the sink) runs the portable forward, in a tile that family has.
+    EXPECT_EQ(cuda::stats(*test_plan(Mask{{}, 1536, 300}, 1, 1, 64)).forward_tile_q, 128);
+  }
   int smem_optin = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0), cudaSuccess);
   const bool large_d256_fits = smem_optin >= 128 * 1024;  // Q, K, V tiles of the 8-warp D 256 block
@@ -775,11 +797,12 @@ std::vector<MergeableMask> mergeable_masks(std::mt19937_64& rng) {
   const Mask docs = masks::varlen_causal(cu_seqlens_of({640, 200, 384}));
   Mask banded{{}, docs.total_q, docs.total_k};
   for (const Slice& s : docs.slices) row_bands(s, cuda::kTileMultiple, banded.slices);
-  out.push_back({"varlen causal in row bands of 128", banded, true});
-  out.push_back({"2x2 full blocks of 256",
-                 Mask{{make_slice(0, 256, 0, 256, MaskType::Full), make_slice(0, 256, 256, 512, MaskType::Full),
-                       make_slice(256, 512, 0, 256, MaskType::Full), make_slice(256, 512, 256, 512, MaskType::Full)},
-                      512, 512},
+  out.push_back({"varlen causal in row bands", banded, true});
+  constexpr int32_t t = cuda::kTileMultiple;
+  out.push_back({"2x2 full blocks",
+                 Mask{{make_slice(0, t, 0, t, MaskType::Full), make_slice(0, t, t, 2 * t, MaskType::Full),
+                       make_slice(t, 2 * t, 0, t, MaskType::Full), make_slice(t, 2 * t, t, 2 * t, MaskType::Full)},
+                      2 * t, 2 * t},
                  true});
   return out;
 }
@@ -1086,7 +1109,7 @@ TEST(CudaBackend, PlansRunTheFamilyAskedFor) {
   forced.forward_family = cuda::KernelFamily::Sm90;
   if (available) {
     EXPECT_EQ(cuda::stats(*cuda::make_plan(mask, 2, 1, 128, 0, forced)).forward_family, cuda::KernelFamily::Sm90);
-    forced.forward_tile_q = 64;  // the Hopper forward has 128-row tiles only
+    forced.forward_tile_q = 64;  // the Hopper forward has one tile a head dim: 128 rows at D 128
     EXPECT_THROW(cuda::make_plan(mask, 2, 1, 128, 0, forced), InvalidArgument);
   } else {
     EXPECT_THROW(cuda::make_plan(mask, 2, 1, 128, 0, forced), NotAvailable);

@@ -37,7 +37,8 @@ constexpr bool every_tile_divides(int length) {
         if (length % q != 0 || length % detail::fwd_tile_k(d, q) != 0) return false;
     }
     if (sm90::sm90_forward_tile(d) &&
-        (length % sm90::forward_tile_q(d) != 0 || length % sm90::forward_tile_k(d) != 0))
+        (length % sm90::forward_tile_q(d) != 0 || length % sm90::forward_small_tile_q(d) != 0 ||
+         length % sm90::forward_tile_k(d) != 0))
       return false;
     if (length % detail::kDkdvTileQ != 0 || length % detail::dkdv_tile_k(d) != 0) return false;
     if (length % detail::dq_tile_q(d) != 0 || length % detail::dq_tile_k(d) != 0) return false;
@@ -231,7 +232,8 @@ bool sm90_forward_available(int32_t head_dim, int32_t device) {
   check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute");
   check(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), "cudaDeviceGetAttribute");
   const int32_t padded = padded_head_dim(head_dim);
-  return major == 9 && minor == 0 && sm90::sm90_forward_tile(padded) && sm90::forward_smem_bytes(padded) <= smem;
+  return major == 9 && minor == 0 && sm90::sm90_forward_tile(padded) &&
+         sm90::forward_smem_bytes(padded, sm90::forward_tile_q(padded)) <= smem;
 #else
   (void)head_dim;
   (void)device;
@@ -314,8 +316,11 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
         large_backward_variant(major * 10 + minor, plan->smem_optin, plan->padded_d, tuning.backward_variant);
     plan->bwd_fuse_dq = large_backward_fuses_dq(major * 10 + minor, plan->smem_optin, plan->padded_d);
   }
-  const int small_q = sm90 ? sm90::forward_tile_q(plan->padded_d) : large_d ? detail::large_fwd_tile_q(plan->padded_d) : detail::kFwdSmallTileQ;
-  const int large_q = sm90 || large_d ? small_q
+  const int small_q = sm90      ? sm90::forward_small_tile_q(plan->padded_d)
+                      : large_d ? detail::large_fwd_tile_q(plan->padded_d)
+                                : detail::kFwdSmallTileQ;
+  const int large_q = sm90      ? sm90::forward_tile_q(plan->padded_d)
+                      : large_d ? small_q
                       : detail::fwd_smem_bytes(plan->padded_d, detail::kFwdTileQ) <= plan->smem_optin
                           ? detail::kFwdTileQ
                           : small_q;
@@ -334,11 +339,18 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   tiling::TileLists fwd_tiles = forward_tiles(fwd_q);
   if (tuning.forward_tile_q == 0 && large_q != small_q) {
     tiling::TileLists small = forward_tiles(small_q);
-    if (detail::prefer_small_forward_tile(static_cast<double>(fwd_tiles.computed_cells()),
-                                          static_cast<double>(small.computed_cells()))) {
+    const auto large_cells = static_cast<double>(fwd_tiles.computed_cells());
+    const auto small_cells = static_cast<double>(small.computed_cells());
+    if (sm90 ? sm90::prefer_small_forward_tile(large_cells, small_cells)
+             : detail::prefer_small_forward_tile(large_cells, small_cells)) {
       fwd_q = small_q;
       fwd_tiles = std::move(small);
     }
+  }
+  // A plan without items runs the portable forward (backend.cpp): the Hopper's smaller tile is one that family has.
+  if (sm90 && fwd_tiles.items.empty() && fwd_q != small_q) {
+    fwd_q = small_q;
+    fwd_tiles = forward_tiles(small_q);
   }
   const int fwd_k = fwd_tiles.tile_minor;
   plan->fwd_tile_q = fwd_q;

@@ -9,6 +9,7 @@
 
 #include "cuda/forward_common.cuh"
 #include "cuda/kernel_common.cuh"
+#include "cuda/small_kernels.hpp"  // check_launch
 #include "cuda/sm80/mma.cuh"
 #include "cuda/sm80/tiles.hpp"
 
@@ -323,6 +324,15 @@ __global__ void __launch_bounds__(fwd_block_warps(kD, kTileQ) * 32) forward_item
   const int linear = static_cast<int>(blockIdx.x);
   const int tile = p.list.tiles[first + linear / p.hq].tile;
   write_itemless_tile<T, kD, kTileQ, fwd_block_warps(kD, kTileQ)>(p, tile * kTileQ, linear % p.hq);
+}
+
+// The last `itemless_tiles` tiles of the list on the copy kernel (both families' launchers).
+template <class T, int kD, int kTileQ>
+void launch_itemless_tiles(const FwdParams& params, int itemless_tiles, cudaStream_t stream) {
+  if (itemless_tiles == 0) return;
+  forward_itemless_kernel<T, kD, kTileQ><<<itemless_tiles * params.hq, fwd_block_warps(kD, kTileQ) * 32, 0, stream>>>(
+      params, params.list.num_tiles - itemless_tiles);
+  check_launch("forward_itemless_kernel");
 }
 
 }  // namespace magi::cuda::detail

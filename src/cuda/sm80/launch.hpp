@@ -17,10 +17,6 @@ namespace magi::cuda::detail {
 template <int kDtype, int kD>
 void launch_forward(const FwdParams& params, int tile_q, int variant, int itemless_tiles, int sm_margin,
                     cudaStream_t stream);
-// Only the list's last `itemless_tiles` tiles (tile_q rows each, no work items): copies of the previous result or
-// empty rows. For the families whose attention kernel leaves them out.
-template <int kDtype, int kD>
-void launch_forward_itemless(const FwdParams& params, int tile_q, int itemless_tiles, cudaStream_t stream);
 // `variant`: a LargeBwdVariant (tiles.hpp) above D 256, ignored below.
 template <int kDtype, int kD>
 void launch_backward(const BwdParams& dkdv, int dkdv_blocks, const BwdParams& dq, int dq_blocks, int variant,

@@ -1,10 +1,10 @@
-// Hopper forward (sm_90a). A block is three warpgroups on one SM: a producer that brings Q and each work item's K
-// and V tiles into swizzled shared memory with TMA (K and V in mbarrier pipelines, K one item ahead), and
-// two consumers that run S = Q K^T (wgmma, both operands in shared memory) and O += P V (P from registers). Up to
-// D 320 each consumer holds 64 q rows; above, both hold the same 64 rows and half of O's columns each
-// (tiles.hpp). A consumer issues the next item's Q K^T before its P V of the current one and computes the softmax
-// while both run; the two consumers take turns to issue (ping-pong), so the tensor cores serve one while the other
-// computes its softmax. The grid is persistent, fed by the producer (WorkRing). Masking, softcap, the online
+// Hopper forward (sm_90a). A block is a producer warpgroup on one SM that brings Q and each work item's K and V
+// tiles into swizzled shared memory with TMA (K and V in mbarrier pipelines, K one item ahead), and two consumer
+// warpgroups (three at D 64) that run S = Q K^T (wgmma, both operands in shared memory) and O += P V (P from
+// registers). Up to D 320 each consumer holds 64 q rows; above, two hold the same 64 rows and half of O's columns
+// each (tiles.hpp). A consumer issues the next item's Q K^T before its P V of the current one and computes the
+// softmax while both run; the consumers take turns to issue (ping-pong), so the tensor cores serve the others while
+// one computes its softmax. The grid is persistent, fed by the producer (WorkRing). Masking, softcap, the online
 // softmax and the epilogue (sink, merge with a previous result, lse, max_logits) are the portable family's
 // (src/cuda/forward_common.cuh).
 #pragma once
@@ -15,8 +15,12 @@
 #include <cutlass/cutlass.h>
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/pipeline.hpp>
+#include <string>
+
+#include "magi/error.hpp"
 
 #include "cuda/forward_common.cuh"
+#include "cuda/sm80/forward_kernel.cuh"  // the item-less tiles' copy kernel
 #include "cuda/sm90/gemm_common.cuh"
 #include "cuda/sm90/tiles.hpp"
 
@@ -29,12 +33,12 @@ using detail::TileInfo;
 using detail::WorkCoords;
 using detail::WorkItem;
 
-template <class T, int kD>
+template <class T, int kD, int kTileQ>
 struct ForwardKernel {
   using Element = typename CuteElement<T>::type;
-  static constexpr int kM = forward_tile_q(kD), kN = forward_tile_k(kD);
+  static constexpr int kM = kTileQ, kN = forward_tile_k(kD);
   static constexpr int kKStages = forward_k_stages(kD), kVStages = forward_stages(kD);
-  static constexpr int kConsumers = 2;
+  static constexpr int kConsumers = forward_consumers(kD, kM);
   static constexpr bool kSplitColumns = forward_splits_columns(kD);
   static constexpr int kOCols = kSplitColumns ? kD / kConsumers : kD;  // O's columns in one consumer
   static constexpr int kSDepth = kSplitColumns ? kD / kConsumers : kD;  // the part of D one consumer's S covers
@@ -42,11 +46,12 @@ struct ForwardKernel {
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kNBlocks = kN / 8, kDBlocks = kD / 8, kOBlocks = kOCols / 8;
   // Registers per thread after the producer gives its share to the consumers (setmaxnreg). The consumers' increase
-  // waits until the producer's decrease frees enough of the launch's 168 per thread, so the sum must fit (else the
-  // kernel hangs). The producer spills below 56 (D 128, nvcc 13); D 256's consumers spill least at 232.
+  // waits until the producer's decrease frees enough of the launch's 168 (128 with three consumers) per thread, so
+  // the sum must fit (else the kernel hangs). The producer spills below 56 (D 128, nvcc 13); D 256's consumers spill
+  // least at 232.
   static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
-  static constexpr int kProducerRegisters = kD == 320 ? 24 : kD > 128 ? 40 : 56;
-  static constexpr int kConsumerRegisters = kD == 320 ? 240 : kD > 128 ? 232 : 224;
+  static constexpr int kProducerRegisters = kConsumers == 3 ? 32 : kD == 320 ? 24 : kD > 128 ? 40 : 56;
+  static constexpr int kConsumerRegisters = kConsumers == 3 ? 160 : kD == 320 ? 240 : kD > 128 ? 232 : 224;
   static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= (kConsumers + 1) * kLaunchRegisters,
                 "setmaxnreg: the consumers would wait for registers forever");
 
@@ -92,7 +97,7 @@ struct ForwardKernel {
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static constexpr int kStageBytes = kN * kD * sizeof(Element);  // one K or V tile
-  static_assert(kSmemBytes <= forward_smem_bytes(kD), "tiles.hpp's shared-memory size is the planner's");
+  static_assert(kSmemBytes <= forward_smem_bytes(kD, kM), "tiles.hpp's shared-memory size is the planner's");
 
   struct Params {
     FwdParams p;
@@ -172,12 +177,13 @@ struct ForwardKernel {
     const int group = thread / 128;  // this consumer warpgroup
     const int mma_thread = kSplitColumns ? thread % 128 : thread;
     const int strip = mma_thread / 32;  // this warp's 16 rows of the tile
-    // Ping-pong: the consumers take turns to issue their GEMMs (named barrier `group` says it is this one's turn),
-    // so that one's softmax runs while the tensor cores serve the other. Both walk the same items, so their
-    // turns alternate for the whole kernel; group 0 starts.
-    auto wait_turn = [&] { cutlass::arch::NamedBarrier::sync(128 * kConsumers, group); };
-    auto pass_turn = [&] { cutlass::arch::NamedBarrier::arrive(128 * kConsumers, group ^ 1); };
-    if (group == 1) pass_turn();
+    // Ping-pong: the consumers take turns to issue their GEMMs, in a ring (named barrier `group` says it is this
+    // one's turn: the consumer itself and the one before it meet there), so that one's softmax runs while the tensor
+    // cores serve the others. All walk the same items, so the turns keep their order for the whole kernel; group 0
+    // starts.
+    auto wait_turn = [&] { cutlass::arch::NamedBarrier::sync(2 * 128, group); };
+    auto pass_turn = [&] { cutlass::arch::NamedBarrier::arrive(2 * 128, (group + 1) % kConsumers); };
+    if (group == kConsumers - 1) pass_turn();
     MmaS mma_s;
     MmaO mma_o;
     auto thread_s = mma_s.get_thread_slice(mma_thread);
@@ -371,21 +377,36 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1) forward_kernel(const __gr
   }
 }
 
+// The tiles with items on the Hopper kernel; the item-less ones (the last `itemless` of the order) by the copy kernel
+// of the portable family (their rows take out 0 and lse -inf, or the previous result).
+template <class T, int kD, int kTileQ>
+void launch_forward_tiles(const FwdParams& p, int itemless, int sm_margin, cudaStream_t stream) {
+  using Kernel = ForwardKernel<T, kD, kTileQ>;
+  const int num_work = (p.list.num_tiles - itemless) * p.hq;
+  if (num_work > 0) {
+    int device = 0, sms = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    const int usable = sms - sm_margin > 1 ? sms - sm_margin : 1;
+    const int grid = usable < num_work ? usable : num_work;
+    auto kernel = forward_kernel<Kernel>;
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);
+    cudaMemsetAsync(p.work_counter, 0, sizeof(int32_t), stream);
+    kernel<<<grid, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(Kernel::make_params(p, num_work));
+    detail::check_launch("sm90 forward_kernel");
+  }
+  detail::launch_itemless_tiles<T, kD, kTileQ>(p, itemless, stream);
+}
+
 template <class T, int kD>
-void launch_forward_kernel(const FwdParams& p, int sm_margin, cudaStream_t stream) {
-  using Kernel = ForwardKernel<T, kD>;
-  const int num_work = p.list.num_tiles * p.hq;
-  if (num_work == 0) return;
-  int device = 0, sms = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  const int usable = sms - sm_margin > 1 ? sms - sm_margin : 1;
-  const int grid = usable < num_work ? usable : num_work;
-  auto kernel = forward_kernel<Kernel>;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);
-  cudaMemsetAsync(p.work_counter, 0, sizeof(int32_t), stream);
-  kernel<<<grid, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(Kernel::make_params(p, num_work));
-  detail::check_launch("sm90 forward_kernel");
+void launch_forward_kernel(const FwdParams& p, int tile_q, int itemless, int sm_margin, cudaStream_t stream) {
+  if (tile_q == forward_tile_q(kD))
+    return launch_forward_tiles<T, kD, forward_tile_q(kD)>(p, itemless, sm_margin, stream);
+  if constexpr (forward_small_tile_q(kD) != forward_tile_q(kD))
+    if (tile_q == forward_small_tile_q(kD))
+      return launch_forward_tiles<T, kD, forward_small_tile_q(kD)>(p, itemless, sm_margin, stream);
+  throw magi::Error("cuda sm_90a forward: head-dim tile " + std::to_string(kD) + " has no " + std::to_string(tile_q) +
+              "-row q tile");
 }
 
 }  // namespace magi::cuda::sm90

@@ -7,9 +7,11 @@
 
 namespace magi::cuda::sm90 {
 
-// The plan's forward list (tiles of kForwardTileQ x forward_tile_k(kD)) on a persistent grid of
-// (SMs - sm_margin) blocks. kDtype: detail::kBf16 / kFp16.
+// The plan's forward list (tiles of tile_q x forward_tile_k(kD); tile_q one of tiles.hpp's for kD): the tiles with
+// items on a persistent grid of (SMs - sm_margin) blocks, the last `itemless_tiles` (no items) on the copy kernel.
+// kDtype: detail::kBf16 / kFp16.
 template <int kDtype, int kD>
-void launch_forward(const detail::FwdParams& params, int sm_margin, cudaStream_t stream);
+void launch_forward(const detail::FwdParams& params, int tile_q, int itemless_tiles, int sm_margin,
+                    cudaStream_t stream);
 
 }  // namespace magi::cuda::sm90

@@ -6,11 +6,31 @@ namespace magi::cuda::sm90 {
 // Head-dim tiles with a Hopper forward: up to 512 (at 576 and above one warpgroup's share of O does not fit its
 // registers; the portable D-split forward runs those).
 constexpr bool sm90_forward_tile(int padded_head_dim) { return padded_head_dim <= 512; }
-// A block is a producer warpgroup and two consumer warpgroups. Up to D 320 each consumer holds 64 q rows with all
-// of O's columns (a 128-row tile). Above, 64 x D fp32 does not fit one warpgroup's registers: both consumers hold
-// the same 64 rows, each half of O's columns; each computes S over its half of D and adds the other's half.
+// A block is a producer warpgroup and two or three consumer warpgroups. Up to D 320 each consumer holds 64 q rows
+// with all of O's columns. Above, 64 x D fp32 does not fit one warpgroup's registers: two consumers hold the same 64
+// rows, each half of O's columns; each computes S over its half of D and adds the other's half.
 constexpr bool forward_splits_columns(int padded_head_dim) { return padded_head_dim > 320; }
-constexpr int forward_tile_q(int padded_head_dim) { return forward_splits_columns(padded_head_dim) ? 64 : 128; }
+// Rows per tile: 192 at D 64 (three consumers: a step's GEMMs are short there beside its softmax, and the tensor
+// cores serve two while the third computes its softmax), 128 up to D 320, 64 above.
+constexpr int forward_tile_q(int padded_head_dim) {
+  return forward_splits_columns(padded_head_dim) ? 64 : padded_head_dim <= 64 ? 192 : 128;
+}
+// The smaller tile a plan may take where the larger computes clearly more cells (short documents cut by 192-row
+// tiles); the same tile where there is none.
+constexpr int forward_small_tile_q(int padded_head_dim) {
+  return padded_head_dim <= 64 ? 128 : forward_tile_q(padded_head_dim);
+}
+// The planner takes the smaller tile where the larger would compute more than kSmallForwardTileGain times the
+// cells. A/B (H100, D 64, bf16, 2 x 8k and 16 x 1k tokens), the 192-row tile against the 128-row one at the cell
+// ratio of each mask: full 1.02 +7%, varlen full 1.02 +10%, causal 1.04 0%, shared question 1.08 +2%, varlen
+// causal 1.09 +2%, block-causal 1.11 0%, sliding window 1.13 -2.5%, 16 x 1k full 1.13 -3%.
+constexpr double kSmallForwardTileGain = 1.10;
+constexpr bool prefer_small_forward_tile(double large_tile_cells, double small_tile_cells) {
+  return large_tile_cells > kSmallForwardTileGain * small_tile_cells;
+}
+constexpr int forward_consumers(int padded_head_dim, int tile_q) {
+  return forward_splits_columns(padded_head_dim) ? 2 : tile_q / 64;
+}
 // Keys per item: 128 up to D 128, 64 at D 256 (a 64 x 256 fp32 accumulator per warpgroup), 32 above (shared
 // memory for Q and two or three stages of K and V).
 constexpr int forward_tile_k(int padded_head_dim) {
@@ -30,10 +50,9 @@ constexpr int forward_exchange_bytes(int padded_head_dim) {
   return forward_splits_columns(padded_head_dim) ? 2 * 2 * forward_tile_q(padded_head_dim) * forward_tile_k(padded_head_dim) * 4
                                                  : 0;
 }
-constexpr int forward_smem_bytes(int padded_head_dim) {
+constexpr int forward_smem_bytes(int padded_head_dim, int tile_q) {
   const int kv_rows = (forward_k_stages(padded_head_dim) + forward_stages(padded_head_dim)) * forward_tile_k(padded_head_dim);
-  return (forward_tile_q(padded_head_dim) + kv_rows) * padded_head_dim * 2 + forward_exchange_bytes(padded_head_dim) +
-         1024;
+  return (tile_q + kv_rows) * padded_head_dim * 2 + forward_exchange_bytes(padded_head_dim) + 1024;
 }
 
 }  // namespace magi::cuda::sm90

@@ -76,14 +76,6 @@ void launch_large_variant(const FwdParams& params, int variant, int num_blocks, 
   }
 }
 
-template <class T, int kD, int kTileQ>
-void launch_itemless_tiles(const FwdParams& params, int itemless_tiles, cudaStream_t stream) {
-  if (itemless_tiles == 0) return;
-  forward_itemless_kernel<T, kD, kTileQ><<<itemless_tiles * params.hq, fwd_block_warps(kD, kTileQ) * 32, 0, stream>>>(
-      params, params.list.num_tiles - itemless_tiles);
-  check_launch("forward_itemless_kernel");
-}
-
 // The list's tiles with items on the attention kernel, the item-less ones (the last of its order) on the copy kernel.
 template <class T, int kD, int kTileQ>
 void launch_forward_list(const FwdParams& params, int variant, int itemless_tiles, int sm_margin, cudaStream_t stream) {
@@ -110,13 +102,6 @@ void with_forward_tile_q(int tile_q, F&& f) {
     if (tile_q == kFwdSmallTileQ) f(std::integral_constant<int, kFwdSmallTileQ>{});
     else f(std::integral_constant<int, kFwdTileQ>{});
   }
-}
-
-template <int kDtype, int kD>
-void launch_forward_itemless(const FwdParams& params, int tile_q, int itemless_tiles, cudaStream_t stream) {
-  with_forward_tile_q<kD>(tile_q, [&](auto q) {
-    launch_itemless_tiles<DtypeOf<kDtype>, kD, decltype(q)::value>(params, itemless_tiles, stream);
-  });
 }
 
 template <int kDtype, int kD>
