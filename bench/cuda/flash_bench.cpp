@@ -3,7 +3,7 @@
 // (document lengths etc.) as JSON so that scripts/bench_peers.py measures the peers on the same masks.
 //
 // usage: flash_bench [--cases out.json] [--reps N] [--quick] [--only MASK] [--dims 64,128,256] [--seq 8192]
-//                    [--batch 2] [--deterministic] [--sm-margin N] [--impl NAME] [--fwd-tile-q 64|128]
+//                    [--batch 2] [--deterministic] [--sm-margin N] [--impl NAME] [--fwd-tile-q 64|128|192]
 //                    [--family auto|sm80|sm90] [--bwd-family auto|sm80|sm90] [--large-d] [--fwd-variant 0|1|2|3]
 //                    [--bwd-variant 0|1] [--forward-only] [--fwd-heads-per-pass N]
 //   --family pins both kernels' family, --bwd-family (given after it) the backward's alone.
