@@ -143,7 +143,7 @@ std::vector<Variable> make_registry() {
               "stacked on the same edges; zero-area ones dropped: magi::merge_slices) so that the kernels handle "
               "fewer, longer slices with the same kept cells; every backend, and in distributed attention also the "
               "global mask before dispatch. In deterministic mode only merges that cannot change a bit: neighbours "
-              "in the slice list (the earlier left of or above the later) meeting at a multiple of 128 on cuda, 96 "
+              "in the slice list (the earlier left of or above the later) meeting at a multiple of 384 on cuda, 96 "
               "on the CPU engine, none on the GPU reference engine; the distributed global mask stays as given."),
       boolean("MAGI_ATTENTION_CATGQA", "0", kPerformance,
               not_yet("planned: concatenated-head tiles in the Hopper backward (both backward kernels already "
