@@ -68,7 +68,7 @@ struct PlanTuning {
 // A length that every tile of every plan divides (both families, every head dim and tile choice; plan.cpp checks
 // it against the tile shapes): slices merged only at its multiples leave the work lists, and so the results,
 // bitwise unchanged (deterministic-mode MAGI_ATTENTION_AUTO_RANGE_MERGE; MergeRule in magi/mask.hpp).
-inline constexpr int32_t kTileMultiple = 384;  // the Hopper forward's 192-row tiles (D 64) and every 128
+inline constexpr int32_t kTileMultiple = 384;  // 128-row tiles and the Hopper forward's 192-row ones (D 64)
 
 // Builds the work lists on the host and uploads them to `device` (synchronous; done once per mask and
 // shapes). Throws NotAvailable when the head dim has no compiled kernel.

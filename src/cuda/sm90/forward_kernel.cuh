@@ -405,8 +405,8 @@ void launch_forward_kernel(const FwdParams& p, int tile_q, int itemless, int sm_
   if constexpr (forward_small_tile_q(kD) != forward_tile_q(kD))
     if (tile_q == forward_small_tile_q(kD))
       return launch_forward_tiles<T, kD, forward_small_tile_q(kD)>(p, itemless, sm_margin, stream);
-  throw magi::Error("cuda sm_90a forward: head-dim tile " + std::to_string(kD) + " has no " + std::to_string(tile_q) +
-              "-row q tile");
+  throw magi::Error("cuda sm_90a forward: head-dim tile " + std::to_string(kD) + " has no " +
+                    std::to_string(tile_q) + "-row q tile");
 }
 
 }  // namespace magi::cuda::sm90

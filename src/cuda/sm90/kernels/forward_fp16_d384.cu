@@ -6,7 +6,7 @@
 namespace magi::cuda::sm90 {
 template <>
 void launch_forward<detail::kFp16, 384>(const detail::FwdParams& params, int tile_q, int itemless_tiles, int sm_margin,
-                                     cudaStream_t stream) {
+                                        cudaStream_t stream) {
   launch_forward_kernel<__half, 384>(params, tile_q, itemless_tiles, sm_margin, stream);
 }
 }  // namespace magi::cuda::sm90
