@@ -67,6 +67,13 @@ constexpr WorkCoords work_coords(int32_t linear, int32_t heads, const DeviceList
   return {list.heavy_tiles + tile_index, pass * per_pass + in_pass - tile_index * per_pass};
 }
 
+// The list the attention kernel walks where the copy kernel takes the last `itemless` tiles (every head): its
+// passes then span only the tiles before those, so that each (tile, head) runs exactly once in one of the two.
+constexpr DeviceList without_last_tiles(DeviceList list, int32_t itemless) {
+  list.num_tiles -= itemless;
+  return list;
+}
+
 // Dtype tags, so that plain C++ translation units can dispatch to the kernels' instantiations.
 enum DtypeTag : int { kBf16 = 0, kFp16 = 1 };
 

@@ -479,8 +479,15 @@ TEST(CudaBackend, ForwardPassOrdersMatchReference) {
   std::mt19937_64 rng(seed);
   const Mask rectangles = random_rectangles(rng, 900, 700, 40);
   const Mask documents = short_causal_documents(rng);
+  // 400 rows without keys after the documents: whole q tiles of any height without items, which the copy kernel
+  // writes while each pass of the attention kernel spans only the tiles before them.
+  const Mask then_empty = [&] {
+    Mask m = short_causal_documents(rng);
+    m.total_q += 400;
+    return m;
+  }();
   int index = 0;
-  for (const Mask* mask : {&rectangles, &documents}) {
+  for (const Mask* mask : {&rectangles, &documents, &then_empty}) {
     for (int32_t per_pass : {1, 2}) {
       for (int32_t d : {64, 128}) {
         CaseConfig c = config(index % 2 ? DType::F16 : DType::BF16, 4, 2, d);
@@ -489,7 +496,9 @@ TEST(CudaBackend, ForwardPassOrdersMatchReference) {
         cuda::PlanTuning tuning;
         tuning.forward_heads_per_pass = per_pass;
         EXPECT_TRUE(check_cuda_case(*mask, c, seed + index,
-                                    (mask == &documents ? "documents, passes of " : "rectangles, passes of ") +
+                                    (mask == &rectangles  ? "rectangles, passes of "
+                                     : mask == &documents ? "documents, passes of "
+                                                          : "documents then 400 empty rows, passes of ") +
                                         std::to_string(per_pass),
                                     false, tuning));
         ++index;

@@ -186,5 +186,29 @@ TEST(WorkOrder, EveryTileAndHeadOnceHeavyFirstThenPasses) {
   }
 }
 
+// A forward launch: the attention kernel walks the list without its last (item-less) tiles, the copy kernel takes
+// those with every head; together every (tile, head) once, also in passes of heads.
+TEST(WorkOrder, AttentionAndCopyKernelsTakeEveryTileAndHeadOnce) {
+  std::mt19937_64 rng(std::random_device{}());
+  for (int trial = 0; trial < 50; ++trial) {
+    const int32_t heads = std::vector<int32_t>{2, 4, 8, 16}[rng() % 4];
+    cuda::detail::DeviceList list;
+    list.num_tiles = 2 + static_cast<int32_t>(rng() % 40);
+    const auto itemless = 1 + static_cast<int32_t>(rng() % (list.num_tiles - 1));
+    list.heavy_tiles = static_cast<int32_t>(rng() % (list.num_tiles - itemless + 1));
+    list.heads_per_pass = heads / 2;
+    const cuda::detail::DeviceList walked = cuda::detail::without_last_tiles(list, itemless);
+    std::vector<int> seen(static_cast<size_t>(list.num_tiles) * heads, 0);
+    for (int32_t linear = 0; linear < walked.num_tiles * heads; ++linear) {
+      const cuda::detail::WorkCoords at = cuda::detail::work_coords(linear, heads, walked);
+      ASSERT_LT(at.tile_index, list.num_tiles - itemless) << "an item-less tile on the attention kernel";
+      ++seen[static_cast<size_t>(at.tile_index) * heads + at.head];
+    }
+    for (int32_t t = list.num_tiles - itemless; t < list.num_tiles; ++t)
+      for (int32_t h = 0; h < heads; ++h) ++seen[static_cast<size_t>(t) * heads + h];
+    for (int count : seen) EXPECT_EQ(count, 1);
+  }
+}
+
 }  // namespace
 }  // namespace magi::tiling

@@ -382,7 +382,9 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1) forward_kernel(const __gr
 template <class T, int kD, int kTileQ>
 void launch_forward_tiles(const FwdParams& p, int itemless, int sm_margin, cudaStream_t stream) {
   using Kernel = ForwardKernel<T, kD, kTileQ>;
-  const int num_work = (p.list.num_tiles - itemless) * p.hq;
+  FwdParams with_items = p;
+  with_items.list = detail::without_last_tiles(p.list, itemless);
+  const int num_work = with_items.list.num_tiles * p.hq;
   if (num_work > 0) {
     int device = 0, sms = 0;
     cudaGetDevice(&device);
@@ -392,7 +394,7 @@ void launch_forward_tiles(const FwdParams& p, int itemless, int sm_margin, cudaS
     auto kernel = forward_kernel<Kernel>;
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);
     cudaMemsetAsync(p.work_counter, 0, sizeof(int32_t), stream);
-    kernel<<<grid, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(Kernel::make_params(p, num_work));
+    kernel<<<grid, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(Kernel::make_params(with_items, num_work));
     detail::check_launch("sm90 forward_kernel");
   }
   detail::launch_itemless_tiles<T, kD, kTileQ>(p, itemless, stream);

@@ -79,8 +79,8 @@ void launch_large_variant(const FwdParams& params, int variant, int num_blocks, 
 // The list's tiles with items on the attention kernel, the item-less ones (the last of its order) on the copy kernel.
 template <class T, int kD, int kTileQ>
 void launch_forward_list(const FwdParams& params, int variant, int itemless_tiles, int sm_margin, cudaStream_t stream) {
-  FwdParams with_items = params;  // the attention kernel walks the tiles before the item-less ones
-  with_items.list.num_tiles -= itemless_tiles;
+  FwdParams with_items = params;
+  with_items.list = without_last_tiles(params.list, itemless_tiles);
   const int num_blocks = with_items.list.num_tiles * params.hq;
   if (num_blocks > 0) {
     if constexpr (is_large_head_dim(kD)) launch_large_variant<T, kD>(with_items, variant, num_blocks, sm_margin, stream);
