@@ -711,16 +711,8 @@ void launch_backward_variant(const BwdParams& p, int sm_margin, cudaStream_t str
   using Kernel = BackwardKernel<T, kD, kSoftcap, kDq>;
   const int num_work = p.list.num_tiles * p.hkv;
   if (num_work == 0) return;
-  int device = 0, sms = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  const int usable = sms - sm_margin > 1 ? sms - sm_margin : 1;
-  const int grid = usable < num_work ? usable : num_work;
-  auto kernel = backward_kernel<Kernel>;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);
-  cudaMemsetAsync(p.work_counter, 0, sizeof(int32_t), stream);
-  kernel<<<grid, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(Kernel::make_params(p, num_work));
-  detail::check_launch("sm90 backward_kernel");
+  launch_persistent<Kernel>(backward_kernel<Kernel>, Kernel::make_params(p, num_work), num_work, sm_margin,
+                            p.work_counter, stream, "sm90 backward_kernel");
 }
 
 template <class T, int kD>

@@ -385,18 +385,9 @@ void launch_forward_tiles(const FwdParams& p, int itemless, int sm_margin, cudaS
   FwdParams with_items = p;
   with_items.list = detail::without_last_tiles(p.list, itemless);
   const int num_work = with_items.list.num_tiles * p.hq;
-  if (num_work > 0) {
-    int device = 0, sms = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    const int usable = sms - sm_margin > 1 ? sms - sm_margin : 1;
-    const int grid = usable < num_work ? usable : num_work;
-    auto kernel = forward_kernel<Kernel>;
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);
-    cudaMemsetAsync(p.work_counter, 0, sizeof(int32_t), stream);
-    kernel<<<grid, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(Kernel::make_params(with_items, num_work));
-    detail::check_launch("sm90 forward_kernel");
-  }
+  if (num_work > 0)
+    launch_persistent<Kernel>(forward_kernel<Kernel>, Kernel::make_params(with_items, num_work), num_work, sm_margin,
+                              p.work_counter, stream, "sm90 forward_kernel");
   detail::launch_itemless_tiles<T, kD, kTileQ>(p, itemless, stream);
 }
 

@@ -1,5 +1,6 @@
 // Building blocks of the Hopper kernels (sm_90a) on CuTe: the element types, one warpgroup GEMM over all k-steps,
-// an accumulator viewed as the A operand of the next GEMM, and the persistent schedule's two-slot work ring.
+// an accumulator viewed as the A operand of the next GEMM, and the persistent schedule (its launch and its two-slot
+// work ring).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -9,6 +10,7 @@
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "cuda/kernel_common.cuh"
+#include "cuda/small_kernels.hpp"  // check_launch
 
 namespace magi::cuda::sm90 {
 
@@ -61,6 +63,21 @@ __device__ __forceinline__ Pipeline make_tma_pipeline(typename Pipeline::SharedS
   params.is_leader = threadIdx.x == 0;
   params.num_consumers = consumer_threads;
   return Pipeline(storage, params, Shape<_1, _1, _1>{});
+}
+
+// Launches a persistent Hopper kernel: one block per SM that the margin leaves (at least one), at most one per work,
+// after zeroing the launch's work counter (claim_work_index).
+template <class Kernel, class KernelFunction>
+void launch_persistent(KernelFunction kernel, const typename Kernel::Params& params, int num_work, int sm_margin,
+                       int32_t* work_counter, cudaStream_t stream, const char* name) {
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const int usable = sms - sm_margin > 1 ? sms - sm_margin : 1;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);
+  cudaMemsetAsync(work_counter, 0, sizeof(int32_t), stream);
+  kernel<<<usable < num_work ? usable : num_work, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(params);
+  detail::check_launch(name);
 }
 
 // The persistent schedule of both families (first_work_index, claim_work_index), fed by the producer: it claims
