@@ -1,11 +1,12 @@
-// Hopper forward (sm_90a). A block is a producer warpgroup on one SM that brings Q and each work item's K and V
-// tiles into swizzled shared memory with TMA (K and V in mbarrier pipelines, K one item ahead), and two consumer
-// warpgroups (three at D 64) that run S = Q K^T (wgmma, both operands in shared memory) and O += P V (P from
-// registers). Up to D 320 each consumer holds 64 q rows; above, two hold the same 64 rows and half of O's columns
-// each (tiles.hpp). A consumer issues the next item's Q K^T before its P V of the current one and computes the
-// softmax while both run; the consumers take turns to issue (ping-pong), so the tensor cores serve the others while
-// one computes its softmax. The grid is persistent, fed by the producer (WorkRing). Masking, softcap, the online
-// softmax and the epilogue (sink, merge with a previous result, lse, max_logits) are the portable family's
+// Hopper forward (sm_90a). A block is a producer warpgroup on one SM that brings each work's Q and each work item's K
+// and V tiles into swizzled shared memory with TMA (mbarrier pipelines: Q two works deep up to D 128, K one item ahead
+// of V), and two consumer warpgroups (three at D 64) that run S = Q K^T (wgmma, both operands in shared memory) and
+// O += P V (P from registers). Up to D 320 each consumer holds 64 q rows; above, two hold the same 64 rows and half of
+// O's columns each (tiles.hpp). A consumer issues the next item's Q K^T before its P V of the current one and computes
+// the softmax while both run; the consumers take turns to issue (ping-pong), so the tensor cores serve the others while
+// one computes its softmax. At D 64 a work's first Q K^T goes out beside the last P V of the work before, so that the
+// epilogue runs under it. The grid is persistent, fed by the producer (WorkRing). Masking, softcap, the online softmax
+// and the epilogue (sink, merge with a previous result, lse, max_logits) are the portable family's
 // (src/cuda/forward_common.cuh).
 #pragma once
 
@@ -37,7 +38,7 @@ template <class T, int kD, int kTileQ>
 struct ForwardKernel {
   using Element = typename CuteElement<T>::type;
   static constexpr int kM = kTileQ, kN = forward_tile_k(kD);
-  static constexpr int kKStages = forward_k_stages(kD), kVStages = forward_stages(kD);
+  static constexpr int kKStages = forward_k_stages(kD), kVStages = forward_stages(kD), kQStages = forward_q_stages(kD);
   static constexpr int kConsumers = forward_consumers(kD, kM);
   static constexpr bool kSplitColumns = forward_splits_columns(kD);
   static constexpr int kOCols = kSplitColumns ? kD / kConsumers : kD;  // O's columns in one consumer
@@ -65,7 +66,8 @@ struct ForwardKernel {
       GMMA::rs_op_selector<Element, Element, float, Shape<Int<kM / kMmaGroups>, Int<kOCols>, Int<kN>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
       AtomLayout{}));
-  using LayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kM>, Int<kD>>{}));
+  using LayoutQ =
+      decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kM>, Int<kD>, Int<kQStages>>{}));
   template <int kStages>
   using LayoutKV =
       decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kN>, Int<kD>, Int<kStages>>{}));
@@ -77,7 +79,8 @@ struct ForwardKernel {
   // Global [rows, heads, D] as (rows, D, heads).
   using GmemLayout = Layout<Shape<int32_t, int32_t, int32_t>, Stride<int64_t, _1, int64_t>>;
   using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)), GmemLayout{}));
-  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, LayoutQ{}, Shape<Int<kM>, Int<kD>>{}, _1{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(LayoutQ{}), Shape<Int<kM>, Int<kD>>{},
+                                      _1{}));
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(LayoutK{}),
                                        Shape<Int<kN>, Int<kD>>{}, _1{}));
   using PipelineK = cutlass::PipelineTmaAsync<kKStages>;
@@ -91,8 +94,8 @@ struct ForwardKernel {
     typename PipelineV::SharedStorage pipeline_v;
     // Column split: S over each consumer's half of D, [item parity][consumer][accumulator register][thread].
     float s_half[kSplitColumns ? 2 : 0][kConsumers][kM * kN / 128][128];
-    cutlass::arch::ClusterTransactionBarrier q_full;
-    cutlass::arch::ClusterBarrier q_empty;
+    cutlass::arch::ClusterTransactionBarrier q_full[kQStages];
+    cutlass::arch::ClusterBarrier q_empty[kQStages];
     WorkRing work;
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
@@ -114,7 +117,8 @@ struct ForwardKernel {
                                      make_stride(int64_t{heads} * p.d, _1{}, int64_t{p.d})));
     };
     return {p,
-            make_tma_copy(SM90_TMA_LOAD{}, tensor(p.q, p.tq, p.hq), LayoutQ{}, Shape<Int<kM>, Int<kD>>{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, tensor(p.q, p.tq, p.hq), take<0, 2>(LayoutQ{}), Shape<Int<kM>, Int<kD>>{},
+                          _1{}),
             make_tma_copy(SM90_TMA_LOAD{}, tensor(p.k, p.tk, p.hkv), take<0, 2>(LayoutK{}),
                           Shape<Int<kN>, Int<kD>>{}, _1{}),
             make_tma_copy(SM90_TMA_LOAD{}, tensor(p.v, p.tk, p.hkv), take<0, 2>(LayoutV{}),
@@ -122,7 +126,7 @@ struct ForwardKernel {
             num_work};
   }
 
-  // One thread issues every load: Q once per work (after the consumers are done with the last one), then K and V of
+  // One thread issues every load: Q once per work (into the stage the consumers freed longest ago), then K and V of
   // each item, K one item ahead (its wait comes first in a step).
   static __device__ __forceinline__ void produce(const Params& params, SharedStorage& shared, PipelineK& pipeline_k,
                                                  PipelineV& pipeline_v) {
@@ -146,12 +150,13 @@ struct ForwardKernel {
       Tensor gQ = local_tile(mQ(_, _, at.head), Shape<Int<kM>, Int<kD>>{}, make_coord(info.tile, 0));
       Tensor gK = local_tile(mK(_, _, kv_head), Shape<Int<kN>, Int<kD>>{}, make_coord(_, 0));
       Tensor gV = local_tile(mV(_, _, kv_head), Shape<Int<kN>, Int<kD>>{}, make_coord(_, 0));
+      const int q_stage = q_loads % kQStages;
       auto [tQg, tQs] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
       auto [tKg, tKs] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
       auto [tVg, tVs] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-      if (q_loads > 0) shared.q_empty.wait((q_loads - 1) & 1);
-      shared.q_full.arrive_and_expect_tx(kM * kD * sizeof(Element));
-      copy(params.tma_q.with(reinterpret_cast<uint64_t&>(shared.q_full), 0), tQg, tQs);
+      if (q_loads >= kQStages) shared.q_empty[q_stage].wait((q_loads / kQStages - 1) & 1);
+      shared.q_full[q_stage].arrive_and_expect_tx(kM * kD * sizeof(Element));
+      copy(params.tma_q.with(reinterpret_cast<uint64_t&>(shared.q_full[q_stage]), 0), tQg, tQs(_, q_stage));
       ++q_loads;
       const int end = info.first + info.count;
       for (int item = info.first, next_k = info.first; item < end; ++item) {
@@ -193,15 +198,15 @@ struct ForwardKernel {
     // The column split's consumer takes its half of D of Q and K (whole swizzle atoms, as V's columns below).
     const int depth_part = kSplitColumns ? group : 0;
     auto q_part = [&](Element* q) {
-      return local_tile(make_tensor(make_smem_ptr(q), LayoutQ{}), Shape<Int<kM>, Int<kSDepth>>{},
-                        make_coord(0, depth_part));
+      return local_tile(make_tensor(make_smem_ptr(q), LayoutQ{}), Shape<Int<kM>, Int<kSDepth>, Int<kQStages>>{},
+                        make_coord(0, depth_part, 0));
     };
     Tensor tSrQ = thread_s.partition_fragment_A(q_part(shared.q));
-    auto q_operand = [&] {
-      if constexpr (kD <= 128) return tSrQ;
+    auto q_operand = [&](int stage) {
+      if constexpr (kD <= 128) return tSrQ(_, _, _, stage);
       Element* q = shared.q;
       asm volatile("" : "+l"(q));
-      return thread_s.partition_fragment_A(q_part(q));
+      return thread_s.partition_fragment_A(q_part(q))(_, _, _, stage);
     };
     Tensor tSrK = thread_s.partition_fragment_B(local_tile(make_tensor(make_smem_ptr(shared.k), LayoutK{}),
                                                            Shape<Int<kN>, Int<kSDepth>, Int<kKStages>>{},
@@ -231,22 +236,62 @@ struct ForwardKernel {
     const float max_slack = p.max_logits == nullptr ? 8.0f / logit_scale : 0.0f;
     cutlass::PipelineState<kKStages> read_k;
     cutlass::PipelineState<kVStages> read_v;
-    int q_phase = 0;
+    int q_stage = 0, q_phase = 0;  // the Q stage of the work whose Q K^T comes next
+    Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<kM>, Int<kN>>{});
+    Tensor rP = make_tensor<Element>(tSrS.layout());
+    Tensor tOrP = make_tensor(rP.data(), accumulator_as_a_operand(rP.layout()));
+    Tensor tOrO = partition_fragment_C(mma_o, Shape<Int<kM>, Int<kOCols>>{});
+    auto& acc = *reinterpret_cast<float(*)[kOBlocks][4]>(raw_pointer_cast(tOrO.data()));
+    auto to_p = [&] {
+      CUTE_UNROLL
+      for (int i = 0; i < size(tSrS); ++i) rP(i) = static_cast<Element>(tSrS(i));
+    };
+    // S = Q K^T of the item that K's read stage holds; the caller has this consumer's turn.
+    auto issue_s = [&] {
+      auto q = q_operand(q_stage);
+      issue_gemm<true, false>(mma_s, q, tSrK(_, _, _, read_k.index()), tSrS);
+    };
+    // After a work's last Q K^T: its Q stage is free for the producer.
+    auto release_q = [&] {
+      shared.q_empty[q_stage].arrive();
+      if (++q_stage == kQStages) {
+        q_stage = 0;
+        q_phase ^= 1;
+      }
+    };
+    auto wait_first_s_operands = [&] {
+      shared.q_full[q_stage].wait(q_phase);
+      pipeline_k.consumer_wait(read_k);
+    };
 
-    for (int n = 0;; ++n) {
-      const int linear = shared.work.take(n);
-      if (linear >= params.num_work) break;
+    // Works without items reach this kernel only where rows take a sink (else the launcher sends them to the copy
+    // kernel); the producer loads nothing for them.
+    auto has_items = [&](int work) {
+      return work < params.num_work && p.list.tiles[detail::work_coords(work, p.hq, p.list).tile_index].count > 0;
+    };
+    // At D 64 a work's first Q K^T goes out beside the last P V of the work before (its Q has a stage of its own),
+    // and that work's epilogue runs under it (tiles.hpp). That GEMM is issued on every path, so that the groups in
+    // flight agree where paths meet (else ptxas serialises every wgmma of the kernel); before a work without items
+    // and past a block's last work it is a stand-in whose result nobody reads (its shared memory may be stale or
+    // being refilled).
+    constexpr bool kFirstSEarly = forward_first_s_early(kD);
+    int linear = shared.work.take(0);
+    if constexpr (kFirstSEarly) {
+      if (has_items(linear)) wait_first_s_operands();
+      wait_turn();
+      issue_s();
+      pass_turn();
+    }
+    clear(tOrO);
+    for (int n = 0; linear < params.num_work; ++n) {
       const WorkCoords at = detail::work_coords(linear, p.hq, p.list);
       const TileInfo info = p.list.tiles[at.tile_index];
       const int head = at.head;
       const int row0 = info.tile * kM + strip * 16 + lane / 4;
-      Tensor tOrO = partition_fragment_C(mma_o, Shape<Int<kM>, Int<kOCols>>{});
-      clear(tOrO);
-      auto& acc = *reinterpret_cast<float(*)[kOBlocks][4]>(raw_pointer_cast(tOrO.data()));
       float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
 
       // Softcap, mask and online softmax of one item's S; scale_old: how O must be rescaled.
-      auto softmax = [&](auto& tSrS, int item, float (&scale_old)[2]) {
+      auto softmax = [&](int item, float (&scale_old)[2]) {
         auto& s = *reinterpret_cast<float(*)[kNBlocks][4]>(raw_pointer_cast(tSrS.data()));
         if (softcapped) detail::softcap_logits(s, p);
         const int flags = p.list.items[item].flags;
@@ -270,30 +315,22 @@ struct ForwardKernel {
         }
       };
 
+      if constexpr (kFirstSEarly) warpgroup_wait<0>();  // the work's first Q K^T, or a stand-in
+      int next;
       if (info.count > 0) {
-        shared.q_full.wait(q_phase);
-        q_phase ^= 1;
-        Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<kM>, Int<kN>>{});
-        Tensor rP = make_tensor<Element>(tSrS.layout());
-        Tensor tOrP = make_tensor(rP.data(), accumulator_as_a_operand(rP.layout()));
-        auto to_p = [&] {
-          CUTE_UNROLL
-          for (int i = 0; i < size(tSrS); ++i) rP(i) = static_cast<Element>(tSrS(i));
-        };
         float scale_old[2];
-        pipeline_k.consumer_wait(read_k);
-        wait_turn();
-        {
-          auto q = q_operand();
-          issue_gemm<true, false>(mma_s, q, tSrK(_, _, _, read_k.index()), tSrS);
+        if constexpr (!kFirstSEarly) {
+          wait_first_s_operands();
+          wait_turn();
+          issue_s();
+          pass_turn();
+          warpgroup_wait<0>();
         }
-        pass_turn();
-        warpgroup_wait<0>();
         pipeline_k.consumer_release(read_k);
         ++read_k;
-        if (info.count == 1) shared.q_empty.arrive();
+        if (info.count == 1) release_q();
         add_other_half(tSrS);
-        softmax(tSrS, info.first, scale_old);
+        softmax(info.first, scale_old);
         to_p();
         // Each further item: its S = Q K^T issued beside P V of the last one, the softmax between. Every warpgroup
         // runs every item, also one none of whose cells its 64 rows keep: skipping those took four inlined
@@ -303,31 +340,41 @@ struct ForwardKernel {
           pipeline_k.consumer_wait(read_k);
           pipeline_v.consumer_wait(read_v);
           wait_turn();
-          {
-            auto q = q_operand();
-            issue_gemm<true, false>(mma_s, q, tSrK(_, _, _, read_k.index()), tSrS);
-          }
+          issue_s();
           issue_gemm<false, true>(mma_o, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
           pass_turn();
           warpgroup_wait<1>();  // S of this item ready; P V of the last one may still run
           pipeline_k.consumer_release(read_k);
           ++read_k;
-          if (item + 1 == info.first + info.count) shared.q_empty.arrive();
+          if (item + 1 == info.first + info.count) release_q();
           add_other_half(tSrS);
-          softmax(tSrS, item, scale_old);
+          softmax(item, scale_old);
           warpgroup_wait<0>();
           pipeline_v.consumer_release(read_v);
           ++read_v;
           rescale(scale_old);
           to_p();
         }
+        next = shared.work.take(n + 1);
         pipeline_v.consumer_wait(read_v);
+        if constexpr (kFirstSEarly) {
+          if (has_items(next)) wait_first_s_operands();
+        }
         wait_turn();
         issue_gemm<false, true>(mma_o, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+        if constexpr (kFirstSEarly) issue_s();
         pass_turn();
-        warpgroup_wait<0>();
+        warpgroup_wait<kFirstSEarly ? 1 : 0>();
         pipeline_v.consumer_release(read_v);
         ++read_v;
+      } else {
+        next = shared.work.take(n + 1);
+        if constexpr (kFirstSEarly) {
+          if (has_items(next)) wait_first_s_operands();
+          wait_turn();
+          issue_s();
+          pass_turn();
+        }
       }
 
       float block_max = -INFINITY;
@@ -344,7 +391,10 @@ struct ForwardKernel {
         detail::finish_forward_rows<T, kOBlocks>(p, acc, row_max, row_sum, logit_scale, row0, head, lane, block_max);
       }
       detail::publish_max_logits(p, block_max, head, lane);
+      clear(tOrO);
+      linear = next;
     }
+    warpgroup_wait<0>();
   }
 };
 
@@ -357,8 +407,10 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1) forward_kernel(const __gr
     prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
     prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
-    shared.q_full.init(1);
-    shared.q_empty.init(Kernel::kConsumers * 128);
+    for (int stage = 0; stage < Kernel::kQStages; ++stage) {
+      shared.q_full[stage].init(1);
+      shared.q_empty[stage].init(Kernel::kConsumers * 128);
+    }
     shared.work.init(Kernel::kConsumers * 128);
   }
   auto pipeline_k = make_tma_pipeline<typename Kernel::PipelineK>(shared.pipeline_k, Kernel::kStageBytes,
