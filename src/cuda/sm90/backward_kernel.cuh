@@ -1,8 +1,8 @@
 // Hopper backward (sm_90a): dK, dV and dQ in one kernel over the plan's k-major list. A block is three warpgroups
 // on one SM and holds one k tile of one kv head: a producer that brings K and V once per tile and then, for every q
-// head of the GQA group and every item of the tile, the item's 64-row chunk of Q and dO (TMA, swizzled) and its
-// lse2 / Delta rows (bulk copies) through a two-stage mbarrier pipeline; and two consumers that run, per chunk
-// (wgmma):
+// head of the GQA group and every item of the tile, the item's 64-row chunk of Q and dO (TMA, swizzled), its
+// lse2 / Delta rows and the item itself (bulk copies) through a two-stage mbarrier pipeline; and two consumers that
+// run, per chunk (wgmma):
 //   S^T = K Q^T, dP^T = V dO^T                (both operands in shared memory)
 //   P^T, dS^T from them (the portable family's bwd_cell: softcap, masks, empty rows)
 //   dV += P^T dO, dK += dS^T Q, dQ = dS K     (dS through shared memory)
@@ -145,7 +145,7 @@ struct BackwardKernel {
       decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, LayoutKV{}, Shape<Int<kN>, Int<kD>>{}, _1{}));
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = cutlass::PipelineState<kStages>;
-  static constexpr uint32_t kStageBytes = 2 * kM * kD * sizeof(Element) + 2 * kM * sizeof(float);
+  static constexpr uint32_t kStageBytes = 2 * kM * kD * sizeof(Element) + 2 * kM * sizeof(float) + sizeof(WorkItem);
 
   struct DqTiles {  // up to D 128
     alignas(1024) float dq[kConsumers * cosize_v<LayoutdQ>];
@@ -162,6 +162,7 @@ struct BackwardKernel {
     std::conditional_t<kWide, PTiles, DqTiles> tiles;
     alignas(16) float lse2[kStages][kM];
     alignas(16) float delta[kStages][kM];
+    alignas(16) WorkItem item[kStages];  // the chunk's item (a global load at its use stalled the consumers)
     typename Pipeline::SharedStorage pipeline;
     cutlass::arch::ClusterTransactionBarrier kv_full;
     cutlass::arch::ClusterBarrier kv_empty;
@@ -249,6 +250,8 @@ struct BackwardKernel {
           const int64_t stats = int64_t{head} * p.tq_pad + chunk * kM;  // rows < tq_pad: whole chunks exist
           SM90_BULK_COPY_G2S::copy(p.lse2 + stats, full, shared.lse2[s], kM * sizeof(float));
           SM90_BULK_COPY_G2S::copy(p.delta + stats, full, shared.delta[s], kM * sizeof(float));
+          static_assert(sizeof(WorkItem) % 16 == 0, "bulk copies move multiples of 16 bytes");
+          SM90_BULK_COPY_G2S::copy(p.list.items + item, full, &shared.item[s], sizeof(WorkItem));
           ++write;
         }
       }
@@ -256,8 +259,8 @@ struct BackwardKernel {
   }
 
   // The consumers' persistent loop (both layouts): per work (a k tile of one kv head) begin(), then per chunk (each
-  // q head of the kv head's group, the tile's items last first: see rank_dq_adds) chunk(head, item, k_base, stage,
-  // release) once its stage is full (release() hands the stage back), then end(kv_head, k_base).
+  // q head of the kv head's group, the tile's items last first: see rank_dq_adds) chunk(head, k_base, stage, release)
+  // once its stage is full (the item is in the stage; release() hands the stage back), then end(kv_head, k_base).
   template <class Begin, class Chunk, class End>
   static __device__ __forceinline__ void for_each_chunk(const Params& params, SharedStorage& shared, Pipeline& pipeline,
                                                         Begin&& begin, Chunk&& chunk, End&& end) {
@@ -279,7 +282,7 @@ struct BackwardKernel {
           for (int item = info.first + info.count - 1; item >= info.first; --item) {
             const int stage = read.index();
             pipeline.consumer_wait(read);
-            chunk(head, item, k_base, stage, [&] {
+            chunk(head, k_base, stage, [&] {
               pipeline.consumer_release(read);
               ++read;
             });
@@ -360,8 +363,8 @@ struct BackwardKernel {
       clear(tdVrdV);
       clear(tdKrdK);
     };
-    auto chunk = [&](int head, int item, int k_base, int stage, auto&& release) {
-      const WorkItem w = p.list.items[item];
+    auto chunk = [&](int head, int k_base, int stage, auto&& release) {
+      const WorkItem w = shared.item[stage];
       const int q0 = w.q0 / kM * kM;
       const int buffer = chunks & 1;
       // The operands' descriptors, rebuilt per chunk from an opaque base: hoisted out of the loops, the ~90
@@ -548,8 +551,8 @@ struct BackwardKernel {
     auto* const g = reinterpret_cast<float2*>(shared.tiles.g) + own;
 
     auto begin = [&] { clear(tKVrAcc); };
-    auto chunk = [&](int head, int item, int k_base, int stage, auto&& release) {
-      const WorkItem w = p.list.items[item];
+    auto chunk = [&](int head, int k_base, int stage, auto&& release) {
+      const WorkItem w = shared.item[stage];
       const int q0 = w.q0 / kM * kM;
       // Descriptors rebuilt per chunk from an opaque base (see consume_narrow).
       Element* const base = launder(shared.k);
