@@ -7,8 +7,9 @@
 //   P^T, dS^T from them (the portable family's bwd_cell: softcap, masks, empty rows)
 //   dV += P^T dO, dK += dS^T Q, dQ = dS K     (dS through shared memory)
 // Up to D 128 a tile is 128 keys and each consumer owns 64 of them: P^T and dS^T stay in its registers as the A
-// operands of dV and dK, each consumer takes half of dQ's D columns, and dQ goes through shared memory to one TMA
-// reduce-add per consumer into p.dq_accum. At D 256 (kWide) a tile is 64 keys (a consumer's dK and dV of 64 keys x
+// operands of dV and dK, each consumer takes half of dQ's D columns, and dQ goes through shared memory to a TMA
+// reduce-add into p.dq_accum that a warp of the producer warpgroup issues (one such writer per consumer), so that
+// the consumer only hands the tile over. At D 256 (kWide) a tile is 64 keys (a consumer's dK and dV of 64 keys x
 // 256 would need 256 registers a thread) and the consumers split the work by role: one computes S^T, P^T and
 // dV += P^T dO for all 256 columns, the other dP^T, dS^T and dK += dS^T Q; P^T (times the dS factor) crosses in
 // fp32 through shared memory, dS^T in 16 bits for dQ = dS K, whose columns the two split; dQ goes out by vector
@@ -56,25 +57,14 @@ auto kv_mma() {
                         Layout<Shape<Int<kSplit>, _1, _1>>{});
 }
 
-// The dQ reduce-adds of one consumer's issuing thread. Default: unordered (the TMA unit adds). Deterministic
-// (p.dq_semaphores set): each (consumer, q head, chunk) takes its adds in item rank order: an add waits until its
-// semaphore counts `rank` finished adds, and counts itself once complete, which is checked only before the next
-// add's turn (or at the end), so that a thread never waits on a turn while holding back a count.
+// The dQ reduce-adds of one consumer (D <= 128), issued by a warp of the producer warpgroup. Default: unordered
+// (the TMA unit adds). Deterministic (p.dq_semaphores set): each (consumer, q head, chunk) takes its adds in item
+// rank order: an add waits until its semaphore counts `rank` finished adds, and counts itself once complete, before
+// its warp waits for anything else (so that no count is held back while a turn is awaited).
 struct OrderedDqAdds {
   int32_t* pending = nullptr;  // the semaphore of the last add, not yet counted
 
-  // Before the dQ tile is rewritten: the last add has read it; in order, it is complete and counted.
-  __device__ __forceinline__ void finish_last() {
-    if (pending == nullptr) {
-      tma_store_wait<0>();
-      return;
-    }
-    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // writes done, not only the tile read
-    asm volatile("fence.proxy.async.global;\n" ::: "memory");
-    asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(pending) : "memory");
-    pending = nullptr;
-  }
-  // Before the add of chunk q0 / 64 of `head` (finish_last called since the last add): in order, wait for its turn.
+  // Before the add of chunk q0 / 64 of `head`: in order, wait for its turn.
   __device__ __forceinline__ void wait_turn(const BwdParams& p, int consumer, int head, int q0, int rank) {
     if (p.dq_semaphores == nullptr) return;
     int32_t* const semaphore =
@@ -87,6 +77,14 @@ struct OrderedDqAdds {
     }
     asm volatile("fence.proxy.async.global;\n" ::: "memory");
     pending = semaphore;
+  }
+  // After the add's tile is read: in order, the add complete and counted.
+  __device__ __forceinline__ void count() {
+    if (pending == nullptr) return;
+    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(pending) : "memory");
+    pending = nullptr;
   }
 };
 
@@ -103,6 +101,9 @@ struct BackwardKernel {
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kStages = 2;
+  // Named barriers of the dQ handover (D <= 128): a consumer's 128 threads and the writer warp; per consumer.
+  static constexpr int kDqHandover = 128 + 32, kDqFull = 3, kDqEmpty = 3 + kConsumers;
+  static constexpr bool kDqWriter = kDq && !kWide;
   // setmaxnreg: the producer's share goes to the consumers; the sum must fit the launch's 168 per thread.
   // (nvcc 13, D 128: the consumers spill below 240; the producer spills ~180 bytes at 24, off the critical path.)
   static constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
@@ -358,7 +359,6 @@ struct BackwardKernel {
 
     const int key_local = warp * 16 + lane / 4;  // this thread's keys: + {0, 8}
     int chunks = 0;  // this block's chunks so far (the dS buffer)
-    OrderedDqAdds dq_adds;
     auto begin = [&] {
       clear(tdVrdV);
       clear(tdKrdK);
@@ -381,9 +381,6 @@ struct BackwardKernel {
       Tensor tDqrKt = thr_dq.partition_fragment_B(make_tensor(at_smem(shared.k), LayoutKt{}));
       issue_gemm<true, false>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
       issue_gemm<true, false>(mma_sdp, tSrV, tSrdO(_, _, _, stage), tSrdP);
-      // In order, the last chunk's add counted as soon as it is complete (under this chunk's first GEMMs): a
-      // later k tile waiting on it loses less.
-      if (kDq && p.dq_semaphores != nullptr && thread % 128 == 0) dq_adds.finish_last();
       // Only warps whose 16 keys the plan marks take the per-cell test; kept rows relative to q0.
       const bool masked = (w.flags >> (detail::kWorkTestGroupShift + warp)) & 1;
       KeyInterval rows[2] = {{0, 1 << 30}, {0, 1 << 30}};
@@ -454,8 +451,6 @@ struct BackwardKernel {
                            "r"(pairs[nb * 2 + r]));
         }
         cutlass::arch::fence_view_async_shared();  // dS^T's ordinary stores, read next by the tensor cores
-        // Past this barrier the last chunk's reduce-add has read the dQ tile (its issuer waited).
-        if (thread % 128 == 0) dq_adds.finish_last();
         cutlass::arch::NamedBarrier::sync(128 * kConsumers, 0);
         // dQ before dK, so that dQ's way out (shared memory, TMA) overlaps dK += dS^T Q.
         Tensor ds_operand = tDqrdS(_, _, _, buffer);
@@ -464,11 +459,12 @@ struct BackwardKernel {
         warpgroup_wait<1>();
         // dQ rows 16 (warp % 4) + lane / 4 + {0, 8}, this consumer's half of the columns.
         // Into the dQ tile by hand (LayoutdQ: column c of row r at byte (c / 32) 8192 + (r / 8) 1024 +
-        // (r % 8) 128 + 16 ((c % 32 / 4) ^ (r % 8)) + 4 (c % 4); r % 8 = lane / 4 here), then one
-        // thread adds the tile to dq_accum (rows past tq, columns past d clipped by the TMA unit).
+        // (r % 8) 128 + 16 ((c % 32 / 4) ^ (r % 8)) + 4 (c % 4); r % 8 = lane / 4 here) once the writer has
+        // read the last one, then handed to it (write_dq).
         const uint32_t tile = detail::smem_addr(shared.tiles.dq) + consumer * uint32_t{cosize_v<LayoutdQ> * 4};
         const uint32_t at = tile + (warp % 4) * 2048 + (lane / 4) * 128 + (lane % 2) * 8;
         const uint32_t chunk_x = (((lane % 4) / 2) ^ (lane / 4)) * 16;
+        cutlass::arch::NamedBarrier::sync(kDqHandover, kDqEmpty + consumer);
   #pragma unroll
         for (int nb = 0; nb < kD / 16; ++nb)
   #pragma unroll
@@ -477,18 +473,7 @@ struct BackwardKernel {
                                                                    (((nb % 4) * 32) ^ chunk_x)),
                          "f"(dq[nb][2 * r]), "f"(dq[nb][2 * r + 1]));
         cutlass::arch::fence_view_async_shared();
-        cutlass::arch::NamedBarrier::sync(128, 1 + consumer);
-        if (thread % 128 == 0) {
-          Tensor mdQ = params.tma_dq.get_tma_tensor(make_shape(max(p.tq, 1), p.d, p.hq));
-          Tensor gdQ = local_tile(mdQ(_, _, head), Shape<Int<kM>, Int<kD / kConsumers>>{},
-                                  make_coord(q0 / kM, consumer));
-          Tensor sdQ = make_tensor(make_smem_ptr(shared.tiles.dq + consumer * cosize_v<LayoutdQ>), LayoutdQ{});
-          auto [tdQg, tdQs] = tma_partition(params.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sdQ),
-                                            group_modes<0, 2>(gdQ));
-          dq_adds.wait_turn(p, consumer, head, q0, w.rank);
-          copy(params.tma_dq, tdQs, tdQg);
-          tma_store_arrive();
-        }
+        cutlass::arch::NamedBarrier::arrive(kDqHandover, kDqFull + consumer);
       } else {
         issue_gemm<false, true>(mma_kv, tKVrdS, tKVrQt(_, _, _, stage), tdKrdK);
       }
@@ -507,7 +492,45 @@ struct BackwardKernel {
       store_key_rows(p, p.dv, dv, p.dv_fp32, kv_head, k_base, key_local, lane);
     };
     for_each_chunk(params, shared, pipeline, begin, chunk, end);
-    if (kDq && thread % 128 == 0) dq_adds.finish_last();  // the last reduce-add has read the dQ tile
+  }
+
+  // D <= 128 with dQ: warp 1 + c of the producer warpgroup takes consumer c's dQ tiles, walking the same works and
+  // chunks (the list tells each tile's head, rows and rank), and adds them to dq_accum by TMA (rows past tq, columns
+  // past d clipped by the TMA unit); a tile is handed back once read.
+  static __device__ __forceinline__ void write_dq(const Params& params, SharedStorage& shared, int consumer) {
+    const BwdParams& p = params.p;
+    const bool leader = threadIdx.x % 32 == 0;
+    const int group = p.hq / p.hkv;
+    Tensor mdQ = params.tma_dq.get_tma_tensor(make_shape(max(p.tq, 1), p.d, p.hq));
+    Tensor sdQ = make_tensor(make_smem_ptr(shared.tiles.dq + consumer * cosize_v<LayoutdQ>), LayoutdQ{});
+    OrderedDqAdds adds;
+    cutlass::arch::NamedBarrier::arrive(kDqHandover, kDqEmpty + consumer);  // the tile starts free
+    for (int n = 0;; ++n) {
+      const int linear = shared.work.take(n);
+      if (linear >= params.num_work) break;
+      const WorkCoords at = detail::work_coords(linear, p.hkv, p.list);
+      const TileInfo info = p.list.tiles[at.tile_index];
+      for (int head = at.head * group; head < (at.head + 1) * group && info.count > 0; ++head) {
+        for (int item = info.first + info.count - 1; item >= info.first; --item) {
+          const WorkItem w = p.list.items[item];
+          cutlass::arch::NamedBarrier::sync(kDqHandover, kDqFull + consumer);
+          if (leader) {
+            Tensor gdQ = local_tile(mdQ(_, _, head), Shape<Int<kM>, Int<kD / kConsumers>>{},
+                                    make_coord(w.q0 / kM, consumer));
+            auto [tdQg, tdQs] = tma_partition(params.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sdQ),
+                                              group_modes<0, 2>(gdQ));
+            adds.wait_turn(p, consumer, head, w.q0 / kM * kM, w.rank);
+            copy(params.tma_dq, tdQs, tdQg);
+            tma_store_arrive();
+            tma_store_wait<0>();  // the tile is read
+          }
+          __syncwarp();
+          cutlass::arch::NamedBarrier::arrive(kDqHandover, kDqEmpty + consumer);
+          if (leader) adds.count();
+        }
+      }
+    }
+    if (leader) tma_store_wait<0>();
   }
 
   // D 256, a consumer's share by its role (0: S^T, P^T, dV; 1: dP^T, dS^T, dK; both: half of dQ's columns).
@@ -693,7 +716,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
     prefetch_tma_descriptor(params.tma_dq.get_tma_descriptor());
     shared.kv_full.init(1);
     shared.kv_empty.init(Kernel::kConsumers * 128);
-    shared.work.init(Kernel::kConsumers * 128);
+    shared.work.init(Kernel::kConsumers * 128 + (Kernel::kDqWriter ? Kernel::kConsumers * 32 : 0));
   }
   auto pipeline = make_tma_pipeline<typename Kernel::Pipeline>(shared.pipeline, Kernel::kStageBytes,
                                                                Kernel::kConsumers * 128, warp_group == 0);
@@ -703,6 +726,10 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Kernel::kProducerRegisters>();
     if (threadIdx.x == 0) Kernel::produce(params, shared, pipeline);
+    if constexpr (Kernel::kDqWriter) {
+      const int warp = threadIdx.x / 32;
+      if (warp >= 1 && warp <= Kernel::kConsumers) Kernel::write_dq(params, shared, warp - 1);
+    }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Kernel::kConsumerRegisters>();
     Kernel::consume(params, shared, pipeline);
