@@ -21,8 +21,9 @@ constexpr bool sm90_backward_tile(int padded_head_dim) {
 
 // Whether its deterministic mode adds dQ itself, in a fixed order (BwdParams::dq_semaphores): at D 128. Elsewhere
 // it runs without dQ, beside the portable dq kernel: at D 64 the ordered adds measured slower on most masks (H200,
-// 2 x 8k: varlen full 146 vs 189, shared question 204 vs 231 bwd TFLOP/s; full 244 vs 235), and at D 256 dQ goes
-// out by vector reductions, which cannot take turns.
+// 2 x 8k: varlen full 146 vs 189, shared question 204 vs 231 bwd TFLOP/s; full 244 vs 235; measured before the
+// adds moved to writer warps, which lifted D 128's deterministic mode 14-39%), and at D 256 dQ goes out by vector
+// reductions, which cannot take turns.
 constexpr bool sm90_ordered_dq(int padded_head_dim) { return padded_head_dim == 128; }
 
 }  // namespace magi::cuda::sm90
