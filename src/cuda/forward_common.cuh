@@ -39,13 +39,13 @@ __device__ __forceinline__ void mask_cells(float (&s)[kNBlocks][4], const KeyInt
 // block_max collects the rows' maxima in log2 units for max_logits.
 // Column-split accumulators (forward_large_kernel.cuh) pass their first column col0 and their width `cols`, and
 // take the rows' lse in lse_rows instead of having it stored (several warps share a row and must all read
-// prev_lse before one of them overwrites it).
+// prev_lse before one of them overwrites it); prev_lse_rows, where given, are the rows' prev_lse read earlier.
 template <class T, int kDBlocks>
 __device__ __forceinline__ void finish_forward_rows(const FwdParams& p, float (&acc)[kDBlocks][4],
                                                     const float (&row_max)[2], const float (&row_sum)[2],
                                                     float logit_scale, int row0, int head, int lane,
                                                     float& block_max, int col0 = 0, int cols = kDBlocks * 8,
-                                                    float* lse_rows = nullptr) {
+                                                    float* lse_rows = nullptr, const float* prev_lse_rows = nullptr) {
   const int64_t q_stride = int64_t{p.hq} * p.d;
   const int col_end = min(p.d - col0, cols);  // this accumulator's columns that exist
 #pragma unroll
@@ -77,7 +77,8 @@ __device__ __forceinline__ void finish_forward_rows(const FwdParams& p, float (&
     }
     float lse = lse2 * kLn2, w_prev = 0.0f;
     if (p.prev_out != nullptr && row < p.tq) {
-      const MergeWeights<float> w = merge_weights(lse, p.prev_lse[int64_t{row} * p.hq + head]);
+      const MergeWeights<float> w =
+          merge_weights(lse, prev_lse_rows != nullptr ? prev_lse_rows[r] : p.prev_lse[int64_t{row} * p.hq + head]);
       lse = w.lse;
       factor *= w.w1;
       w_prev = w.w2;

@@ -157,10 +157,14 @@ TEST(CudaBackend, EmptyMaskGivesZerosAndMinusInf) {
   for (int32_t d : {64, 128, 256})
     if (cuda::head_dim_supported(d))
       EXPECT_TRUE(check_cuda_case(sparse, config(DType::BF16, 2, 1, d), fresh_seed(), "item-less tiles"));
+  // A plan without items runs the portable forward, also where the Hopper one has a tile the portable one lacks.
   const Mask no_items{{}, 1000, 300};
-  CaseConfig sink = config(DType::BF16, 2, 1, 64);
-  sink.sink_layout = SinkLayout::SH;
-  EXPECT_TRUE(check_cuda_case(no_items, sink, fresh_seed(), "no items, sink"));
+  for (int32_t d : {64, 320, 1000}) {
+    if (!cuda::head_dim_supported(d)) continue;
+    CaseConfig sink = config(DType::BF16, 2, 1, d);
+    sink.sink_layout = SinkLayout::SH;
+    EXPECT_TRUE(check_cuda_case(no_items, sink, fresh_seed(), "no items, sink, D " + std::to_string(d)));
+  }
 }
 
 // The deterministic (two-kernel) backward against the reference: q-overlap, GQA, every tile, sink, softcap,
@@ -430,6 +434,12 @@ TEST(CudaBackend, ForwardTileChoicesMatchReference) {
   const Mask documents = short_causal_documents(rng);
   int index = 0;
   const bool sm90 = testing_sm90();
+  // The tile choices below are those of each D's own tile: a build without it (e.g. only the large tiles) runs D in
+  // a larger one, whose choices differ.
+  auto own_tile = [](int32_t d) {
+    return cuda::head_dim_supported(d) &&
+           cuda::stats(*cuda::make_plan(masks::full(64, 64), 1, 1, d, 0)).padded_head_dim == d;
+  };
   // The Hopper forward: 192 or 128 rows at D 64, 128 above.
   auto tiles = [&](int32_t d) {
     if (!sm90) return std::vector<int32_t>{64, 128};
@@ -439,7 +449,7 @@ TEST(CudaBackend, ForwardTileChoicesMatchReference) {
   for (const Mask* mask : {&rectangles, &documents}) {
     for (int32_t d : {64, 128, 256}) {  // D 256: 8 warps x 128 x 64, or 4 warps x 64 x 32
       for (int32_t tile : tiles(d)) {
-        if (!cuda::head_dim_supported(d)) continue;  // a build with fewer head-dim tiles
+        if (!own_tile(d)) continue;
         CaseConfig c = config(index % 2 ? DType::F16 : DType::BF16, 4, 2, d);
         if (index % 3 == 0) c.sink_layout = SinkLayout::SSH;
         if (index % 4 == 1) c.softcap = 15.0;
@@ -451,10 +461,12 @@ TEST(CudaBackend, ForwardTileChoicesMatchReference) {
       }
     }
   }
-  EXPECT_EQ(cuda::stats(*test_plan(documents, 1, 1, 128)).forward_tile_q, sm90 ? 128 : 64) << "seed " << seed;
-  EXPECT_EQ(cuda::stats(*test_plan(masks::full(1024, 1024), 1, 1, 128)).forward_tile_q, 128);
-  EXPECT_EQ(cuda::stats(*test_plan(masks::causal(1024, 1024), 1, 1, 128)).forward_tile_q, 128);
-  if (cuda::head_dim_supported(64)) {  // the Hopper forward's three consumers of 64 rows at D 64, if they pay
+  if (own_tile(128)) {
+    EXPECT_EQ(cuda::stats(*test_plan(documents, 1, 1, 128)).forward_tile_q, sm90 ? 128 : 64) << "seed " << seed;
+    EXPECT_EQ(cuda::stats(*test_plan(masks::full(1024, 1024), 1, 1, 128)).forward_tile_q, 128);
+    EXPECT_EQ(cuda::stats(*test_plan(masks::causal(1024, 1024), 1, 1, 128)).forward_tile_q, 128);
+  }
+  if (own_tile(64)) {  // the Hopper forward's three consumers of 64 rows at D 64, if they pay
     EXPECT_EQ(cuda::stats(*test_plan(masks::full(1536, 1536), 1, 1, 64)).forward_tile_q, sm90 ? 192 : 128);
     EXPECT_EQ(cuda::stats(*test_plan(masks::varlen_full(cu_seqlens_of({256, 256, 256, 256})), 1, 1, 64)).forward_tile_q,
               128);
@@ -464,7 +476,7 @@ TEST(CudaBackend, ForwardTileChoicesMatchReference) {
   int smem_optin = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0), cudaSuccess);
   const bool large_d256_fits = smem_optin >= 128 * 1024;  // Q, K, V tiles of the 8-warp D 256 block
-  if (cuda::head_dim_supported(256))  // a build with fewer head-dim tiles (e.g. scripts/dist_gpu_check.sh's)
+  if (own_tile(256))
     EXPECT_EQ(cuda::stats(*test_plan(masks::full(1024, 1024), 1, 1, 256)).forward_tile_q,
               large_d256_fits || sm90 ? 128 : 64);
   cuda::PlanTuning bad;
@@ -565,7 +577,9 @@ TEST(CudaBackend, PartialResultMergeMatchesTheWholeMask) {
   std::mt19937_64 rng(seed);
   int index = 0;
   for (bool in_place : {true, false}) {
-    for (int32_t d : {64, 128, 384, 520}) {  // 384: the Hopper forward's column split; 520: the D-split forward
+    // 384: the Hopper forward's column split; 520: the D-split forward; 1000: the Hopper forward's clusters (prev_lse
+    // read by both blocks, lse written by one)
+    for (int32_t d : {64, 128, 384, 520, 1000}) {
       if (!cuda::head_dim_supported(d) ||
           (family_under_test() == cuda::KernelFamily::Sm90 && !cuda::sm90_forward_available(d, 0)))
         continue;
@@ -879,7 +893,8 @@ TEST(CudaBackend, AutoRangeMergedMasksMatchReference) {
   }
 }
 
-// Large head dims (tiles above 256: the D-split forward; in the Hopper family's run the Hopper forward up to 512),
+// Large head dims (tiles above 256: the D-split forward; in the Hopper family's run the Hopper forward up to 512 and
+// at 768 / 1024 in clusters of two blocks, 776 with the second block's last consumer on 8 real columns),
 // every mask kind and feature against the fp64 reference;
 // parametrised over D x dtype x case, skipped only where this build lacks the tile (MAGI_ATTN_CUDA_HEAD_DIMS).
 // Forward and backward through the API (the backward from the kernel's own out and lse).
@@ -902,7 +917,7 @@ TEST_P(LargeHeadDim, MatchReference) {
   const auto [d, dtype, lc] = GetParam();
   if (!cuda::head_dim_supported(d)) GTEST_SKIP() << "head dim " << d << " is not in this build's tiles";
   if (family_under_test() == cuda::KernelFamily::Sm90 && !cuda::sm90_forward_available(d, 0))
-    GTEST_SKIP() << "the Hopper forward stops at D 512";
+    GTEST_SKIP() << "the Hopper forward has no tile for D " << d;
   const uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
   CaseConfig c = config(dtype, lc.hq, lc.hkv, d);
@@ -932,7 +947,7 @@ TEST_P(LargeHeadDim, MatchReference) {
 }
 INSTANTIATE_TEST_SUITE_P(
     Dims, LargeHeadDim,
-    testing::Combine(testing::Values(264, 320, 376, 512, 520, 768, 1024), testing::Values(DType::BF16, DType::F16),
+    testing::Combine(testing::Values(264, 320, 376, 512, 520, 768, 776, 1024), testing::Values(DType::BF16, DType::F16),
                      testing::Values(LargeDimCase{"full"}, LargeDimCase{"causal"}, LargeDimCase{"varlen_causal"},
                                      LargeDimCase{"random_slices", 4, 2},
                                      LargeDimCase{"random_slices_sink_sh", 2, 1, SinkLayout::SH},

@@ -292,8 +292,9 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
                           " is a variant of the portable family's large-D forward (allowed with forward family "
                           "sm90: -1)");
   if (tuning.forward_family == KernelFamily::Sm90 && !sm90::sm90_forward_tile(plan->padded_d))
-    throw NotAvailable("cuda plan: the Hopper (sm_90a) forward stops at head dim 512 (head dim " +
-                       std::to_string(head_dim) + " runs the portable family; allowed families here: auto, sm80)");
+    throw NotAvailable("cuda plan: the Hopper (sm_90a) forward has the head-dim tiles up to 512, 768 and 1024 (head "
+                       "dim " + std::to_string(head_dim) + " runs the portable family's tile " +
+                       std::to_string(plan->padded_d) + "; allowed families here: auto, sm80)");
   if (tuning.forward_family == KernelFamily::Sm90 && !sm90)
     throw NotAvailable("cuda plan: the Hopper (sm_90a) forward is not available here (it needs a build for 90a "
                        "with the CUTLASS headers and a device of compute capability 9.0; allowed families "
@@ -305,16 +306,17 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
                          : KernelFamily::Sm80;
   // Large head dims: one q tile, and the D-split kernel's variant for this device (plan/tuned_configs.cpp).
   const bool large_d = detail::is_large_head_dim(plan->padded_d);
+  int major = 0, minor = 0;
+  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
+  check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute");
+  const int32_t compute_capability = major * 10 + minor;
   if (large_d) {
-    int major = 0, minor = 0;
-    check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
-    check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute");
     if (!sm90)
       plan->fwd_variant =
-          large_forward_variant(major * 10 + minor, plan->smem_optin, plan->padded_d, tuning.forward_variant);
+          large_forward_variant(compute_capability, plan->smem_optin, plan->padded_d, tuning.forward_variant);
     plan->bwd_variant =
-        large_backward_variant(major * 10 + minor, plan->smem_optin, plan->padded_d, tuning.backward_variant);
-    plan->bwd_fuse_dq = large_backward_fuses_dq(major * 10 + minor, plan->smem_optin, plan->padded_d);
+        large_backward_variant(compute_capability, plan->smem_optin, plan->padded_d, tuning.backward_variant);
+    plan->bwd_fuse_dq = large_backward_fuses_dq(compute_capability, plan->smem_optin, plan->padded_d);
   }
   const int small_q = sm90      ? sm90::forward_small_tile_q(plan->padded_d)
                       : large_d ? detail::large_fwd_tile_q(plan->padded_d)
@@ -347,10 +349,17 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
       fwd_tiles = std::move(small);
     }
   }
-  // A plan without items runs the portable forward (backend.cpp): the Hopper's smaller tile is one that family has.
-  if (sm90 && fwd_tiles.items.empty() && fwd_q != small_q) {
-    fwd_q = small_q;
-    fwd_tiles = forward_tiles(small_q);
+  // A plan without items runs the portable forward (backend.cpp): below the large head dims the Hopper's smaller tile
+  // is one that family has; at them it takes that family's tile and variant.
+  if (sm90 && fwd_tiles.items.empty()) {
+    if (large_d) {
+      fwd_q = detail::large_fwd_tile_q(plan->padded_d);
+      fwd_tiles = tiling::by_q_tile(mask, fwd_q, detail::kLargeFwdTileK);
+      plan->fwd_variant = large_forward_variant(compute_capability, plan->smem_optin, plan->padded_d, -1);
+    } else if (fwd_q != small_q) {
+      fwd_q = small_q;
+      fwd_tiles = forward_tiles(small_q);
+    }
   }
   const int fwd_k = fwd_tiles.tile_minor;
   plan->fwd_tile_q = fwd_q;

@@ -2,7 +2,7 @@
 // and V tiles into swizzled shared memory with TMA (mbarrier pipelines: Q two works deep up to D 128, K one item ahead
 // of V), and two consumer warpgroups (three at D 64) that run S = Q K^T (wgmma, both operands in shared memory) and
 // O += P V (P from registers). Up to D 320 each consumer holds 64 q rows; above, two hold the same 64 rows and half of
-// O's columns each (tiles.hpp). A consumer issues the next item's Q K^T before its P V of the current one and computes
+// O's columns each; at tiles 768 / 1024 a cluster of two blocks takes each tile, each block half of D (tiles.hpp). A consumer issues the next item's Q K^T before its P V of the current one and computes
 // the softmax while both run; the consumers take turns to issue (ping-pong), so the tensor cores serve the others while
 // one computes its softmax. At D 64 a work's first Q K^T goes out beside the last P V of the work before, so that the
 // epilogue runs under it. The grid is persistent, fed by the producer (WorkRing). Masking, softcap, the online softmax
@@ -40,12 +40,18 @@ struct ForwardKernel {
   static constexpr int kM = kTileQ, kN = forward_tile_k(kD);
   static constexpr int kKStages = forward_k_stages(kD), kVStages = forward_stages(kD), kQStages = forward_q_stages(kD);
   static constexpr int kConsumers = forward_consumers(kD, kM);
+  static constexpr int kClusterSize = forward_cluster_size(kD);
+  static constexpr bool kCluster = kClusterSize > 1;
+  static constexpr int kBlockD = forward_block_head_dim(kD);  // the part of D this block holds
   static constexpr bool kSplitColumns = forward_splits_columns(kD);
-  static constexpr int kOCols = kSplitColumns ? kD / kConsumers : kD;  // O's columns in one consumer
-  static constexpr int kSDepth = kSplitColumns ? kD / kConsumers : kD;  // the part of D one consumer's S covers
+  static constexpr int kOCols = kSplitColumns ? kBlockD / kConsumers : kBlockD;  // O's columns in one consumer
+  // The part of D one consumer's S covers.
+  static constexpr int kSDepth = kSplitColumns && !kCluster ? kBlockD / kConsumers : kBlockD;
   static_assert(kOCols % 64 == 0 || !kSplitColumns, "a consumer's V columns are whole 128-byte swizzle atoms");
+  static_assert(!kCluster || kSplitColumns, "a cluster's blocks split O's columns");
   static constexpr int kThreads = 128 * (kConsumers + 1);
-  static constexpr int kNBlocks = kN / 8, kDBlocks = kD / 8, kOBlocks = kOCols / 8;
+  static constexpr int kNBlocks = kN / 8, kOBlocks = kOCols / 8;
+  static constexpr int kSRegisters = kM / (kSplitColumns ? 1 : kConsumers) * kN / 128;  // S's fp32 per thread
   // Registers per thread after the producer gives its share to the consumers (setmaxnreg). The consumers' increase
   // waits until the producer's decrease frees enough of the launch's 168 (128 with three consumers) per thread, so
   // the sum must fit (else the kernel hangs). The producer spills below 56 (D 128, nvcc 13); D 256's consumers spill
@@ -67,22 +73,22 @@ struct ForwardKernel {
                            GMMA::Major::K, GMMA::Major::MN>(),
       AtomLayout{}));
   using LayoutQ =
-      decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kM>, Int<kD>, Int<kQStages>>{}));
+      decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kM>, Int<kBlockD>, Int<kQStages>>{}));
   template <int kStages>
   using LayoutKV =
-      decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kN>, Int<kD>, Int<kStages>>{}));
+      decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kN>, Int<kBlockD>, Int<kStages>>{}));
   using LayoutK = LayoutKV<kKStages>;
   using LayoutV = LayoutKV<kVStages>;
   // V read transposed (D x keys) as the B operand of P V.
   using LayoutVt = decltype(composition(
-      LayoutV{}, make_ordered_layout(Shape<Int<kD>, Int<kN>, Int<kVStages>>{}, Step<_2, _1, _3>{})));
+      LayoutV{}, make_ordered_layout(Shape<Int<kBlockD>, Int<kN>, Int<kVStages>>{}, Step<_2, _1, _3>{})));
   // Global [rows, heads, D] as (rows, D, heads).
   using GmemLayout = Layout<Shape<int32_t, int32_t, int32_t>, Stride<int64_t, _1, int64_t>>;
   using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)), GmemLayout{}));
-  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(LayoutQ{}), Shape<Int<kM>, Int<kD>>{},
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(LayoutQ{}), Shape<Int<kM>, Int<kBlockD>>{},
                                       _1{}));
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(LayoutK{}),
-                                       Shape<Int<kN>, Int<kD>>{}, _1{}));
+                                       Shape<Int<kN>, Int<kBlockD>>{}, _1{}));
   using PipelineK = cutlass::PipelineTmaAsync<kKStages>;
   using PipelineV = cutlass::PipelineTmaAsync<kVStages>;
 
@@ -90,16 +96,20 @@ struct ForwardKernel {
     alignas(1024) Element q[cosize_v<LayoutQ>];
     alignas(1024) Element k[cosize_v<LayoutK>];
     alignas(1024) Element v[cosize_v<LayoutV>];
+    // Column split in one block: S over each consumer's half of D, [item parity][consumer][register][thread]. In a
+    // cluster: the S part of the consumer's peer in the other block, written by the peer (st.async, 16 bytes each:
+    // after v, the array is aligned) and counted by s_peer_full[item parity][consumer].
+    float s_half[kSplitColumns ? 2 : 0][kConsumers][kSRegisters][128];
     typename PipelineK::SharedStorage pipeline_k;
     typename PipelineV::SharedStorage pipeline_v;
-    // Column split: S over each consumer's half of D, [item parity][consumer][accumulator register][thread].
-    float s_half[kSplitColumns ? 2 : 0][kConsumers][kM * kN / 128][128];
     cutlass::arch::ClusterTransactionBarrier q_full[kQStages];
     cutlass::arch::ClusterBarrier q_empty[kQStages];
     WorkRing work;
+    cutlass::arch::ClusterTransactionBarrier s_peer_full[kCluster ? 2 : 1][kConsumers];
   };
+  static_assert(offsetof(SharedStorage, s_half) % 16 == 0);
   static constexpr int kSmemBytes = sizeof(SharedStorage);
-  static constexpr int kStageBytes = kN * kD * sizeof(Element);  // one K or V tile
+  static constexpr int kStageBytes = kN * kBlockD * sizeof(Element);  // one K or V tile
   static_assert(kSmemBytes <= forward_smem_bytes(kD, kM), "tiles.hpp's shared-memory size is the planner's");
 
   struct Params {
@@ -117,12 +127,12 @@ struct ForwardKernel {
                                      make_stride(int64_t{heads} * p.d, _1{}, int64_t{p.d})));
     };
     return {p,
-            make_tma_copy(SM90_TMA_LOAD{}, tensor(p.q, p.tq, p.hq), take<0, 2>(LayoutQ{}), Shape<Int<kM>, Int<kD>>{},
+            make_tma_copy(SM90_TMA_LOAD{}, tensor(p.q, p.tq, p.hq), take<0, 2>(LayoutQ{}), Shape<Int<kM>, Int<kBlockD>>{},
                           _1{}),
             make_tma_copy(SM90_TMA_LOAD{}, tensor(p.k, p.tk, p.hkv), take<0, 2>(LayoutK{}),
-                          Shape<Int<kN>, Int<kD>>{}, _1{}),
+                          Shape<Int<kN>, Int<kBlockD>>{}, _1{}),
             make_tma_copy(SM90_TMA_LOAD{}, tensor(p.v, p.tk, p.hkv), take<0, 2>(LayoutV{}),
-                          Shape<Int<kN>, Int<kD>>{}, _1{}),
+                          Shape<Int<kN>, Int<kBlockD>>{}, _1{}),
             num_work};
   }
 
@@ -140,22 +150,23 @@ struct ForwardKernel {
     auto write_k = cutlass::make_producer_start_state<PipelineK>();
     auto write_v = cutlass::make_producer_start_state<PipelineV>();
     int q_loads = 0;
+    const int part = kCluster ? static_cast<int>(cute::block_rank_in_cluster()) : 0;  // this block's part of D
     for (int n = 0;; ++n) {
-      const int linear = shared.work.publish(n, p.work_counter);
+      const int linear = kCluster ? shared.work.publish_in_cluster(n) : shared.work.publish(n, p.work_counter);
       if (linear >= params.num_work) break;
       const WorkCoords at = detail::work_coords(linear, p.hq, p.list);
       const TileInfo info = p.list.tiles[at.tile_index];
       if (info.count == 0) continue;
       const int kv_head = at.head / (p.hq / p.hkv);
-      Tensor gQ = local_tile(mQ(_, _, at.head), Shape<Int<kM>, Int<kD>>{}, make_coord(info.tile, 0));
-      Tensor gK = local_tile(mK(_, _, kv_head), Shape<Int<kN>, Int<kD>>{}, make_coord(_, 0));
-      Tensor gV = local_tile(mV(_, _, kv_head), Shape<Int<kN>, Int<kD>>{}, make_coord(_, 0));
+      Tensor gQ = local_tile(mQ(_, _, at.head), Shape<Int<kM>, Int<kBlockD>>{}, make_coord(info.tile, part));
+      Tensor gK = local_tile(mK(_, _, kv_head), Shape<Int<kN>, Int<kBlockD>>{}, make_coord(_, part));
+      Tensor gV = local_tile(mV(_, _, kv_head), Shape<Int<kN>, Int<kBlockD>>{}, make_coord(_, part));
       const int q_stage = q_loads % kQStages;
       auto [tQg, tQs] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
       auto [tKg, tKs] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
       auto [tVg, tVs] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
       if (q_loads >= kQStages) shared.q_empty[q_stage].wait((q_loads / kQStages - 1) & 1);
-      shared.q_full[q_stage].arrive_and_expect_tx(kM * kD * sizeof(Element));
+      shared.q_full[q_stage].arrive_and_expect_tx(kM * kBlockD * sizeof(Element));
       copy(params.tma_q.with(reinterpret_cast<uint64_t&>(shared.q_full[q_stage]), 0), tQg, tQs(_, q_stage));
       ++q_loads;
       const int end = info.first + info.count;
@@ -196,7 +207,7 @@ struct ForwardKernel {
     // Q's GEMM descriptors, built where they are used: hoisted out of the loops they take a 64-bit register per
     // k-step, which above D 128 spilled and were reloaded from local memory inside the item loop.
     // The column split's consumer takes its half of D of Q and K (whole swizzle atoms, as V's columns below).
-    const int depth_part = kSplitColumns ? group : 0;
+    const int depth_part = kSplitColumns && !kCluster ? group : 0;
     auto q_part = [&](Element* q) {
       return local_tile(make_tensor(make_smem_ptr(q), LayoutQ{}), Shape<Int<kM>, Int<kSDepth>, Int<kQStages>>{},
                         make_coord(0, depth_part, 0));
@@ -211,11 +222,41 @@ struct ForwardKernel {
     Tensor tSrK = thread_s.partition_fragment_B(local_tile(make_tensor(make_smem_ptr(shared.k), LayoutK{}),
                                                            Shape<Int<kN>, Int<kSDepth>, Int<kKStages>>{},
                                                            make_coord(0, depth_part, 0)));
-    // Column split: this consumer's S half plus the other's (the same sum in both, a + b == b + a), through shared
-    // memory; a barrier per item, two buffers so that the next item's write waits for no read.
-    int s_parity = 0;
+    // Column split: this consumer's S part plus the other's (the same sum in both, a + b == b + a). In one block the
+    // other is the other consumer, through shared memory, a barrier per item; in a cluster it is this consumer's peer
+    // in the other block, which stores its part into this block's shared memory (st.async, counted by an mbarrier)
+    // as this one stores into the peer's. Two buffers by item parity: an item's store comes after the peer has
+    // waited for the last item, i.e. after this side's read of the item before.
+    int s_parity = 0, s_phase = 0;
+    const uint32_t peer = kCluster ? (cute::block_rank_in_cluster() ^ 1) : 0;
     auto add_other_half = [&](auto& s) {
-      if constexpr (kSplitColumns) {
+      if constexpr (kCluster) {
+        static_assert(kSRegisters % 4 == 0);
+        // As float4 [register / 4][thread]: 16-byte stores and loads.
+        auto& full = shared.s_peer_full[s_parity][group];
+        float4* part = reinterpret_cast<float4*>(&shared.s_half[s_parity][group][0][0]) + mma_thread;
+        if (mma_thread == 0) full.arrive_and_expect_tx(kSRegisters * 128 * 4);
+        const uint32_t to = cute::set_block_rank(cute::cast_smem_ptr_to_uint(part), peer);
+        const uint32_t to_full = cute::set_block_rank(cute::cast_smem_ptr_to_uint(&full), peer);
+        CUTE_UNROLL
+        for (int i = 0; i < kSRegisters; i += 4)
+          asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
+                       :
+                       : "r"(to + i / 4 * 128 * 16), "f"(s(i)), "f"(s(i + 1)), "f"(s(i + 2)), "f"(s(i + 3)),
+                         "r"(to_full)
+                       : "memory");
+        full.wait(s_phase);
+        CUTE_UNROLL
+        for (int i = 0; i < kSRegisters; i += 4) {
+          const float4 v = part[i / 4 * 128];
+          s(i) += v.x;
+          s(i + 1) += v.y;
+          s(i + 2) += v.z;
+          s(i + 3) += v.w;
+        }
+        s_phase ^= s_parity;
+        s_parity ^= 1;
+      } else if constexpr (kSplitColumns) {
         CUTE_UNROLL
         for (int i = 0; i < size(s); ++i) shared.s_half[s_parity][group][i][mma_thread] = s(i);
         cutlass::arch::NamedBarrier::sync(128 * kConsumers, kConsumers + 1);
@@ -289,6 +330,14 @@ struct ForwardKernel {
       const int head = at.head;
       const int row0 = info.tile * kM + strip * 16 + lane / 4;
       float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+      // In a cluster prev_lse (which may be lse) is read before the work's first exchange with the other block, and
+      // block 0 writes lse after its last: so the other block never reads a row's merged lse.
+      float prev_lse[2] = {0.0f, 0.0f};
+      if constexpr (kCluster) {
+        if (p.prev_out != nullptr)
+          for (int r = 0; r < 2; ++r)
+            if (row0 + 8 * r < p.tq) prev_lse[r] = p.prev_lse[int64_t{row0 + 8 * r} * p.hq + head];
+      }
 
       // Softcap, mask and online softmax of one item's S; scale_old: how O must be rescaled.
       auto softmax = [&](int item, float (&scale_old)[2]) {
@@ -368,6 +417,10 @@ struct ForwardKernel {
         pipeline_v.consumer_release(read_v);
         ++read_v;
       } else {
+        if constexpr (kCluster) {  // an exchange of nothing, for prev_lse's order above
+          clear(tSrS);
+          add_other_half(tSrS);
+        }
         next = shared.work.take(n + 1);
         if constexpr (kFirstSEarly) {
           if (has_items(next)) wait_first_s_operands();
@@ -380,11 +433,14 @@ struct ForwardKernel {
       float block_max = -INFINITY;
       if constexpr (kSplitColumns) {
         float lse_rows[2];
+        const int part = kCluster ? static_cast<int>(cute::block_rank_in_cluster()) : 0;
         detail::finish_forward_rows<T, kOBlocks>(p, acc, row_max, row_sum, logit_scale, row0, head, lane, block_max,
-                                                 group * kOCols, kOCols, lse_rows);
-        // Both consumers have read prev_lse (it may be lse) before the first writes lse; their rows' lse agree.
+                                                 part * kBlockD + group * kOCols, kOCols, lse_rows,
+                                                 kCluster ? prev_lse : nullptr);
+        // Both consumers have read prev_lse (it may be lse) before the first writes lse; their rows' lse agree, and
+        // so do the blocks' of a cluster.
         cutlass::arch::NamedBarrier::sync(128 * kConsumers, kConsumers);
-        if (group == 0 && lane % 4 == 0)
+        if (part == 0 && group == 0 && lane % 4 == 0)
           for (int r = 0; r < 2; ++r)
             if (row0 + 8 * r < p.tq) p.lse[int64_t{row0 + 8 * r} * p.hq + head] = lse_rows[r];
       } else {
@@ -413,12 +469,20 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1) forward_kernel(const __gr
     }
     shared.work.init(Kernel::kConsumers * 128);
   }
-  auto pipeline_k = make_tma_pipeline<typename Kernel::PipelineK>(shared.pipeline_k, Kernel::kStageBytes,
-                                                                  Kernel::kConsumers * 128, warp_group == 0);
-  auto pipeline_v = make_tma_pipeline<typename Kernel::PipelineV>(shared.pipeline_v, Kernel::kStageBytes,
-                                                                  Kernel::kConsumers * 128, warp_group == 0);
+  auto pipeline_k = make_tma_pipeline<typename Kernel::PipelineK, Kernel::kClusterSize>(
+      shared.pipeline_k, Kernel::kStageBytes, Kernel::kConsumers * 128, warp_group == 0);
+  auto pipeline_v = make_tma_pipeline<typename Kernel::PipelineV, Kernel::kClusterSize>(
+      shared.pipeline_v, Kernel::kStageBytes, Kernel::kConsumers * 128, warp_group == 0);
+  if constexpr (Kernel::kCluster) {
+    if (threadIdx.x == 0)
+      for (auto& per_parity : shared.s_peer_full)
+        for (auto& barrier : per_parity) barrier.init(1);
+  }
   cutlass::arch::fence_barrier_init();
-  __syncthreads();
+  if constexpr (Kernel::kCluster)
+    cute::cluster_sync();  // the peer's barriers exist before the first store into its shared memory
+  else
+    __syncthreads();
 
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Kernel::kProducerRegisters>();
@@ -426,6 +490,11 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1) forward_kernel(const __gr
   } else {
     cutlass::arch::warpgroup_reg_alloc<Kernel::kConsumerRegisters>();
     Kernel::consume(params, shared, pipeline_k, pipeline_v);
+  }
+  // No block leaves while its peer may still arrive on its barriers or store into its shared memory.
+  if constexpr (Kernel::kCluster) {
+    __syncwarp();
+    cute::cluster_sync();
   }
 }
 
@@ -439,7 +508,7 @@ void launch_forward_tiles(const FwdParams& p, int itemless, int sm_margin, cudaS
   const int num_work = with_items.list.num_tiles * p.hq;
   if (num_work > 0)
     launch_persistent<Kernel>(forward_kernel<Kernel>, Kernel::make_params(with_items, num_work), num_work, sm_margin,
-                              p.work_counter, stream, "sm90 forward_kernel");
+                              p.work_counter, stream, "sm90 forward_kernel", Kernel::kClusterSize);
   detail::launch_itemless_tiles<T, kD, kTileQ>(p, itemless, stream);
 }
 

@@ -53,8 +53,11 @@ __device__ __forceinline__ void issue_gemm(Mma& mma, TA& a, const TB& b, TC& c) 
   if constexpr (kRegistersA) warpgroup_fence_operand(a);
 }
 
-// A TMA pipeline of one CTA: `producer` says which side this thread is on; thread 0 leads.
-template <class Pipeline>
+// A TMA pipeline of one CTA: `producer` says which side this thread is on; thread 0 leads. In a cluster of
+// kClusterSize blocks, CUTLASS's pipeline sends each consumer release to every block of the cluster's row (it assumes
+// multicast loads), so it is told the cluster's shape: a stage is then refilled once the consumers of every block
+// have released it (the blocks walk the same items).
+template <class Pipeline, int kClusterSize = 1>
 __device__ __forceinline__ Pipeline make_tma_pipeline(typename Pipeline::SharedStorage& storage, int stage_bytes,
                                                       int consumer_threads, bool producer) {
   typename Pipeline::Params params;
@@ -62,21 +65,46 @@ __device__ __forceinline__ Pipeline make_tma_pipeline(typename Pipeline::SharedS
   params.role = producer ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
   params.is_leader = threadIdx.x == 0;
   params.num_consumers = consumer_threads;
-  return Pipeline(storage, params, Shape<_1, _1, _1>{});
+  return Pipeline(storage, params, Shape<Int<kClusterSize>, _1, _1>{});
 }
 
 // Launches a persistent Hopper kernel: one block per SM that the margin leaves (at least one), at most one per work,
-// after zeroing the launch's work counter (claim_work_index).
+// after zeroing the launch's work counter (claim_work_index). Clusters of `cluster` blocks (each cluster one work at a
+// time): as many as fit the SMs the margin leaves, at least one.
 template <class Kernel, class KernelFunction>
 void launch_persistent(KernelFunction kernel, const typename Kernel::Params& params, int num_work, int sm_margin,
-                       int32_t* work_counter, cudaStream_t stream, const char* name) {
+                       int32_t* work_counter, cudaStream_t stream, const char* name, int cluster = 1) {
   int device = 0, sms = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   const int usable = sms - sm_margin > 1 ? sms - sm_margin : 1;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);
-  cudaMemsetAsync(work_counter, 0, sizeof(int32_t), stream);
-  kernel<<<usable < num_work ? usable : num_work, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(params);
+  if (cluster == 1) {
+    cudaMemsetAsync(work_counter, 0, sizeof(int32_t), stream);
+    kernel<<<usable < num_work ? usable : num_work, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(params);
+    detail::check_launch(name);
+    return;
+  }
+  cudaLaunchConfig_t config = {};
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = cluster;
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  config.blockDim = dim3(Kernel::kThreads);
+  config.dynamicSmemBytes = Kernel::kSmemBytes;
+  config.stream = stream;
+  config.gridDim = dim3(usable / cluster * cluster);
+  int active = 0;  // clusters resident at once (a GPC's SMs may not all pair up)
+  if (cudaOccupancyMaxActiveClusters(&active, kernel, &config) != cudaSuccess) active = 0;
+  int clusters = usable / cluster;
+  if (active > 0 && active < clusters) clusters = active;
+  if (clusters > num_work) clusters = num_work;
+  if (clusters < 1) clusters = 1;
+  config.gridDim = dim3(clusters * cluster);
+  cudaLaunchKernelEx(&config, kernel, params);
   detail::check_launch(name);
 }
 
@@ -95,9 +123,20 @@ struct WorkRing {
   }
   // Producer: the n-th work of this block (n = 0, 1, ...), published for the consumers.
   __device__ int publish(int n, int32_t* counter) {
+    return publish_index(n, [&] { return n == 0 ? detail::first_work_index() : detail::claim_work_index(counter); });
+  }
+  // Producer of a block in a cluster: the n-th work of its cluster, the same in every block of it (cluster c of C takes
+  // works c, c + C, ...: the plan's order, heavy tiles first, without a claim to share between the blocks).
+  __device__ int publish_in_cluster(int n) {
+    return publish_index(
+        n, [&] { return static_cast<int>(cute::cluster_id_in_grid().x + n * cute::cluster_grid_dims().x); });
+  }
+  // Once the consumers have taken the work two before: index() is the n-th work.
+  template <class Index>
+  __device__ __forceinline__ int publish_index(int n, Index&& index) {
     const int s = n & 1;
     if (n >= 2) empty[s].wait(((n >> 1) - 1) & 1);
-    const int linear = n == 0 ? detail::first_work_index() : detail::claim_work_index(counter);
+    const int linear = index();
     slot[s] = linear;
     full[s].arrive();
     return linear;
