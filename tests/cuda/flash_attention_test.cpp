@@ -1105,7 +1105,7 @@ TEST(CudaBackend, PlansRunTheFamilyAskedFor) {
   }
   if (cuda::head_dim_supported(320))
     EXPECT_EQ(cuda::stats(*test_plan(mask, 2, 1, 320)).backward_family, cuda::KernelFamily::Sm80);
-  // The Hopper forward runs up to tile 512 (64-row tiles above 320); a forward_variant asks for the portable one.
+  // The Hopper forward at tile 512 (64-row tiles above 320); a forward_variant asks for the portable one.
   if (cuda::head_dim_supported(512) && cuda::stats(*test_plan(mask, 2, 1, 512)).padded_head_dim == 512) {
     const cuda::PlanStats large = cuda::stats(*test_plan(mask, 2, 1, 512));
     EXPECT_EQ(large.forward_family, s.forward_family);
@@ -1118,11 +1118,17 @@ TEST(CudaBackend, PlansRunTheFamilyAskedFor) {
       EXPECT_THROW(cuda::make_plan(mask, 2, 1, 512, 0, variant), InvalidArgument);
     }
   }
+  // Tiles 768 / 1024: the Hopper forward in clusters of two blocks, where it is available; 576: the portable one.
   if (cuda::head_dim_supported(1024)) {
-    EXPECT_EQ(cuda::stats(*cuda::make_plan(mask, 2, 1, 1024, 0)).forward_family, cuda::KernelFamily::Sm80);
+    EXPECT_EQ(cuda::stats(*cuda::make_plan(mask, 2, 1, 1024, 0)).forward_family,
+              cuda::sm90_forward_available(1024, 0) ? cuda::KernelFamily::Sm90 : cuda::KernelFamily::Sm80);
+    EXPECT_EQ(cuda::stats(*test_plan(mask, 2, 1, 1024)).forward_family, s.forward_family);
+  }
+  if (cuda::head_dim_supported(576) && cuda::stats(*cuda::make_plan(mask, 2, 1, 576, 0)).padded_head_dim == 576) {
+    EXPECT_EQ(cuda::stats(*cuda::make_plan(mask, 2, 1, 576, 0)).forward_family, cuda::KernelFamily::Sm80);
     cuda::PlanTuning hopper;
     hopper.forward_family = cuda::KernelFamily::Sm90;
-    EXPECT_THROW(cuda::make_plan(mask, 2, 1, 1024, 0, hopper), NotAvailable);
+    EXPECT_THROW(cuda::make_plan(mask, 2, 1, 576, 0, hopper), NotAvailable);
   }
   cuda::PlanTuning portable_bwd;
   portable_bwd.backward_family = cuda::KernelFamily::Sm80;
