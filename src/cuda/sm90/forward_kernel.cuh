@@ -2,12 +2,12 @@
 // and V tiles into swizzled shared memory with TMA (mbarrier pipelines: Q two works deep up to D 128, K one item ahead
 // of V), and two consumer warpgroups (three at D 64) that run S = Q K^T (wgmma, both operands in shared memory) and
 // O += P V (P from registers). Up to D 320 each consumer holds 64 q rows; above, two hold the same 64 rows and half of
-// O's columns each; at tiles 768 / 1024 a cluster of two blocks takes each tile, each block half of D (tiles.hpp). A consumer issues the next item's Q K^T before its P V of the current one and computes
-// the softmax while both run; the consumers take turns to issue (ping-pong), so the tensor cores serve the others while
-// one computes its softmax. At D 64 a work's first Q K^T goes out beside the last P V of the work before, so that the
-// epilogue runs under it. The grid is persistent, fed by the producer (WorkRing). Masking, softcap, the online softmax
-// and the epilogue (sink, merge with a previous result, lse, max_logits) are the portable family's
-// (src/cuda/forward_common.cuh).
+// O's columns each; at tiles 768 / 1024 a cluster of two blocks takes each tile, each block half of D (tiles.hpp). A
+// consumer issues the next item's Q K^T before its P V of the current one and computes the softmax while both run;
+// the consumers take turns to issue (ping-pong), so the tensor cores serve the others while one computes its softmax.
+// At D 64 a work's first Q K^T goes out beside the last P V of the work before, so that the epilogue runs under it.
+// The grid is persistent, fed by the producer (WorkRing). Masking, softcap, the online softmax and the epilogue (sink,
+// merge with a previous result, lse, max_logits) are the portable family's (src/cuda/forward_common.cuh).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -85,8 +85,8 @@ struct ForwardKernel {
   // Global [rows, heads, D] as (rows, D, heads).
   using GmemLayout = Layout<Shape<int32_t, int32_t, int32_t>, Stride<int64_t, _1, int64_t>>;
   using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)), GmemLayout{}));
-  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(LayoutQ{}), Shape<Int<kM>, Int<kBlockD>>{},
-                                      _1{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(LayoutQ{}),
+                                      Shape<Int<kM>, Int<kBlockD>>{}, _1{}));
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(LayoutK{}),
                                        Shape<Int<kN>, Int<kBlockD>>{}, _1{}));
   using PipelineK = cutlass::PipelineTmaAsync<kKStages>;
@@ -127,8 +127,8 @@ struct ForwardKernel {
                                      make_stride(int64_t{heads} * p.d, _1{}, int64_t{p.d})));
     };
     return {p,
-            make_tma_copy(SM90_TMA_LOAD{}, tensor(p.q, p.tq, p.hq), take<0, 2>(LayoutQ{}), Shape<Int<kM>, Int<kBlockD>>{},
-                          _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, tensor(p.q, p.tq, p.hq), take<0, 2>(LayoutQ{}),
+                          Shape<Int<kM>, Int<kBlockD>>{}, _1{}),
             make_tma_copy(SM90_TMA_LOAD{}, tensor(p.k, p.tk, p.hkv), take<0, 2>(LayoutK{}),
                           Shape<Int<kN>, Int<kBlockD>>{}, _1{}),
             make_tma_copy(SM90_TMA_LOAD{}, tensor(p.v, p.tk, p.hkv), take<0, 2>(LayoutV{}),
