@@ -218,7 +218,7 @@ void run_backward(int padded, const detail::BwdParams& dkdv, int dkdv_blocks, co
   });
 }
 
-// The Hopper backward (dk/dv; dq added into p.dq_accum by TMA reduce-adds) at head-dim tiles 64 and 128.
+// The Hopper backward (dk/dv; dq added into p.dq_accum) at the tiles sm90::sm90_backward_tile names.
 template <int kDtype>
 void run_backward_sm90(int padded, const detail::BwdParams& p, int margin, cudaStream_t stream) {
   with_compiled_tile(padded, "sm_90a backward", [&](auto d) {
@@ -333,6 +333,12 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
                              reinterpret_cast<uintptr_t>(a.v.data) | reinterpret_cast<uintptr_t>(a.dout.data)) %
                             16) == 0;
   const bool sm90_dkdv = plan.bwd_family == KernelFamily::Sm90 && tma_aligned;
+  // Above tile 256 the families' k-major lists differ: the portable kernel cannot take the Hopper plan's. (The API
+  // edge rejects such addresses before this.)
+  if (plan.bwd_family == KernelFamily::Sm90 && !tma_aligned &&
+      sm90::backward_tile_k(plan.padded_d) != detail::dkdv_tile_k(plan.padded_d))
+    throw InvalidArgument("cuda backward: q, k, v and dout need 16-byte aligned addresses for the Hopper backward at "
+                          "head dim " + std::to_string(plan.d) + " (or plan the portable family)");
   const BackwardLayout layout = backward_layout(a, plan.padded_d, plan.smem_optin, o.deterministic, plan.bwd_fuse_dq,
                                                 sm90_dkdv && sm90::sm90_ordered_dq(plan.padded_d));
   unsigned char* scratch = scratch_for(a.workspace, plan.device, stream, layout.total);

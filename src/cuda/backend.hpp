@@ -50,9 +50,9 @@ bool sm90_backward_available(int32_t head_dim, int32_t device);
 struct PlanTuning {
   int32_t forward_tile_q = 0;  // rows per forward block: 0, 64 or (D <= 128) 128; the Hopper forward: 0 or its tile
   KernelFamily forward_family = KernelFamily::Auto;  // Auto: Sm90 where available; a forced one must be
-  // The backward's: Auto / Sm90 take the Hopper dk/dv kernel where available (head-dim tiles 64 and 128; dq by TMA
-  // reduce-adds in it, or by the portable dq kernel in the deterministic mode), else the portable one; Sm80 the
-  // portable one.
+  // The backward's: Auto / Sm90 take the Hopper dk/dv kernel where available (head-dim tiles 64 to 512; dq added in
+  // it, or by the portable dq kernel in the deterministic mode except at 128), else the portable one; Sm80 the
+  // portable one. A backward_variant (the portable family's) makes Auto the portable family.
   KernelFamily backward_family = KernelFamily::Auto;
   // Head-dim tiles above 256: the D-split forward's variant (LargeFwdVariant in src/cuda/sm80/tiles.hpp); -1 = the
   // tuned table's choice for the device (plan/tuned_configs.cpp), else the one that fits.

@@ -959,8 +959,8 @@ INSTANTIATE_TEST_SUITE_P(
              (std::get<1>(info.param) == DType::BF16 ? "_bf16_" : "_fp16_") + std::get<2>(info.param).name;
     });
 
-// Head dims above 256: the D-split backward kernels alone against the fp64 reference (out and lse from the
-// reference). Full / causal / varlen causal / random slices of every
+// Head dims above 256: the backward kernels alone (the portable D-split ones; on sm_90 up to tile 512 the Hopper
+// clusters) against the fp64 reference (out and lse from the reference). Full / causal / varlen causal / random slices of every
 // type with q-overlap, empty rows, GQA and MQA, sinks (sh, ssh) and softcap, fp32 gradients, the persistent grids
 // (SM margin), and the deterministic mode bitwise over two runs; D 264, 520 and 760 run padded in the next larger
 // tile.
@@ -1001,8 +1001,9 @@ class LargeHeadDimBackward : public testing::TestWithParam<LargeDimBackwardCase>
 TEST_P(LargeHeadDimBackward, MatchesReference) {
   const LargeDimBackwardCase& lc = GetParam();
   if (!cuda::head_dim_supported(lc.d)) GTEST_SKIP() << "this build has no head-dim tile for " << lc.d;
-  // The backward kernels are the portable family's whatever the forward family: its run covers them.
-  if (family_under_test() == cuda::KernelFamily::Sm90) GTEST_SKIP() << "the portable family's run covers these";
+  // Where the Hopper family has no backward (tiles above 512) the plan runs the portable one: its run covers it.
+  if (family_under_test() == cuda::KernelFamily::Sm90 && !cuda::sm90_backward_available(lc.d, 0))
+    GTEST_SKIP() << "no Hopper backward at head dim " << lc.d << ": the portable family's run covers it";
   const uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
   const int32_t tokens = lc.d <= 520 ? 384 : 256;  // the fp64 reference's time
@@ -1094,8 +1095,8 @@ TEST(CudaBackend, PlansRunTheFamilyAskedFor) {
   const Mask mask = masks::causal(1024, 1024);
   const cuda::PlanStats s = cuda::stats(*test_plan(mask, 2, 1, 128));
   EXPECT_EQ(s.forward_family, testing_sm90() ? cuda::KernelFamily::Sm90 : cuda::KernelFamily::Sm80);
-  EXPECT_EQ(s.forward_tile_k, testing_sm90() ? 128 : 64);
-  // The backward follows the family at head-dim tiles 64, 128 and 256 and stays portable above.
+  if (s.padded_head_dim == 128) EXPECT_EQ(s.forward_tile_k, testing_sm90() ? 128 : 64);
+  // The backward follows the family at head-dim tiles 64 to 512 and stays portable above.
   EXPECT_EQ(s.backward_family, testing_sm90() ? cuda::KernelFamily::Sm90 : cuda::KernelFamily::Sm80);
   EXPECT_EQ(cuda::stats(*test_plan(mask, 2, 1, 64)).backward_family, s.backward_family);
   // (A build without some tile runs that head dim padded in a larger one: only the exact tiles are checked.)
@@ -1103,8 +1104,20 @@ TEST(CudaBackend, PlansRunTheFamilyAskedFor) {
     const cuda::PlanStats d256 = cuda::stats(*test_plan(mask, 2, 1, 256));
     if (d256.padded_head_dim == 256) EXPECT_EQ(d256.backward_family, s.backward_family);
   }
-  if (cuda::head_dim_supported(320))
-    EXPECT_EQ(cuda::stats(*test_plan(mask, 2, 1, 320)).backward_family, cuda::KernelFamily::Sm80);
+  if (cuda::head_dim_supported(320)) {
+    const cuda::PlanStats d320 = cuda::stats(*test_plan(mask, 2, 1, 320));
+    if (d320.padded_head_dim <= 512) EXPECT_EQ(d320.backward_family, s.backward_family);
+    // A backward_variant asks for the portable D-split backward.
+    cuda::PlanTuning variant;
+    variant.backward_variant = 0;
+    EXPECT_EQ(cuda::stats(*cuda::make_plan(mask, 2, 1, 320, 0, variant)).backward_family, cuda::KernelFamily::Sm80);
+    if (cuda::sm90_backward_available(320, 0)) {
+      variant.backward_family = cuda::KernelFamily::Sm90;
+      EXPECT_THROW(cuda::make_plan(mask, 2, 1, 320, 0, variant), InvalidArgument);
+    }
+  }
+  if (cuda::head_dim_supported(1024))
+    EXPECT_EQ(cuda::stats(*test_plan(mask, 2, 1, 1024)).backward_family, cuda::KernelFamily::Sm80);
   // The Hopper forward at tile 512 (64-row tiles above 320); a forward_variant asks for the portable one.
   if (cuda::head_dim_supported(512) && cuda::stats(*test_plan(mask, 2, 1, 512)).padded_head_dim == 512) {
     const cuda::PlanStats large = cuda::stats(*test_plan(mask, 2, 1, 512));

@@ -41,6 +41,7 @@ constexpr bool every_tile_divides(int length) {
          length % sm90::forward_tile_k(d) != 0))
       return false;
     if (length % detail::kDkdvTileQ != 0 || length % detail::dkdv_tile_k(d) != 0) return false;
+    if (sm90::sm90_backward_tile(d) && length % sm90::backward_tile_k(d) != 0) return false;
     if (length % detail::dq_tile_q(d) != 0 || length % detail::dq_tile_k(d) != 0) return false;
   }
   return true;
@@ -300,8 +301,14 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
                        "with the CUTLASS headers and a device of compute capability 9.0; allowed families "
                        "here: auto, sm80)");
   plan->fwd_family = sm90 ? KernelFamily::Sm90 : KernelFamily::Sm80;
-  // The backward reuses the k-major list (128 keys x 64-row chunks): only the kernel differs.
-  plan->bwd_family = tuning.backward_family != KernelFamily::Sm80 && sm90_backward_available(head_dim, device)
+  // A backward_variant names one of the portable D-split backward's variants: Auto then means the portable family.
+  const bool portable_bwd_variant = tuning.backward_variant >= 0 && detail::is_large_head_dim(plan->padded_d);
+  if (tuning.backward_family == KernelFamily::Sm90 && portable_bwd_variant && sm90_backward_available(head_dim, device))
+    throw InvalidArgument("cuda plan: backward_variant " + std::to_string(tuning.backward_variant) +
+                          " is a variant of the portable family's large-D backward (allowed with backward family "
+                          "sm90: -1)");
+  plan->bwd_family = tuning.backward_family != KernelFamily::Sm80 && !portable_bwd_variant &&
+                             sm90_backward_available(head_dim, device)
                          ? KernelFamily::Sm90
                          : KernelFamily::Sm80;
   // Large head dims: one q tile, and the D-split kernel's variant for this device (plan/tuned_configs.cpp).
@@ -316,7 +323,9 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
           large_forward_variant(compute_capability, plan->smem_optin, plan->padded_d, tuning.forward_variant);
     plan->bwd_variant =
         large_backward_variant(compute_capability, plan->smem_optin, plan->padded_d, tuning.backward_variant);
-    plan->bwd_fuse_dq = large_backward_fuses_dq(compute_capability, plan->smem_optin, plan->padded_d);
+    // The Hopper backward adds dQ itself (vector reductions) in the default mode.
+    plan->bwd_fuse_dq = plan->bwd_family == KernelFamily::Sm90 ||
+                        large_backward_fuses_dq(compute_capability, plan->smem_optin, plan->padded_d);
   }
   const int small_q = sm90      ? sm90::forward_small_tile_q(plan->padded_d)
                       : large_d ? detail::large_fwd_tile_q(plan->padded_d)
@@ -390,14 +399,23 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
       for (int32_t h = 1; h <= std::max(1, sms / 32); ++h)
         if (heads_q % h == 0) fwd_per_pass = h;
   }
-  const PassOrder fwd_passes = fwd_per_pass == heads_q ? PassOrder{heads_q, 0}
-                                                       : order_in_passes(fwd, heads_q, 0.0, l2_bytes, sms, fwd_per_pass);
-  HostList dkdv =
-      convert(mask, tiling::by_k_tile(mask, detail::dkdv_tile_k(plan->padded_d), detail::kDkdvTileQ), false);
-  // The dk/dv kernel (one block per SM) in passes of kv heads sharing their group's Q, dO and fp32 dq accumulator
-  // in L2: varlen causal backward +7% (H100).
+  // Resident works: one per SM, one per cluster of the Hopper kernels' clusters.
+  const int fwd_slots = sm90 ? sms / sm90::forward_cluster_size(plan->padded_d) : sms;
+  const PassOrder fwd_passes = fwd_per_pass == heads_q
+                                   ? PassOrder{heads_q, 0}
+                                   : order_in_passes(fwd, heads_q, 0.0, l2_bytes, fwd_slots, fwd_per_pass);
+  // The families' k tiles are the same up to head-dim tile 256; above, the Hopper kernel's is 64 keys, the portable
+  // D-split kernel's 32 or 16.
+  const int dkdv_k = plan->bwd_family == KernelFamily::Sm90 ? sm90::backward_tile_k(plan->padded_d)
+                                                            : detail::dkdv_tile_k(plan->padded_d);
+  HostList dkdv = convert(mask, tiling::by_k_tile(mask, dkdv_k, detail::kDkdvTileQ), false);
+  // The dk/dv kernel (one block per SM or cluster) in passes of kv heads sharing their group's Q, dO and fp32 dq
+  // accumulator in L2: varlen causal backward +7% (H100). (Counting SMs, not clusters, the Hopper D 512 backward took
+  // every full-mask tile for heavy and ran all heads at once: 67% of DRAM's bandwidth, 141 bwd TFLOP/s.)
   const double group_bytes = 8.0 * (plan->hq / plan->hkv) * plan->tq * plan->padded_d;
-  const PassOrder dkdv_passes = order_in_passes(dkdv, plan->hkv, group_bytes, l2_bytes, sms);
+  const int dkdv_slots =
+      plan->bwd_family == KernelFamily::Sm90 ? sms / sm90::backward_cluster_size(plan->padded_d) : sms;
+  const PassOrder dkdv_passes = order_in_passes(dkdv, plan->hkv, group_bytes, l2_bytes, dkdv_slots);
   rank_dq_adds(dkdv);
   const int dq_k = detail::dq_tile_k(plan->padded_d);
   const int dq_q = detail::dq_tile_q(plan->padded_d);

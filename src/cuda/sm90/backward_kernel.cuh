@@ -14,9 +14,13 @@
 // dV += P^T dO for all 256 columns, the other dP^T, dS^T and dK += dS^T Q; P^T (times the dS factor) crosses in
 // fp32 through shared memory, dS^T in 16 bits for dQ = dS K, whose columns the two split; dQ goes out by vector
 // reductions from registers (its fp32 tile does not fit beside two stages of Q and dO).
+// Tiles 320 (as 384), 384 and 512 run as clusters of two blocks of the D 256 layout, each holding half of D
+// (tiles.hpp): each role adds to its S^T or dP^T over the block's half what the same role of the other block computed
+// over the other half, which that block stores into this one's shared memory (st.async, counted by an mbarrier); P^T
+// and dS^T are then the same in both blocks, and each block's dV, dK and dQ are its half of the columns.
 // Deterministic mode: dK / dV are reproducible as they are (a block sums its chunks in a fixed order); up to D 128
-// the dQ reduce-adds take turns in a fixed order (OrderedDqAdds), at D 256 the kernel runs without dQ (kDq) beside
-// the portable dq kernel.
+// the dQ reduce-adds take turns in a fixed order (OrderedDqAdds), from D 256 on the kernel runs without dQ (kDq)
+// beside the portable dq kernel.
 // The grid is persistent (WorkRing). dK / dV stay in registers for the whole tile and are stored at its end.
 #pragma once
 
@@ -25,6 +29,7 @@
 
 #include "cuda/sm80/backward_kernel.cuh"  // bwd_cell, item_queries: the per-cell math of both families
 #include "cuda/sm90/gemm_common.cuh"
+#include "cuda/sm90/tiles.hpp"
 
 namespace magi::cuda::sm90 {
 
@@ -90,14 +95,18 @@ struct OrderedDqAdds {
 
 // kSoftcap: a kernel of its own, so that its extra live registers (tanh's derivative needs S and dP at once) do not
 // make ptxas serialise the wgmma pipeline of the common kernel (C7512).
-// kDq: dQ added here; without it (the deterministic mode at D 256) the portable dq kernel computes dQ.
-template <class T, int kD, bool kSoftcap, bool kDq>
+// kDq: dQ added here; without it (the deterministic mode from D 256 on) the portable dq kernel computes dQ.
+template <class T, int kTile, bool kSoftcap, bool kDq>
 struct BackwardKernel {
   using Element = typename CuteElement<T>::type;
+  static constexpr int kClusterSize = backward_cluster_size(kTile);
+  static constexpr bool kCluster = kClusterSize > 1;
+  static constexpr int kD = backward_block_head_dim(kTile);  // the columns this block holds
   static constexpr bool kWide = kD > 128;
-  static constexpr int kM = detail::kDkdvTileQ;       // q rows per chunk (the k-major list's items)
-  static constexpr int kN = detail::dkdv_tile_k(kD);  // keys per block (the k-major list's tiles)
-  static_assert(kM == 64 && kN == (kWide ? 64 : 128) && kD <= 256, "64-row chunks; 128-key tiles, 64 at D 256");
+  static constexpr int kM = detail::kDkdvTileQ;        // q rows per chunk (the k-major list's items)
+  static constexpr int kN = backward_tile_k(kTile);    // keys per block (the k-major list's tiles)
+  static_assert(kM == 64 && kN == (kWide ? 64 : 128) && kD <= 256, "64-row chunks; 128-key tiles, 64 above D 128");
+  static_assert(!kCluster || kWide, "a cluster's blocks have the wide layout");
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kStages = 2;
@@ -118,6 +127,13 @@ struct BackwardKernel {
                            GMMA::Major::MN>(),
       SplitCols{}));
 
+  // Wide: dQ = dS K by role, the first kDqCols0 columns in role 0, the rest in role 1 (whole 64-column swizzle atoms of
+  // K^T each: at D 192 a role's half would not be).
+  static constexpr int kDqCols0 = (kD / 2 + 63) / 64 * 64;
+  template <int kCols>
+  using MmaDqColumns = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kM>, Int<kCols>, Int<kN>>, GMMA::Major::MN,
+                           GMMA::Major::MN>()));
   using LayoutKV = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kN>, Int<kD>>{}));
   using LayoutKt =
       decltype(composition(LayoutKV{}, make_ordered_layout(Shape<Int<kD>, Int<kN>>{}, Step<_2, _1>{})));
@@ -128,8 +144,10 @@ struct BackwardKernel {
       LayoutQ{}, make_ordered_layout(Shape<Int<kD>, Int<kM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
   // dS (rows x keys, rows contiguous). Up to D 128 two buffers: chunk i's in buffer i % 2, so that one barrier per
   // chunk suffices (a consumer past chunk i + 1's barrier knows the other finished chunk i's GEMMs). At D 256 one:
-  // its writer is past the barrier where the other consumer hands over the next chunk's P^T, after its dQ GEMM.
+  // its writer is past the barrier where the other consumer hands over the next chunk's P^T, after its dQ GEMM. In a
+  // cluster the dS space is twice that: it first receives the other block's dP^T part (fp32).
   static constexpr int kDsBuffers = kWide ? 1 : 2;
+  static constexpr int kDsSpace = kCluster ? 2 : 1;
   using LayoutdS =
       decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{}, Shape<Int<kM>, Int<kN>, Int<kDsBuffers>>{}));
   // Global [rows, heads, D] as (rows, D, heads).
@@ -144,14 +162,17 @@ struct BackwardKernel {
                                        Shape<Int<kM>, Int<kD / kConsumers>>{}, _1{}));
   using TmaKV =
       decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, LayoutKV{}, Shape<Int<kN>, Int<kD>>{}, _1{}));
-  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  // In a cluster each block's pipeline is its own (the blocks load different columns).
+  using Pipeline = std::conditional_t<kCluster, BlockTmaPipeline<kStages>, cutlass::PipelineTmaAsync<kStages>>;
   using PipelineState = cutlass::PipelineState<kStages>;
   static constexpr uint32_t kStageBytes = 2 * kM * kD * sizeof(Element) + 2 * kM * sizeof(float) + sizeof(WorkItem);
 
   struct DqTiles {  // up to D 128
     alignas(1024) float dq[kConsumers * cosize_v<LayoutdQ>];
   };
-  struct PTiles {  // D 256: P^T times the dS factor, fp32, in the S^T fragment's order ([register pair][thread])
+  // Wide: P^T times the dS factor, fp32, in the S^T fragment's order ([register / 4][thread], float4); in a cluster it
+  // first receives the other block's S^T part, in the same order.
+  struct PTiles {
     alignas(16) float g[kN * kM];
   };
   struct SharedStorage {
@@ -159,7 +180,7 @@ struct BackwardKernel {
     alignas(1024) Element v[cosize_v<LayoutKV>];
     alignas(1024) Element q[cosize_v<LayoutQ>];
     alignas(1024) Element dout[cosize_v<LayoutQ>];
-    alignas(1024) Element ds[cosize_v<LayoutdS>];
+    alignas(1024) Element ds[kDsSpace * cosize_v<LayoutdS>];
     std::conditional_t<kWide, PTiles, DqTiles> tiles;
     alignas(16) float lse2[kStages][kM];
     alignas(16) float delta[kStages][kM];
@@ -167,6 +188,10 @@ struct BackwardKernel {
     typename Pipeline::SharedStorage pipeline;
     cutlass::arch::ClusterTransactionBarrier kv_full;
     cutlass::arch::ClusterBarrier kv_empty;
+    // Cluster: the other block's part has arrived, per role; the other block's buffers may be written (its 8
+    // consumer warps are done with the last chunk's).
+    cutlass::arch::ClusterTransactionBarrier part_full[kCluster ? 2 : 1];
+    cutlass::arch::ClusterBarrier peer_free;
     WorkRing work;
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
@@ -204,7 +229,8 @@ struct BackwardKernel {
   }
 
   // One thread issues every load: K and V once per work (after the consumers are done with the last one's), then
-  // per (q head, item) the chunk's Q, dO, lse2 and Delta into the next pipeline stage.
+  // per (q head, item) the chunk's Q, dO, lse2 and Delta into the next pipeline stage; in a cluster, this block's
+  // columns of K, V, Q and dO, and the works of its cluster (the blocks of a cluster walk the same chunks).
   static __device__ __forceinline__ void produce(const Params& params, SharedStorage& shared, Pipeline& pipeline) {
     const BwdParams& p = params.p;
     Tensor mQ = params.tma_q.get_tma_tensor(make_shape(max(p.tq, 1), p.d, p.hq));
@@ -217,16 +243,17 @@ struct BackwardKernel {
     Tensor sV = make_tensor(make_smem_ptr(shared.v), LayoutKV{});
     PipelineState write = cutlass::make_producer_start_state<Pipeline>();
     const int group = p.hq / p.hkv;
+    const int part = kCluster ? static_cast<int>(cute::block_rank_in_cluster()) : 0;  // this block's columns
     int kv_loads = 0;
     for (int n = 0;; ++n) {
-      const int linear = shared.work.publish(n, p.work_counter);
+      const int linear = kCluster ? shared.work.publish_in_cluster(n) : shared.work.publish(n, p.work_counter);
       if (linear >= params.num_work) break;
       const WorkCoords at = detail::work_coords(linear, p.hkv, p.list);
       const TileInfo info = p.list.tiles[at.tile_index];
       if (info.count == 0) continue;
       const int kv_head = at.head;
-      Tensor gK = local_tile(mK(_, _, kv_head), Shape<Int<kN>, Int<kD>>{}, make_coord(info.tile, 0));
-      Tensor gV = local_tile(mV(_, _, kv_head), Shape<Int<kN>, Int<kD>>{}, make_coord(info.tile, 0));
+      Tensor gK = local_tile(mK(_, _, kv_head), Shape<Int<kN>, Int<kD>>{}, make_coord(info.tile, part));
+      Tensor gV = local_tile(mV(_, _, kv_head), Shape<Int<kN>, Int<kD>>{}, make_coord(info.tile, part));
       auto [tKg, tKs] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
       auto [tVg, tVs] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
       if (kv_loads > 0) shared.kv_empty.wait((kv_loads - 1) & 1);
@@ -235,8 +262,8 @@ struct BackwardKernel {
       copy(params.tma_v.with(reinterpret_cast<uint64_t&>(shared.kv_full), 0), tVg, tVs);
       ++kv_loads;
       for (int head = kv_head * group; head < (kv_head + 1) * group; ++head) {
-        Tensor gQ = local_tile(mQ(_, _, head), Shape<Int<kM>, Int<kD>>{}, make_coord(_, 0));
-        Tensor gdO = local_tile(mdO(_, _, head), Shape<Int<kM>, Int<kD>>{}, make_coord(_, 0));
+        Tensor gQ = local_tile(mQ(_, _, head), Shape<Int<kM>, Int<kD>>{}, make_coord(_, part));
+        Tensor gdO = local_tile(mdO(_, _, head), Shape<Int<kM>, Int<kD>>{}, make_coord(_, part));
         auto [tQg, tQs] =
             tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
         auto [tdOg, tdOs] =
@@ -296,10 +323,11 @@ struct BackwardKernel {
   }
 
   // dK or dV of this thread's keys (k_base + key_local + {0, 8}) from the accumulator's [8-column block][2 row +
-  // column] view; keys past tk and columns past d dropped.
+  // column] view, this block's columns (from col0); keys past tk and columns past d dropped.
   template <class Acc>
   static __device__ __forceinline__ void store_key_rows(const BwdParams& p, void* out, const Acc& acc, bool fp32,
-                                                        int kv_head, int k_base, int key_local, int lane) {
+                                                        int kv_head, int k_base, int key_local, int lane,
+                                                        int col0 = 0) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int key = k_base + key_local + 8 * r;
@@ -307,7 +335,7 @@ struct BackwardKernel {
       const int64_t base = (int64_t{key} * p.hkv + kv_head) * p.d;
 #pragma unroll
       for (int nb = 0; nb < kD / 8; ++nb) {
-        const int col = nb * 8 + (lane % 4) * 2;
+        const int col = col0 + nb * 8 + (lane % 4) * 2;
         if (col < p.d) detail::store_pair<T>(out, base + col, acc[nb][2 * r], acc[nb][2 * r + 1], fp32);
       }
     }
@@ -552,26 +580,54 @@ struct BackwardKernel {
     const int key_local = warp * 16 + lane / 4;  // this thread's keys: + {0, 8}
     MmaSdP mma_sdp;
     MmaKV mma_kv;
-    MmaDq mma_dq;
     auto thr_sdp = mma_sdp.get_thread_slice(own);
     auto thr_kv = mma_kv.get_thread_slice(own);
-    auto thr_dq = mma_dq.get_thread_slice(thread);
     const uint32_t ds_store = detail::smem_addr(shared.ds) + key_local * kM * 2 + (lane % 4) * 4;
     const uint32_t ds_chunk = (lane / 4) * 16;
     static_assert(kM * sizeof(Element) == 128, "a key's 64 rows are one 128-byte swizzle row");
 
     Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kN>, Int<kM>>{});     // S^T or dP^T
     Tensor tKVrAcc = partition_fragment_C(mma_kv, Shape<Int<kN>, Int<kD>>{});   // dV or dK
-    Tensor tDqrdQ = partition_fragment_C(mma_dq, Shape<Int<kM>, Int<kD>>{});
     Tensor rA = make_tensor<Element>(tSrS.layout());  // P^T or dS^T, 16-bit
     Tensor tKVrA = make_tensor(rA.data(), accumulator_as_a_operand(rA.layout()));
     static_assert(size(decltype(tSrS){}) == kM / 2, "S^T: this thread's 2 keys x kM / 4 rows");
     static_assert(size(decltype(tKVrAcc){}) == kD / 2, "dV / dK: 2 keys x kD / 4 columns");
-    static_assert(size(decltype(tDqrdQ){}) == kD / 4, "dQ: 2 rows x kD / 8 columns");
     auto& s = *reinterpret_cast<float(*)[kM / 8][4]>(raw_pointer_cast(tSrS.data()));
-    auto& dq = *reinterpret_cast<float(*)[kD / 16][4]>(raw_pointer_cast(tDqrdQ.data()));
-    // g in the fragment's order: register pair j of thread t at float2 index j * 128 + t (conflict-free).
-    auto* const g = reinterpret_cast<float2*>(shared.tiles.g) + own;
+    // g in the fragment's order: registers 4 j .. 4 j + 3 of thread t at float4 index j * 128 + t (conflict-free).
+    float4* const g = reinterpret_cast<float4*>(shared.tiles.g) + own;
+    // Cluster: where the other block's part of this role's matrix arrives (g's space for S^T, dS's for dP^T), in the
+    // same order, and this block's columns.
+    float4* const part =
+        reinterpret_cast<float4*>(role == 0 ? shared.tiles.g : reinterpret_cast<float*>(shared.ds)) + own;
+    const uint32_t rank = kCluster ? cute::block_rank_in_cluster() : 0;
+    const int col0 = rank * kD;
+    int chunks = 0;  // this block's chunks so far (the exchange's phases)
+    // This role's S^T or dP^T over the block's columns plus the other block's part (the same sum in both blocks,
+    // a + b == b + a). A part is stored into the other block once its 8 consumer warps are done with the buffers of
+    // the chunk before (peer_free), which they read until their dQ GEMM.
+    auto add_other_part = [&] {
+      const uint32_t other = rank ^ 1;
+      auto& full = shared.part_full[role];
+      if (own == 0) full.arrive_and_expect_tx(kN * kM * 4);
+      if (chunks > 0) wait_cluster_barrier(shared.peer_free, (chunks - 1) & 1);
+      const uint32_t to = cute::set_block_rank(cute::cast_smem_ptr_to_uint(part), other);
+      const uint32_t to_full = cute::set_block_rank(cute::cast_smem_ptr_to_uint(&full), other);
+      CUTE_UNROLL
+      for (int j = 0; j < kM / 8; ++j)
+        asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
+                     :
+                     : "r"(to + j * 128 * 16), "f"(s[j][0]), "f"(s[j][1]), "f"(s[j][2]), "f"(s[j][3]), "r"(to_full)
+                     : "memory");
+      full.wait(chunks & 1);
+      CUTE_UNROLL
+      for (int j = 0; j < kM / 8; ++j) {
+        const float4 v = part[j * 128];
+        s[j][0] += v.x;
+        s[j][1] += v.y;
+        s[j][2] += v.z;
+        s[j][3] += v.w;
+      }
+    };
 
     auto begin = [&] { clear(tKVrAcc); };
     auto chunk = [&](int head, int k_base, int stage, auto&& release) {
@@ -596,6 +652,7 @@ struct BackwardKernel {
         }
       }
       warpgroup_wait<0>();
+      if constexpr (kCluster) add_other_part();
       if (role == 0) {
         // bwd_cell's P and dS factor; P = 0 where not kept, so that dS = g (dP - Delta) needs no mask.
         detail::with_bool(masked, [&](auto is_masked) {
@@ -620,8 +677,7 @@ struct BackwardKernel {
               rA(nb * 4 + e) = static_cast<Element>(pr);
               gv[e] = pr * factor;
             }
-            g[(nb * 2) * 128] = make_float2(gv[0], gv[1]);
-            g[(nb * 2 + 1) * 128] = make_float2(gv[2], gv[3]);
+            g[nb * 128] = make_float4(gv[0], gv[1], gv[2], gv[3]);  // (in a cluster over what this thread read)
           }
         });
       }
@@ -630,12 +686,11 @@ struct BackwardKernel {
 #pragma unroll
         for (int nb = 0; nb < kM / 8; ++nb) {
           const float2 delta = *reinterpret_cast<const float2*>(&shared.delta[stage][nb * 8 + (lane % 4) * 2]);
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const float2 gv = g[(nb * 2 + r) * 128];
-            rA(nb * 4 + 2 * r) = static_cast<Element>(gv.x * (s[nb][2 * r] - delta.x));
-            rA(nb * 4 + 2 * r + 1) = static_cast<Element>(gv.y * (s[nb][2 * r + 1] - delta.y));
-          }
+          const float4 gv = g[nb * 128];
+          rA(nb * 4) = static_cast<Element>(gv.x * (s[nb][0] - delta.x));
+          rA(nb * 4 + 1) = static_cast<Element>(gv.y * (s[nb][1] - delta.y));
+          rA(nb * 4 + 2) = static_cast<Element>(gv.z * (s[nb][2] - delta.x));
+          rA(nb * 4 + 3) = static_cast<Element>(gv.w * (s[nb][3] - delta.y));
         }
       }
       issue_gemm<false, true>(mma_kv, tKVrA, tKVrB(_, _, _, stage), tKVrAcc);  // dV += P^T dO, dK += dS^T Q
@@ -655,29 +710,58 @@ struct BackwardKernel {
       // dV / dK done before dQ is issued: P^T / dS^T's registers then hold dQ (else they spill).
       warpgroup_wait<0>();
       warpgroup_fence_operand(tKVrA);
+      auto finish = [&] {
+        if constexpr (kCluster) {  // this warp is done with g and dS: the other block may store its next parts
+          __syncwarp();
+          if (lane == 0) arrive_cluster_barrier(shared.peer_free, rank ^ 1);
+        }
+        ++chunks;
+        release();
+      };
       if constexpr (kDq) {
-        Tensor tDqrdS = thr_dq.partition_fragment_A(make_tensor(at_smem(shared.ds), LayoutdS{}));
-        Tensor tDqrKt = thr_dq.partition_fragment_B(make_tensor(at_smem(shared.k), LayoutKt{}));
-        Tensor ds_operand = tDqrdS(_, _, _, 0);
-        issue_gemm<true, false>(mma_dq, ds_operand, tDqrKt, tDqrdQ);
-        warpgroup_wait<0>();
+        // dQ = dS K, role 0 the first kDqCols0 columns, role 1 the rest: one GEMM split by columns where both halves
+        // are whole swizzle atoms of K^T, else one per role.
+        auto dq_columns = [&](auto mma_dq, int mma_thread, auto columns, auto b_tile, int first) {
+          constexpr int kCols = decltype(columns)::value;
+          auto thr_dq = mma_dq.get_thread_slice(mma_thread);
+          Tensor tDqrdQ = partition_fragment_C(mma_dq, Shape<Int<kM>, Int<decltype(b_tile)::value>>{});
+          static_assert(size(decltype(tDqrdQ){}) == kCols / 2, "dQ: 2 rows x kCols / 4 columns");
+          Tensor tDqrdS = thr_dq.partition_fragment_A(make_tensor(at_smem(shared.ds), LayoutdS{}));
+          Tensor sKt = local_tile(make_tensor(at_smem(shared.k), LayoutKt{}),
+                                  Shape<Int<decltype(b_tile)::value>, Int<kN>>{},
+                                  make_coord(first / decltype(b_tile)::value, 0));
+          Tensor tDqrKt = thr_dq.partition_fragment_B(sKt);
+          Tensor ds_operand = tDqrdS(_, _, _, 0);
+          issue_gemm<true, false>(mma_dq, ds_operand, tDqrKt, tDqrdQ);
+          warpgroup_wait<0>();
+          finish();
+          auto& dq = *reinterpret_cast<float(*)[kCols / 8][4]>(raw_pointer_cast(tDqrdQ.data()));
+          add_dq_rows<kCols>(p, dq, head, q0 + key_local, col0 + first, lane);
+        };
+        if constexpr (2 * kDqCols0 == kD) {
+          dq_columns(MmaDq{}, thread, Int<kD / 2>{}, Int<kD>{}, role * (kD / 2));
+        } else if (role == 0) {
+          dq_columns(MmaDqColumns<kDqCols0>{}, own, Int<kDqCols0>{}, Int<kDqCols0>{}, 0);
+        } else {
+          dq_columns(MmaDqColumns<kD - kDqCols0>{}, own, Int<kD - kDqCols0>{}, Int<kD - kDqCols0>{}, kDqCols0);
+        }
+      } else {
+        finish();
       }
-      release();
-      if constexpr (kDq) add_dq_rows(p, dq, head, q0 + key_local, (thread / 128) * (kD / kConsumers), lane);
     };
     // dV (role 0) or dK (role 1: the cells' dS already carries the softmax scale).
     auto end = [&](int kv_head, int k_base) {
       auto& acc = *reinterpret_cast<float(*)[kD / 8][4]>(raw_pointer_cast(tKVrAcc.data()));
       store_key_rows(p, role == 0 ? p.dv : p.dk, acc, role == 0 ? p.dv_fp32 : p.grad_fp32, kv_head, k_base,
-                     key_local, lane);
+                     key_local, lane, col0);
     };
     for_each_chunk(params, shared, pipeline, begin, chunk, end);
   }
 
-  // D 256: this thread's dQ (rows `row`, + 8; columns col0 + 8 nb + 2 (lane % 4) + {0, 1}) added to dq_accum by
-  // 16-byte reductions: lanes 2i and 2i + 1 swap halves so that each holds 4 adjacent columns of one 8-column block
-  // (even lanes block nb, odd lanes block nb + 1). Rows past tq and columns past d are skipped.
-  template <class Dq>
+  // Wide: this thread's dQ (rows `row`, + 8; columns col0 + 8 nb + 2 (lane % 4) + {0, 1}, nb < kCols / 8) added to
+  // dq_accum by 16-byte reductions: lanes 2i and 2i + 1 swap halves so that each holds 4 adjacent columns of one
+  // 8-column block (even lanes block nb, odd lanes block nb + 1). Rows past tq and columns past d are skipped.
+  template <int kCols, class Dq>
   static __device__ __forceinline__ void add_dq_rows(const BwdParams& p, const Dq& dq, int head, int row,
                                                      int col0, int lane) {
     const bool odd = lane & 1;
@@ -687,7 +771,7 @@ struct BackwardKernel {
       const int q = row + 8 * r;
       float* const at = p.dq_accum + ((int64_t{q} * p.hq + head) * p.d + lane_col);
 #pragma unroll
-      for (int nb = 0; nb < kD / 16; nb += 2) {
+      for (int nb = 0; nb < kCols / 8; nb += 2) {
         const float give0 = odd ? dq[nb][2 * r] : dq[nb + 1][2 * r];
         const float give1 = odd ? dq[nb][2 * r + 1] : dq[nb + 1][2 * r + 1];
         const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1);
@@ -717,11 +801,23 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
     shared.kv_full.init(1);
     shared.kv_empty.init(Kernel::kConsumers * 128);
     shared.work.init(Kernel::kConsumers * 128 + (Kernel::kDqWriter ? Kernel::kConsumers * 32 : 0));
+    if constexpr (Kernel::kCluster) {
+      for (auto& barrier : shared.part_full) barrier.init(1);
+      shared.peer_free.init(Kernel::kConsumers * 4);
+    }
   }
-  auto pipeline = make_tma_pipeline<typename Kernel::Pipeline>(shared.pipeline, Kernel::kStageBytes,
-                                                               Kernel::kConsumers * 128, warp_group == 0);
+  auto pipeline = [&] {
+    if constexpr (Kernel::kCluster)
+      return typename Kernel::Pipeline(shared.pipeline, Kernel::kStageBytes, Kernel::kConsumers * 128);
+    else
+      return make_tma_pipeline<typename Kernel::Pipeline>(shared.pipeline, Kernel::kStageBytes,
+                                                          Kernel::kConsumers * 128, warp_group == 0);
+  }();
   cutlass::arch::fence_barrier_init();
-  __syncthreads();
+  if constexpr (Kernel::kCluster)
+    cute::cluster_sync();  // the other block's barriers exist before the first store into its shared memory
+  else
+    __syncthreads();
 
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Kernel::kProducerRegisters>();
@@ -734,26 +830,31 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
     cutlass::arch::warpgroup_reg_alloc<Kernel::kConsumerRegisters>();
     Kernel::consume(params, shared, pipeline);
   }
+  // No block leaves while the other may still arrive on its barriers or store into its shared memory.
+  if constexpr (Kernel::kCluster) {
+    __syncwarp();
+    cute::cluster_sync();
+  }
 }
 
-template <class T, int kD, bool kSoftcap, bool kDq>
+template <class T, int kTile, bool kSoftcap, bool kDq>
 void launch_backward_variant(const BwdParams& p, int sm_margin, cudaStream_t stream) {
-  using Kernel = BackwardKernel<T, kD, kSoftcap, kDq>;
+  using Kernel = BackwardKernel<T, kTile, kSoftcap, kDq>;
   const int num_work = p.list.num_tiles * p.hkv;
   if (num_work == 0) return;
   launch_persistent<Kernel>(backward_kernel<Kernel>, Kernel::make_params(p, num_work), num_work, sm_margin,
-                            p.work_counter, stream, "sm90 backward_kernel");
+                            p.work_counter, stream, "sm90 backward_kernel", Kernel::kClusterSize);
 }
 
-template <class T, int kD>
+template <class T, int kTile>
 void launch_backward_kernel(const BwdParams& p, int sm_margin, cudaStream_t stream) {
   const bool dq = p.dq_accum != nullptr;
   if (p.softcap > 0.0f) {
-    if (dq) launch_backward_variant<T, kD, true, true>(p, sm_margin, stream);
-    else launch_backward_variant<T, kD, true, false>(p, sm_margin, stream);
+    if (dq) launch_backward_variant<T, kTile, true, true>(p, sm_margin, stream);
+    else launch_backward_variant<T, kTile, true, false>(p, sm_margin, stream);
   } else {
-    if (dq) launch_backward_variant<T, kD, false, true>(p, sm_margin, stream);
-    else launch_backward_variant<T, kD, false, false>(p, sm_margin, stream);
+    if (dq) launch_backward_variant<T, kTile, false, true>(p, sm_margin, stream);
+    else launch_backward_variant<T, kTile, false, false>(p, sm_margin, stream);
   }
 }
 

@@ -68,6 +68,40 @@ __device__ __forceinline__ Pipeline make_tma_pipeline(typename Pipeline::SharedS
   return Pipeline(storage, params, Shape<Int<kClusterSize>, _1, _1>{});
 }
 
+// A TMA pipeline of one block that a cluster's other blocks never touch (CUTLASS's, given the cluster's shape, counts
+// every block's consumers in each block's empty barriers): full[s] takes the producer's arrival and the stage's bytes,
+// empty[s] every consumer thread's release. The interface of CUTLASS's PipelineTmaAsync, as far as the kernels use it.
+template <int kStages>
+struct BlockTmaPipeline {
+  static constexpr int Stages = kStages;
+  using PipelineState = cutlass::PipelineState<kStages>;
+  struct SharedStorage {
+    cutlass::arch::ClusterTransactionBarrier full[kStages];
+    cutlass::arch::ClusterBarrier empty[kStages];
+  };
+  SharedStorage* storage;
+  uint32_t stage_bytes;
+
+  // Thread 0 initialises the barriers; the caller fences and syncs before their first use.
+  __device__ BlockTmaPipeline(SharedStorage& shared, uint32_t bytes, int consumer_threads)
+      : storage(&shared), stage_bytes(bytes) {
+    if (threadIdx.x == 0)
+      for (int s = 0; s < kStages; ++s) {
+        shared.full[s].init(1);
+        shared.empty[s].init(consumer_threads);
+      }
+  }
+  __device__ void producer_acquire(const PipelineState& state) {
+    storage->empty[state.index()].wait(state.phase());
+    storage->full[state.index()].arrive_and_expect_tx(stage_bytes);
+  }
+  __device__ uint64_t* producer_get_barrier(const PipelineState& state) {
+    return reinterpret_cast<uint64_t*>(&storage->full[state.index()]);
+  }
+  __device__ void consumer_wait(const PipelineState& state) { storage->full[state.index()].wait(state.phase()); }
+  __device__ void consumer_release(const PipelineState& state) { storage->empty[state.index()].arrive(); }
+};
+
 // Launches a persistent Hopper kernel: one block per SM that the margin leaves (at least one), at most one per work,
 // after zeroing the launch's work counter (claim_work_index). Clusters of `cluster` blocks (each cluster one work at a
 // time): as many as fit the SMs the margin leaves, at least one.
@@ -106,6 +140,25 @@ void launch_persistent(KernelFunction kernel, const typename Kernel::Params& par
   config.gridDim = dim3(clusters * cluster);
   cudaLaunchKernelEx(&config, kernel, params);
   detail::check_launch(name);
+}
+
+// Cluster barriers whose arrivals come from the other block: a release at cluster scope on the arriving side (what
+// the arriving threads read or wrote before is done) and an acquire at cluster scope on the waiting side.
+__device__ __forceinline__ void arrive_cluster_barrier(cutlass::arch::ClusterBarrier& barrier, uint32_t block_rank) {
+  const uint32_t remote = cute::set_block_rank(cute::cast_smem_ptr_to_uint(&barrier), block_rank);
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+__device__ __forceinline__ void wait_cluster_barrier(cutlass::arch::ClusterBarrier& barrier, int phase) {
+  const uint32_t at = cute::cast_smem_ptr_to_uint(&barrier);
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred ready;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 ready, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, ready;\n}"
+        : "=r"(done)
+        : "r"(at), "r"(phase)
+        : "memory");
+  } while (done == 0);
 }
 
 // The persistent schedule of both families (first_work_index, claim_work_index), fed by the producer: it claims

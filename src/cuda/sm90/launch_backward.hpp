@@ -4,20 +4,16 @@
 #include <cuda_runtime.h>
 
 #include "cuda/params.hpp"
+#include "cuda/sm90/tiles.hpp"  // sm90_backward_tile
 
 namespace magi::cuda::sm90 {
 
 // dK, dV (stored) and dQ (added to params.dq_accum: fp32, 16-byte aligned for the reductions, zeroed by the
 // caller; params.dq_accum null: no dQ, the deterministic mode's dk/dv kernel) over the plan's k-major list (tiles
-// of dkdv_tile_k(kD) keys: 128, 64 at D 256; 64-row chunks) on a persistent grid of (SMs - sm_margin) blocks.
-// kDtype: detail::kBf16 / kFp16; kD: 64, 128 or 256.
+// of backward_tile_k(kD) keys; 64-row chunks) on a persistent grid of (SMs - sm_margin) blocks.
+// kDtype: detail::kBf16 / kFp16; kD: a tile with sm90_backward_tile(kD).
 template <int kDtype, int kD>
 void launch_backward(const detail::BwdParams& params, int sm_margin, cudaStream_t stream);
-
-// Whether a Hopper backward was compiled for this padded head dim.
-constexpr bool sm90_backward_tile(int padded_head_dim) {
-  return padded_head_dim == 64 || padded_head_dim == 128 || padded_head_dim == 256;
-}
 
 // Whether its deterministic mode adds dQ itself, in a fixed order (BwdParams::dq_semaphores): at D 128. Elsewhere
 // it runs without dQ, beside the portable dq kernel: at D 64 the ordered adds measured slower on most masks (H200,

@@ -1,4 +1,4 @@
-// Tile shapes of the Hopper forward, shared by the planner (host) and the kernels (no CUDA types in here).
+// Tile shapes of the Hopper kernels, shared by the planner (host) and the kernels (no CUDA types in here).
 #pragma once
 
 namespace magi::cuda::sm90 {
@@ -77,6 +77,26 @@ constexpr int forward_smem_bytes(int padded_head_dim, int tile_q) {
   const int kv_rows = (forward_k_stages(padded_head_dim) + forward_stages(padded_head_dim)) * forward_tile_k(padded_head_dim);
   return (forward_q_stages(padded_head_dim) * tile_q + kv_rows) * forward_block_head_dim(padded_head_dim) * 2 +
          forward_exchange_bytes(padded_head_dim) + 1024;
+}
+
+// The backward (backward_kernel.cuh). Head-dim tiles up to 256 run in one block; 320, 384 and 512 in a cluster of two
+// blocks, each holding half of D of K, V, Q, dO and of dK, dV, dQ: both compute S^T and dP^T over their half and add
+// the other's through distributed shared memory. Tile 320 runs as 384 (two 192-column halves, whole 128-byte swizzle
+// atoms; its last 64 columns zero-filled by the TMA unit). Above 512 a block's half would not fit (the portable D-split
+// backward runs those tiles).
+constexpr bool sm90_backward_tile(int padded_head_dim) {
+  return padded_head_dim == 64 || padded_head_dim == 128 || padded_head_dim == 256 || padded_head_dim == 320 ||
+         padded_head_dim == 384 || padded_head_dim == 512;
+}
+constexpr int backward_kernel_head_dim(int padded_head_dim) { return padded_head_dim == 320 ? 384 : padded_head_dim; }
+constexpr int backward_cluster_size(int padded_head_dim) { return padded_head_dim > 256 ? 2 : 1; }
+constexpr int backward_block_head_dim(int padded_head_dim) {
+  return backward_kernel_head_dim(padded_head_dim) / backward_cluster_size(padded_head_dim);
+}
+// Keys per k tile (the k-major list's tiles): 128 where a block holds at most 128 columns, else 64 (a consumer's dK
+// or dV of 64 keys x 256 columns is 128 fp32 registers a thread).
+constexpr int backward_tile_k(int padded_head_dim) {
+  return backward_block_head_dim(padded_head_dim) <= 128 ? 128 : 64;
 }
 
 }  // namespace magi::cuda::sm90
