@@ -894,7 +894,8 @@ TEST(CudaBackend, AutoRangeMergedMasksMatchReference) {
 }
 
 // Large head dims (tiles above 256: the D-split forward; in the Hopper family's run the Hopper forward up to 512 and
-// at 768 / 1024 in clusters of two blocks, 776 with the second block's last consumer on 8 real columns),
+// at 576 / 768 / 1024 in clusters of two blocks (520: in the 576 tile, two 320-column blocks of 128 rows), 776 with
+// the second block's last consumer on 8 real columns),
 // every mask kind and feature against the fp64 reference;
 // parametrised over D x dtype x case, skipped only where this build lacks the tile (MAGI_ATTN_CUDA_HEAD_DIMS).
 // Forward and backward through the API (the backward from the kernel's own out and lse).
@@ -1131,17 +1132,12 @@ TEST(CudaBackend, PlansRunTheFamilyAskedFor) {
       EXPECT_THROW(cuda::make_plan(mask, 2, 1, 512, 0, variant), InvalidArgument);
     }
   }
-  // Tiles 768 / 1024: the Hopper forward in clusters of two blocks, where it is available; 576: the portable one.
-  if (cuda::head_dim_supported(1024)) {
-    EXPECT_EQ(cuda::stats(*cuda::make_plan(mask, 2, 1, 1024, 0)).forward_family,
-              cuda::sm90_forward_available(1024, 0) ? cuda::KernelFamily::Sm90 : cuda::KernelFamily::Sm80);
-    EXPECT_EQ(cuda::stats(*test_plan(mask, 2, 1, 1024)).forward_family, s.forward_family);
-  }
-  if (cuda::head_dim_supported(576) && cuda::stats(*cuda::make_plan(mask, 2, 1, 576, 0)).padded_head_dim == 576) {
-    EXPECT_EQ(cuda::stats(*cuda::make_plan(mask, 2, 1, 576, 0)).forward_family, cuda::KernelFamily::Sm80);
-    cuda::PlanTuning hopper;
-    hopper.forward_family = cuda::KernelFamily::Sm90;
-    EXPECT_THROW(cuda::make_plan(mask, 2, 1, 576, 0, hopper), NotAvailable);
+  // Tiles 576 / 768 / 1024: the Hopper forward in clusters of two blocks, where it is available.
+  for (int32_t d : {576, 1024}) {
+    if (!cuda::head_dim_supported(d)) continue;
+    EXPECT_EQ(cuda::stats(*cuda::make_plan(mask, 2, 1, d, 0)).forward_family,
+              cuda::sm90_forward_available(d, 0) ? cuda::KernelFamily::Sm90 : cuda::KernelFamily::Sm80);
+    EXPECT_EQ(cuda::stats(*test_plan(mask, 2, 1, d)).forward_family, s.forward_family);
   }
   cuda::PlanTuning portable_bwd;
   portable_bwd.backward_family = cuda::KernelFamily::Sm80;

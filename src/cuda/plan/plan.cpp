@@ -292,10 +292,6 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
     throw InvalidArgument("cuda plan: forward_variant " + std::to_string(tuning.forward_variant) +
                           " is a variant of the portable family's large-D forward (allowed with forward family "
                           "sm90: -1)");
-  if (tuning.forward_family == KernelFamily::Sm90 && !sm90::sm90_forward_tile(plan->padded_d))
-    throw NotAvailable("cuda plan: the Hopper (sm_90a) forward has the head-dim tiles up to 512, 768 and 1024 (head "
-                       "dim " + std::to_string(head_dim) + " runs the portable family's tile " +
-                       std::to_string(plan->padded_d) + "; allowed families here: auto, sm80)");
   if (tuning.forward_family == KernelFamily::Sm90 && !sm90)
     throw NotAvailable("cuda plan: the Hopper (sm_90a) forward is not available here (it needs a build for 90a "
                        "with the CUTLASS headers and a device of compute capability 9.0; allowed families "

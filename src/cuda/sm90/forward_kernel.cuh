@@ -48,7 +48,6 @@ struct ForwardKernel {
   // The part of D one consumer's S covers.
   static constexpr int kSDepth = kSplitColumns && !kCluster ? kBlockD / kConsumers : kBlockD;
   static_assert(kOCols % 64 == 0 || !kSplitColumns, "a consumer's V columns are whole 128-byte swizzle atoms");
-  static_assert(!kCluster || kSplitColumns, "a cluster's blocks split O's columns");
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kNBlocks = kN / 8, kOBlocks = kOCols / 8;
   static constexpr int kSRegisters = kM / (kSplitColumns ? 1 : kConsumers) * kN / 128;  // S's fp32 per thread
@@ -57,8 +56,8 @@ struct ForwardKernel {
   // the sum must fit (else the kernel hangs). The producer spills below 56 (D 128, nvcc 13); D 256's consumers spill
   // least at 232.
   static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
-  static constexpr int kProducerRegisters = kConsumers == 3 ? 32 : kD == 320 ? 24 : kD > 128 ? 40 : 56;
-  static constexpr int kConsumerRegisters = kConsumers == 3 ? 160 : kD == 320 ? 240 : kD > 128 ? 232 : 224;
+  static constexpr int kProducerRegisters = kConsumers == 3 ? 32 : kBlockD == 320 ? 24 : kBlockD > 128 ? 40 : 56;
+  static constexpr int kConsumerRegisters = kConsumers == 3 ? 160 : kBlockD == 320 ? 240 : kBlockD > 128 ? 232 : 224;
   static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= (kConsumers + 1) * kLaunchRegisters,
                 "setmaxnreg: the consumers would wait for registers forever");
 
@@ -99,7 +98,7 @@ struct ForwardKernel {
     // Column split in one block: S over each consumer's half of D, [item parity][consumer][register][thread]. In a
     // cluster: the S part of the consumer's peer in the other block, written by the peer (st.async, 16 bytes each:
     // after v, the array is aligned) and counted by s_peer_full[item parity][consumer].
-    float s_half[kSplitColumns ? 2 : 0][kConsumers][kSRegisters][128];
+    float s_half[kSplitColumns || kCluster ? 2 : 0][kConsumers][kSRegisters][128];
     typename PipelineK::SharedStorage pipeline_k;
     typename PipelineV::SharedStorage pipeline_v;
     cutlass::arch::ClusterTransactionBarrier q_full[kQStages];
@@ -234,8 +233,8 @@ struct ForwardKernel {
         static_assert(kSRegisters % 4 == 0);
         // As float4 [register / 4][thread]: 16-byte stores and loads.
         auto& full = shared.s_peer_full[s_parity][group];
-        float4* part = reinterpret_cast<float4*>(&shared.s_half[s_parity][group][0][0]) + mma_thread;
-        if (mma_thread == 0) full.arrive_and_expect_tx(kSRegisters * 128 * 4);
+        float4* part = reinterpret_cast<float4*>(&shared.s_half[s_parity][group][0][0]) + thread % 128;
+        if (thread % 128 == 0) full.arrive_and_expect_tx(kSRegisters * 128 * 4);
         const uint32_t to = cute::set_block_rank(cute::cast_smem_ptr_to_uint(part), peer);
         const uint32_t to_full = cute::set_block_rank(cute::cast_smem_ptr_to_uint(&full), peer);
         CUTE_UNROLL
@@ -431,16 +430,16 @@ struct ForwardKernel {
       }
 
       float block_max = -INFINITY;
-      if constexpr (kSplitColumns) {
+      if constexpr (kSplitColumns || kCluster) {
         float lse_rows[2];
         const int part = kCluster ? static_cast<int>(cute::block_rank_in_cluster()) : 0;
         detail::finish_forward_rows<T, kOBlocks>(p, acc, row_max, row_sum, logit_scale, row0, head, lane, block_max,
-                                                 part * kBlockD + group * kOCols, kOCols, lse_rows,
-                                                 kCluster ? prev_lse : nullptr);
-        // Both consumers have read prev_lse (it may be lse) before the first writes lse; their rows' lse agree, and
-        // so do the blocks' of a cluster.
-        cutlass::arch::NamedBarrier::sync(128 * kConsumers, kConsumers);
-        if (part == 0 && group == 0 && lane % 4 == 0)
+                                                 part * kBlockD + (kSplitColumns ? group * kOCols : 0), kOCols,
+                                                 lse_rows, kCluster ? prev_lse : nullptr);
+        // Both consumers of a column split have read prev_lse (it may be lse) before the first writes lse; their rows'
+        // lse agree, and so do the blocks' of a cluster.
+        if constexpr (kSplitColumns) cutlass::arch::NamedBarrier::sync(128 * kConsumers, kConsumers);
+        if (part == 0 && (group == 0 || !kSplitColumns) && lane % 4 == 0)
           for (int r = 0; r < 2; ++r)
             if (row0 + 8 * r < p.tq) p.lse[int64_t{row0 + 8 * r} * p.hq + head] = lse_rows[r];
       } else {

@@ -5,23 +5,21 @@ namespace magi::cuda::sm90 {
 
 // Above D 512, 64 x D fp32 (O of the smallest wgmma tile) needs the registers of two SMs: a cluster of two blocks
 // takes each tile, each block holding half of D (its half of Q and K for S, of V and O), and the two add their S
-// halves through distributed shared memory.
+// parts through distributed shared memory.
 constexpr int forward_cluster_size(int padded_head_dim) { return padded_head_dim > 512 ? 2 : 1; }
-// The part of D one block holds; the shapes below follow it.
+// The part of D one block holds, whole 64-column swizzle atoms (tile 576: two blocks of 320, the last 64 columns
+// zero); the shapes below follow it.
 constexpr int forward_block_head_dim(int padded_head_dim) {
-  return padded_head_dim / forward_cluster_size(padded_head_dim);
+  return (padded_head_dim / forward_cluster_size(padded_head_dim) + 63) / 64 * 64;
 }
-// Head-dim tiles with a Hopper forward: up to 512, and 768 / 1024 as clusters of two 384 / 512 blocks. At 576 a
-// block's half (288) would give each consumer 144 of O's columns, not whole 128-byte swizzle atoms: the portable
-// D-split forward runs it.
-constexpr bool sm90_forward_tile(int padded_head_dim) {
-  return padded_head_dim <= 512 || padded_head_dim == 768 || padded_head_dim == 1024;
-}
-// A block is a producer warpgroup and two or three consumer warpgroups. Up to D 320 each consumer holds 64 q rows
-// with all of O's columns. Above, 64 x D fp32 does not fit one warpgroup's registers: two consumers hold the same 64
-// rows, each half of the block's columns of O. In one block each computes S over its half of D and adds the
-// other's half; in a cluster both compute S over the block's half and add what their peer in the other block computed
-// (shared memory holds one exchange, not two).
+// Head-dim tiles with a Hopper forward: every tile, those above 512 as clusters of two blocks (576: 320 each, 768:
+// 384, 1024: 512).
+constexpr bool sm90_forward_tile(int padded_head_dim) { return padded_head_dim <= 1024; }
+// A block is a producer warpgroup and two or three consumer warpgroups. Up to a block's D 320 each consumer holds 64
+// q rows with all of the block's columns of O. Above, 64 x D fp32 does not fit one warpgroup's registers: two
+// consumers hold the same 64 rows, each half of the block's columns of O. In one block each computes S over its half
+// of D and adds the other's half; in a cluster both compute S over the block's half. In a cluster each consumer adds
+// what its peer in the other block (the same rows) computed (shared memory holds one exchange, not two).
 constexpr bool forward_splits_columns(int padded_head_dim) { return forward_block_head_dim(padded_head_dim) > 320; }
 // Rows per tile: 192 at D 64 (three consumers: a step's GEMMs are short there beside its softmax, and the tensor
 // cores serve two while the third computes its softmax), 128 up to D 320, 64 above.
@@ -52,7 +50,7 @@ constexpr int forward_tile_k(int padded_head_dim) {
 // V's pipeline stages (as many as shared memory holds, up to 4).
 constexpr int forward_stages(int padded_head_dim) {
   const int d = forward_block_head_dim(padded_head_dim);
-  return d <= 64 ? 4 : d == 320 || d == 384 ? 3 : 2;
+  return d <= 64 ? 4 : (d == 320 && forward_cluster_size(padded_head_dim) == 1) || d == 384 ? 3 : 2;
 }
 // K's: one more at D 256, where only that fits. A step waits for K first (Q K^T), V one GEMM later, and the
 // producer loads K one item ahead of V (A/B, H100: D 256 +3-5% on every mask; a third K stage at D 128 lost 1-2%).
@@ -67,11 +65,12 @@ constexpr int forward_q_stages(int padded_head_dim) { return padded_head_dim <= 
 // start): D 64 full +15% / +4%, causal +7% / +5%, shared question +12% / +11%, window, block-causal and varlen full
 // +2..+5%, varlen causal -2%; at D 128 the same lost 1-3% (16 x 1k full -3%), where two Q stages alone gained 0..+3%.
 constexpr bool forward_first_s_early(int padded_head_dim) { return padded_head_dim <= 64; }
-// The column split's S parts (fp32, two consumers, two items in flight): in one block each consumer's half of D, in a
-// cluster what each consumer receives from its peer in the other block.
+// The S parts exchanged (fp32, 64 rows, two consumers, two items in flight): in one block's column split each
+// consumer's half of D, in a cluster what each consumer receives from its peer in the other block.
 constexpr int forward_exchange_bytes(int padded_head_dim) {
-  return forward_splits_columns(padded_head_dim) ? 2 * 2 * forward_tile_q(padded_head_dim) * forward_tile_k(padded_head_dim) * 4
-                                                 : 0;
+  return forward_splits_columns(padded_head_dim) || forward_cluster_size(padded_head_dim) > 1
+             ? 2 * 2 * 64 * forward_tile_k(padded_head_dim) * 4
+             : 0;
 }
 constexpr int forward_smem_bytes(int padded_head_dim, int tile_q) {
   const int kv_rows = (forward_k_stages(padded_head_dim) + forward_stages(padded_head_dim)) * forward_tile_k(padded_head_dim);
