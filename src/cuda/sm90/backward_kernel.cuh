@@ -246,7 +246,8 @@ struct BackwardKernel {
     const int part = kCluster ? static_cast<int>(cute::block_rank_in_cluster()) : 0;  // this block's columns
     int kv_loads = 0;
     for (int n = 0;; ++n) {
-      const int linear = kCluster ? shared.work.publish_in_cluster(n) : shared.work.publish(n, p.work_counter);
+      const int linear =
+          kCluster ? shared.work.publish_in_cluster(n, p.work_counter) : shared.work.publish(n, p.work_counter);
       if (linear >= params.num_work) break;
       const WorkCoords at = detail::work_coords(linear, p.hkv, p.list);
       const TileInfo info = p.list.tiles[at.tile_index];

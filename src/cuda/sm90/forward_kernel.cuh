@@ -151,7 +151,8 @@ struct ForwardKernel {
     int q_loads = 0;
     const int part = kCluster ? static_cast<int>(cute::block_rank_in_cluster()) : 0;  // this block's part of D
     for (int n = 0;; ++n) {
-      const int linear = kCluster ? shared.work.publish_in_cluster(n) : shared.work.publish(n, p.work_counter);
+      const int linear =
+          kCluster ? shared.work.publish_in_cluster(n, p.work_counter) : shared.work.publish(n, p.work_counter);
       if (linear >= params.num_work) break;
       const WorkCoords at = detail::work_coords(linear, p.hq, p.list);
       const TileInfo info = p.list.tiles[at.tile_index];

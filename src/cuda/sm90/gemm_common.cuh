@@ -113,8 +113,8 @@ void launch_persistent(KernelFunction kernel, const typename Kernel::Params& par
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   const int usable = sms - sm_margin > 1 ? sms - sm_margin : 1;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);
+  cudaMemsetAsync(work_counter, 0, sizeof(int32_t), stream);
   if (cluster == 1) {
-    cudaMemsetAsync(work_counter, 0, sizeof(int32_t), stream);
     kernel<<<usable < num_work ? usable : num_work, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(params);
     detail::check_launch(name);
     return;
@@ -163,26 +163,49 @@ __device__ __forceinline__ void wait_cluster_barrier(cutlass::arch::ClusterBarri
 
 // The persistent schedule of both families (first_work_index, claim_work_index), fed by the producer: it claims
 // the work indices and hands each to the consumers through a two-slot ring in shared memory. An index past the
-// last work ends the block.
+// last work ends the block. In a cluster of two the first block's producer claims for both and hands each index to
+// the other block's producer through a two-slot mailbox in that block's shared memory.
 struct WorkRing {
   int slot[2];
   cutlass::arch::ClusterBarrier full[2], empty[2];
+  int peer_slot[2];  // the mailbox (the cluster's second block)
+  cutlass::arch::ClusterTransactionBarrier peer_full[2];
+  cutlass::arch::ClusterBarrier peer_empty[2];  // (the first block: the other block has read slot s)
 
   __device__ void init(int consumer_threads) {
     for (int s = 0; s < 2; ++s) {
       full[s].init(1);
       empty[s].init(consumer_threads);
+      peer_full[s].init(1);
+      peer_empty[s].init(1);
     }
   }
   // Producer: the n-th work of this block (n = 0, 1, ...), published for the consumers.
   __device__ int publish(int n, int32_t* counter) {
     return publish_index(n, [&] { return n == 0 ? detail::first_work_index() : detail::claim_work_index(counter); });
   }
-  // Producer of a block in a cluster: the n-th work of its cluster, the same in every block of it (cluster c of C takes
-  // works c, c + C, ...: the plan's order, heavy tiles first, without a claim to share between the blocks).
-  __device__ int publish_in_cluster(int n) {
-    return publish_index(
-        n, [&] { return static_cast<int>(cute::cluster_id_in_grid().x + n * cute::cluster_grid_dims().x); });
+  // Producer of a block in a cluster of two: the n-th work of its cluster, the same in both blocks (the first block
+  // claims it: cluster c starts with work c, then takes the counter's next index plus the number of clusters).
+  __device__ int publish_in_cluster(int n, int32_t* counter) {
+    return publish_index(n, [&] {
+      const int s = n & 1;
+      if (cute::block_rank_in_cluster() == 0) {
+        if (n >= 2) wait_cluster_barrier(peer_empty[s], ((n >> 1) - 1) & 1);
+        const int clusters = static_cast<int>(cute::cluster_grid_dims().x);
+        const int linear = n == 0 ? static_cast<int>(cute::cluster_id_in_grid().x) : atomicAdd(counter, 1) + clusters;
+        const uint32_t to = cute::set_block_rank(cute::cast_smem_ptr_to_uint(&peer_slot[s]), 1);
+        const uint32_t to_full = cute::set_block_rank(cute::cast_smem_ptr_to_uint(&peer_full[s]), 1);
+        asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(to),
+                     "r"(linear), "r"(to_full)
+                     : "memory");
+        return linear;
+      }
+      peer_full[s].arrive_and_expect_tx(sizeof(int));
+      peer_full[s].wait((n >> 1) & 1);
+      const int linear = *static_cast<volatile int*>(&peer_slot[s]);
+      arrive_cluster_barrier(peer_empty[s], 0);
+      return linear;
+    });
   }
   // Once the consumers have taken the work two before: index() is the n-th work.
   template <class Index>
