@@ -15,11 +15,9 @@ namespace magi::cuda::sm90 {
 template <int kDtype, int kD>
 void launch_backward(const detail::BwdParams& params, int sm_margin, cudaStream_t stream);
 
-// Whether its deterministic mode adds dQ itself, in a fixed order (BwdParams::dq_semaphores): at D 128. Elsewhere
-// it runs without dQ, beside the portable dq kernel: at D 64 the ordered adds measured slower on most masks (H200,
-// 2 x 8k: varlen full 146 vs 189, shared question 204 vs 231 bwd TFLOP/s; full 244 vs 235; measured before the
-// adds moved to writer warps, which lifted D 128's deterministic mode 14-39%), and at D 256 dQ goes out by vector
-// reductions, which cannot take turns.
-constexpr bool sm90_ordered_dq(int padded_head_dim) { return padded_head_dim == 128; }
+// Whether its deterministic mode adds dQ itself, in a fixed order (BwdParams::dq_semaphores): at D 64 and 128 (the
+// writer warps take the turns off the consumers' path). From D 256 on it runs without dQ, beside the portable dq
+// kernel: dQ goes out by vector reductions there, which cannot take turns.
+constexpr bool sm90_ordered_dq(int padded_head_dim) { return padded_head_dim <= 128; }
 
 }  // namespace magi::cuda::sm90
