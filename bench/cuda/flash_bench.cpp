@@ -5,7 +5,7 @@
 // usage: flash_bench [--cases out.json] [--reps N] [--quick] [--only MASK] [--dims 64,128,256] [--seq 8192]
 //                    [--batch 2] [--deterministic] [--sm-margin N] [--impl NAME] [--fwd-tile-q 64|128|192]
 //                    [--family auto|sm80|sm90] [--bwd-family auto|sm80|sm90] [--large-d] [--fwd-variant 0|1|2|3]
-//                    [--bwd-variant 0|1] [--forward-only] [--fwd-heads-per-pass N]
+//                    [--bwd-variant 0|1] [--forward-only] [--fwd-heads-per-pass N] [--kv-heads N] [--cat-gqa]
 //   --family pins both kernels' family, --bwd-family (given after it) the backward's alone.
 //   --batch sequences of --seq tokens (16 heads, bf16); --quick = D 128 only. The backward runs in the default
 //   mode (dq by atomics); --deterministic also times the deterministic backward (rows `magi_det`); --forward-only
@@ -17,6 +17,8 @@
 //   --fwd-variant pins the large-D forward's variant (0 resident, 1 deep, 2 streamed, 3 paired; default: the plan's choice);
 //   --bwd-variant the large-D dk/dv kernel's (0 single, 1 paired: two blocks per SM, D 320 only).
 //   --fwd-heads-per-pass N: the forward's work order in passes of N q heads (a divisor of 16; 16 = one pass).
+//   --kv-heads N: GQA, N kv heads for the 16 q heads (a divisor of 16; default 16); --cat-gqa: the backward with
+//   concatenated q heads (MAGI_ATTENTION_CATGQA; PlanTuning::backward_cat_gqa).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -153,6 +155,7 @@ int main(int argc, char** argv) {
   bool forward_only = false;  // A/B runs of forward kernels: the backward columns stay 0
   bool large_d = false;
   int sm_margin = 0;
+  int32_t kv_heads = 16;
   std::string impl = "magi";
   magi::cuda::PlanTuning tuning;  // --fwd-tile-q pins the forward q tile (default: the planner's choice)
   for (int i = 1; i < argc; ++i) {
@@ -171,6 +174,8 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--sm-margin") && i + 1 < argc) sm_margin = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--impl") && i + 1 < argc) impl = argv[++i];
     else if (!std::strcmp(argv[i], "--fwd-tile-q") && i + 1 < argc) tuning.forward_tile_q = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--kv-heads") && i + 1 < argc) kv_heads = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--cat-gqa")) tuning.backward_cat_gqa = true;
     else if (!std::strcmp(argv[i], "--fwd-heads-per-pass") && i + 1 < argc)
       tuning.forward_heads_per_pass = std::atoi(argv[++i]);
     else if ((!std::strcmp(argv[i], "--family") || !std::strcmp(argv[i], "--bwd-family")) && i + 1 < argc) {
@@ -193,6 +198,10 @@ int main(int argc, char** argv) {
     return 2;
   }
   const int32_t heads = 16;
+  if (kv_heads <= 0 || heads % kv_heads != 0) {
+    std::fprintf(stderr, "flash_bench: --kv-heads %d must divide the %d q heads\n", kv_heads, heads);
+    return 2;
+  }
   const std::vector<Case> cases = make_cases(seq, batch, large_d);
   const int32_t total = seq * batch;
   std::vector<int32_t> dims = large_d ? std::vector<int32_t>{320, 512, 1024}
@@ -220,6 +229,7 @@ int main(int argc, char** argv) {
   std::printf("impl,mask,tokens,head_dim,fwd_tflops,bwd_tflops,fwd_ms,bwd_ms\n");
   for (int32_t d : dims) {
     const size_t n = static_cast<size_t>(total) * heads * d;
+    const size_t n_kv = static_cast<size_t>(total) * kv_heads * d;
     std::vector<void*> buffers;
     auto device_copy = [&](const std::vector<uint16_t>& host) {
       void* p = nullptr;
@@ -236,20 +246,21 @@ int main(int argc, char** argv) {
       return p;
     };
     void* q = device_copy(random_bf16(n, 1 + d));
-    void* k = device_copy(random_bf16(n, 2 + d));
-    void* v = device_copy(random_bf16(n, 3 + d));
+    void* k = device_copy(random_bf16(n_kv, 2 + d));
+    void* v = device_copy(random_bf16(n_kv, 3 + d));
     void* dout = device_copy(random_bf16(n, 4 + d));
     void* out = device_alloc(n * 2);
     void* lse = device_alloc(static_cast<size_t>(total) * heads * 4);
     void* dq = device_alloc(n * 2);
-    void* dk = device_alloc(n * 2);
-    void* dv = device_alloc(n * 2);
+    void* dk = device_alloc(n_kv * 2);
+    void* dv = device_alloc(n_kv * 2);
     const magi::Device dev{magi::DeviceType::CUDA, 0};
     auto view3 = [&](void* p) { return magi::TensorView(p, magi::DType::BF16, {total, heads, d}, dev); };
+    auto view3_kv = [&](void* p) { return magi::TensorView(p, magi::DType::BF16, {total, kv_heads, d}, dev); };
     magi::ForwardArgs fa;
     fa.q = view3(q);
-    fa.k = view3(k);
-    fa.v = view3(v);
+    fa.k = view3_kv(k);
+    fa.v = view3_kv(v);
     fa.out = view3(out);
     fa.lse = magi::TensorView(lse, magi::DType::F32, {total, heads}, dev);
     magi::BackwardArgs ba;
@@ -260,23 +271,24 @@ int main(int argc, char** argv) {
     ba.lse = fa.lse;
     ba.dout = view3(dout);
     ba.dq = view3(dq);
-    ba.dk = view3(dk);
-    ba.dv = view3(dv);
+    ba.dk = view3_kv(dk);
+    ba.dv = view3_kv(dv);
     magi::cuda::Options options;
     options.softmax_scale = 1.0 / std::sqrt(static_cast<double>(d));
     options.sm_margin = sm_margin;
 
     for (const Case& c : cases) {
       if (!only.empty() && c.name != only) continue;
-      auto plan = magi::cuda::make_plan(c.mask, heads, heads, d, 0, tuning);
+      auto plan = magi::cuda::make_plan(c.mask, heads, kv_heads, d, 0, tuning);
       const magi::cuda::PlanStats ps = magi::cuda::stats(*plan);
       std::fprintf(stderr,
                    "# %s %s D %d: %s forward, %s backward, %d x %d tiles, variant %d, bwd variant %d, forward passes "
-                   "of %d heads\n",
+                   "of %d heads, kv heads %d, backward head groups of %d\n",
                    impl.c_str(), c.name.c_str(), d,
                    ps.forward_family == magi::cuda::KernelFamily::Sm90 ? "sm90" : "sm80",
                    ps.backward_family == magi::cuda::KernelFamily::Sm90 ? "sm90" : "sm80", ps.forward_tile_q,
-                   ps.forward_tile_k, ps.forward_variant, ps.backward_variant, ps.forward_heads_per_pass);
+                   ps.forward_tile_k, ps.forward_variant, ps.backward_variant, ps.forward_heads_per_pass, kv_heads,
+                   ps.backward_cat_group);
       const double fwd_ms = time_ms([&] { magi::cuda::forward(*plan, fa, options, stream); }, reps, stream);
       const double bwd_ms =
           forward_only ? 0.0 : time_ms([&] { magi::cuda::backward(*plan, ba, options, stream); }, reps, stream);

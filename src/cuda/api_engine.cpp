@@ -80,10 +80,11 @@ class CudaEngine final : public Engine {
       case env::KernelFamily::Sm90: tuning.forward_family = tuning.backward_family = cuda::KernelFamily::Sm90; break;
       case env::KernelFamily::Auto: break;
     }
+    tuning.backward_cat_gqa = env::get_bool("MAGI_ATTENTION_CATGQA");
     return cached_plan(
         plans_, mask, call, device,
         [&](const Mask& planned) { return cuda::make_plan(planned, s.hq, s.hkv, s.d, device, tuning); },
-        static_cast<int32_t>(tuning.forward_family));
+        static_cast<int32_t>(tuning.forward_family) * 2 + (tuning.backward_cat_gqa ? 1 : 0));
   }
 
   mutable LruCache<PlanKey, cuda::Plan> plans_{kPlanCacheCapacity};

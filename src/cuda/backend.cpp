@@ -374,6 +374,7 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
   p.dq = a.dq.data;
   p.dk = a.dk.data;
   p.dv = a.dv.data;
+  p.cat_group = 1;
   p.tq = plan.tq;
   p.tk = plan.tk;
   p.hq = plan.hq;
@@ -398,9 +399,13 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
   // floats: 16-byte alignment), else into the scratch accumulator and converted after. Deterministic: the
   // separate dq kernel.
   const bool fused_dq = layout.fused_dq;
+  // Concatenated heads where the Hopper kernel adds dQ itself: it is then the only reader of lse2 / Delta.
+  const int32_t cat_group = sm90_dkdv && fused_dq ? plan.bwd_cat_group : 1;
+  pre.cat_group = cat_group;
+  dkdv.cat_group = cat_group;
   const size_t dq_elements = static_cast<size_t>(plan.tq) * plan.hq * plan.d;
   const bool dq_in_place = layout.dq_in_place;
-  dkdv.list = plan.dkdv;
+  dkdv.list = cat_group > 1 ? plan.dkdv_cat : plan.dkdv;
   const int dkdv_blocks = dkdv.list.num_tiles * plan.hkv;
   dq.accumulate_dq = a.accumulate_dq;
   if (fused_dq) {
@@ -418,8 +423,8 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
   }
   detail::launch_preprocess(tag, pre, stream);
   if (o.sink_layout == SinkLayout::SH)
-    detail::launch_dsink_sh(pre.sink, pre.lse, delta, layout.tq_pad, pre.dsink, pre.sink_len, plan.tq, plan.hq,
-                            stream);
+    detail::launch_dsink_sh(pre.sink, pre.lse, delta, layout.tq_pad, cat_group, pre.dsink, pre.sink_len, plan.tq,
+                            plan.hq, stream);
   timer.end();
   timer.begin(sm90_dkdv ? (fused_dq ? (o.deterministic ? "sm90 dkdv_kernel (dq by ordered TMA reduce-adds)"
                                                        : "sm90 dkdv_kernel (dq by TMA reduce-add)")

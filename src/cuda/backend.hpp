@@ -63,6 +63,9 @@ struct PlanTuning {
   // q heads per pass of the forward's work order (work_coords; a divisor of the q heads, which is one pass); 0 = the
   // planner's choice.
   int32_t forward_heads_per_pass = 0;
+  // MAGI_ATTENTION_CATGQA: the Hopper backward at head-dim tiles 64 and 128 takes the q heads of a kv head together
+  // (BwdParams::cat_group) where their number divides 64; elsewhere no effect.
+  bool backward_cat_gqa = false;
 };
 
 // A length that every tile of every plan divides (both families, every head dim and tile choice; plan.cpp checks
@@ -93,6 +96,7 @@ struct PlanStats {
   int32_t forward_variant = -1;  // large head dims: the D-split forward's variant
   int32_t backward_variant = -1;  // large head dims: the D-split dk/dv kernel's variant
   int32_t forward_heads_per_pass = 0;
+  int32_t backward_cat_group = 1;  // q heads per concatenated row group of the Hopper backward (1: none)
   int64_t forward_items = 0, dkdv_items = 0, dq_items = 0;
   int64_t forward_tiles = 0, dkdv_tiles = 0, dq_tiles = 0;
   int64_t device_bytes = 0;

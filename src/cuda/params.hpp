@@ -107,8 +107,8 @@ struct BwdParams {
   const void* k;
   const void* v;
   const void* dout;   // 16-bit, input dtype (converted by the preprocess kernel when the caller's is fp32)
-  const float* lse2;   // [Hq][tq_pad]: lse (with the sink) in log2 units, 0 for empty rows
-  const float* delta;  // [Hq][tq_pad]: dout . out
+  const float* lse2;   // [Hq][tq_pad] (stats_index): lse (with the sink) in log2 units, 0 for empty rows
+  const float* delta;  // [Hq][tq_pad] (stats_index): dout . out
   int32_t tq_pad;      // >= Tq + 64, a multiple of 64 (whole 64-row chunks can be read)
   void* dq;
   void* dk;
@@ -128,6 +128,17 @@ struct BwdParams {
   // Deterministic mode on the Hopper dk/dv kernel up to D 128: its dQ adds into dq_accum in item rank order,
   // each (consumer, q head, 64-row chunk) counting its finished adds here ([2][Hq][tq_pad / 64], zeroed).
   int32_t* dq_semaphores;
+  // MAGI_ATTENTION_CATGQA on the Hopper dk/dv kernel (D <= 128): > 1, the q heads of a kv head (cat_group of them,
+  // a divisor of 64) concatenated as rows r = token * cat_group + head-in-group; the list's q chunks are
+  // 64 / cat_group tokens, and lse2 / Delta are in that row order (stats_index). 1: one head at a time.
+  int32_t cat_group;
 };
+
+// Where the backward's row statistics (lse2, Delta) of q head `head`, row `row` live: [Hq][tq_pad], or with
+// concatenated heads (cat_group > 1) [Hkv][tq_pad][cat_group], so that a kv head's concatenated rows are contiguous.
+constexpr int64_t stats_index(int32_t head, int32_t row, int32_t tq_pad, int32_t cat_group) {
+  return cat_group > 1 ? (int64_t{head / cat_group} * tq_pad + row) * cat_group + head % cat_group
+                       : int64_t{head} * tq_pad + row;
+}
 
 }  // namespace magi::cuda::detail

@@ -40,7 +40,7 @@ __global__ void preprocess_kernel(const PreprocessArgs a) {
   if (warp >= a.tq * a.hq) {
     const int pad = warp - a.tq * a.hq;
     if (pad >= (a.tq_pad - a.tq) * a.hq || lane != 0) return;
-    const int64_t hm = int64_t{pad % a.hq} * a.tq_pad + a.tq + pad / a.hq;
+    const int64_t hm = stats_index(pad % a.hq, a.tq + pad / a.hq, a.tq_pad, a.cat_group);
     a.delta[hm] = 0.0f;
     a.lse2[hm] = 0.0f;
     return;
@@ -63,7 +63,7 @@ __global__ void preprocess_kernel(const PreprocessArgs a) {
   const float lse = a.lse[warp];
   if (lse == -INFINITY) dot = 0.0f;
   if (lane == 0) {
-    const int64_t hm = int64_t{head} * a.tq_pad + row;
+    const int64_t hm = stats_index(head, row, a.tq_pad, a.cat_group);
     a.delta[hm] = dot;
     a.lse2[hm] = lse == -INFINITY ? 0.0f : lse * kLog2e;
   }
@@ -77,8 +77,8 @@ __global__ void preprocess_kernel(const PreprocessArgs a) {
 
 constexpr int kReduceThreads = 256;
 
-__global__ void dsink_sh_kernel(const float* sink, const float* lse, const float* delta, int tq_pad, float* dsink,
-                                int tq, int hq) {
+__global__ void dsink_sh_kernel(const float* sink, const float* lse, const float* delta, int tq_pad, int cat_group,
+                                float* dsink, int tq, int hq) {
   const int index = static_cast<int>(blockIdx.x);  // s * hq + head
   const int head = index % hq;
   const float value = sink[index];
@@ -86,7 +86,7 @@ __global__ void dsink_sh_kernel(const float* sink, const float* lse, const float
   for (int row = static_cast<int>(threadIdx.x); row < tq; row += kReduceThreads) {
     const int64_t i = int64_t{row} * hq + head;
     if (lse[i] != -INFINITY)
-      sum += static_cast<double>(expf(value - lse[i]) * delta[int64_t{head} * tq_pad + row]);
+      sum += static_cast<double>(expf(value - lse[i]) * delta[stats_index(head, row, tq_pad, cat_group)]);
   }
   __shared__ double partial[kReduceThreads];
   partial[threadIdx.x] = sum;
@@ -162,10 +162,10 @@ void launch_preprocess(int dtype, const PreprocessArgs& args, cudaStream_t strea
   check_launch("preprocess_kernel");
 }
 
-void launch_dsink_sh(const float* sink, const float* lse, const float* delta, int tq_pad, float* dsink, int sink_len,
-                     int tq, int hq, cudaStream_t stream) {
+void launch_dsink_sh(const float* sink, const float* lse, const float* delta, int tq_pad, int cat_group, float* dsink,
+                     int sink_len, int tq, int hq, cudaStream_t stream) {
   if (sink_len * hq == 0) return;
-  dsink_sh_kernel<<<sink_len * hq, kReduceThreads, 0, stream>>>(sink, lse, delta, tq_pad, dsink, tq, hq);
+  dsink_sh_kernel<<<sink_len * hq, kReduceThreads, 0, stream>>>(sink, lse, delta, tq_pad, cat_group, dsink, tq, hq);
   check_launch("dsink_sh_kernel");
 }
 

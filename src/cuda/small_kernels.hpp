@@ -19,9 +19,10 @@ struct PreprocessArgs {
   void* dout16;  // null unless dout is fp32
   float* dq_zero;  // [Tq, Hq, D] fp32 set to 0 (the dq atomics' target), or null
   const float* lse;  // [Tq, Hq], natural log
-  float* delta;      // out: [Hq][tq_pad]
-  float* lse2;       // out: [Hq][tq_pad], log2 units, empty rows 0
+  float* delta;      // out: [Hq][tq_pad] (stats_index)
+  float* lse2;       // out: [Hq][tq_pad] (stats_index), log2 units, empty rows 0
   int tq_pad;
+  int cat_group;     // BwdParams::cat_group (1: one head at a time)
   const float* sink;
   float* dsink;
   int sink_kind, sink_len;
@@ -32,8 +33,8 @@ void launch_preprocess(int dtype, const PreprocessArgs& args, cudaStream_t strea
 // element per thread.
 void launch_convert(int dtype, const float* src, void* dst, int64_t n, cudaStream_t stream);
 // dsink for the sh layout: a fixed-order reduction over rows per (s, head).
-void launch_dsink_sh(const float* sink, const float* lse, const float* delta, int tq_pad, float* dsink, int sink_len,
-                     int tq, int hq, cudaStream_t stream);
+void launch_dsink_sh(const float* sink, const float* lse, const float* delta, int tq_pad, int cat_group, float* dsink,
+                     int sink_len, int tq, int hq, cudaStream_t stream);
 
 void check_launch(const char* what);  // throws magi::Error with the CUDA error string
 

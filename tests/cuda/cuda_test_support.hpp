@@ -89,11 +89,13 @@ inline bool testing_sm90() {
   return family_under_test() == cuda::KernelFamily::Sm90 ||
          (family_under_test() == cuda::KernelFamily::Auto && cuda::sm90_forward_available(128, 0));
 }
-// A plan of the family under test (tuning's other choices kept).
+// A plan of the family under test (tuning's other choices kept), with concatenated heads where
+// MAGI_ATTENTION_CATGQA asks for them (ctest runs the Hopper backward's suites once more so).
 inline std::shared_ptr<cuda::Plan> test_plan(const Mask& mask, int32_t hq, int32_t hkv, int32_t d,
                                              cuda::PlanTuning tuning = {}) {
   if (tuning.forward_family == cuda::KernelFamily::Auto) tuning.forward_family = family_under_test();
   if (tuning.backward_family == cuda::KernelFamily::Auto) tuning.backward_family = family_under_test();
+  if (env::get_bool("MAGI_ATTENTION_CATGQA")) tuning.backward_cat_gqa = true;
   return cuda::make_plan(mask, hq, hkv, d, 0, tuning);
 }
 

@@ -1081,6 +1081,94 @@ TEST(CudaBackend, LargeHeadDimBackwardVariantsAgree) {
   }
 }
 
+// MAGI_ATTENTION_CATGQA (PlanTuning::backward_cat_gqa): the Hopper backward up to D 128 runs the q heads of a kv
+// head as concatenated rows where their number divides 64; elsewhere the plan takes no groups. Short documents, a
+// causal diagonal, q-overlap and empty rows put masked rows inside every chunk; every group size from 2 to 64.
+TEST(CudaBackend, ConcatenatedHeadsMatchReference) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  cuda::PlanTuning cat;
+  cat.backward_cat_gqa = true;
+  const bool hopper = testing_sm90();
+  auto expected_group = [&](int32_t hq, int32_t hkv, int32_t d, int32_t padded_d) {
+    const int32_t g = hq / hkv;
+    return hopper && cuda::sm90_backward_available(d, 0) && padded_d <= 128 && g > 1 && 64 % g == 0 ? g : 1;
+  };
+  std::vector<Slice> docs;
+  const std::vector<int32_t> cu = cu_seqlens_of({3, 70, 1, 29, 130, 17, 64, 9});
+  for (size_t i = 0; i + 1 < cu.size(); ++i)
+    docs.push_back(make_slice(cu[i], cu[i + 1], cu[i], cu[i + 1], MaskType::Causal));
+  Mask varlen_causal;
+  varlen_causal.slices = docs;
+  varlen_causal.total_q = varlen_causal.total_k = cu.back();
+  struct Case {
+    std::string name;
+    Mask mask;
+    DType dtype;
+    int32_t hq, hkv, d;
+    SinkLayout sink = SinkLayout::None;
+    double softcap = 0.0;
+    bool fp32 = false;
+  };
+  const std::vector<Case> all = {
+      {"varlen causal 2:1", varlen_causal, DType::BF16, 4, 2, 128},
+      {"varlen causal 4:1 d64", varlen_causal, DType::F16, 8, 2, 64},
+      {"q-overlap 8:1", cases::mixed_types_q_overlap(), DType::BF16, 8, 1, 128},
+      {"random 16:1 d96 softcap", random_rectangles(rng, 300, 380, 20), DType::BF16, 32, 2, 96, SinkLayout::None, 20.0},
+      {"empty rows 4:1 sh sink", cases::causal_sq_gt_sk(MaskType::BiCausal), DType::F16, 4, 1, 64, SinkLayout::SH},
+      {"block causal 2:1 ssh fp32", cases::varlen_block_causal(), DType::BF16, 2, 1, 40, SinkLayout::SSH, 0.0, true},
+      {"varlen causal 64:1", varlen_causal, DType::BF16, 64, 1, 64},
+      {"sliding window 32:1", masks::sliding_window(200, 37, 0), DType::F16, 32, 1, 128},
+      {"3:1 (no groups)", varlen_causal, DType::BF16, 6, 2, 64},
+  };
+  int index = 0;
+  for (const Case& k : all) {
+    CaseConfig c = config(k.dtype, k.hq, k.hkv, k.d);
+    c.sink_layout = k.sink;
+    c.sink_len = 2;
+    c.softcap = k.softcap;
+    c.fp32_outputs = k.fp32;
+    const cuda::PlanStats stats = cuda::stats(*test_plan(k.mask, k.hq, k.hkv, k.d, cat));
+    EXPECT_EQ(stats.backward_cat_group, expected_group(k.hq, k.hkv, k.d, stats.padded_head_dim)) << k.name;
+    for (bool deterministic : {false, true})
+      EXPECT_TRUE(check_cuda_case(k.mask, c, seed + index, "concatenated heads, " + k.name, deterministic, cat));
+    ++index;
+  }
+  // The planner keeps the plain walk where concatenation would push the first wave out of L2 (a 1024 window over 2 x 8k
+  // tokens, group 4, on the H100 / H200's 50 MB), and concatenates causal documents.
+  int l2 = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, 0), cudaSuccess);
+  const std::vector<int32_t> two_docs = {0, 8192, 16384};
+  const cuda::PlanStats window =
+      cuda::stats(*test_plan(masks::varlen_sliding_window(two_docs, 1024, 0), 16, 4, 128, cat));
+  if (hopper && cuda::sm90_backward_available(128, 0) && window.padded_head_dim == 128 && l2 >= (40 << 20) &&
+      l2 <= (60 << 20)) {
+    EXPECT_EQ(window.backward_cat_group, 1);
+    EXPECT_EQ(cuda::stats(*test_plan(masks::varlen_causal(two_docs), 16, 4, 128, cat)).backward_cat_group, 4);
+  }
+  // Deterministic mode with concatenated heads: bitwise the same over runs.
+  const Case& k = all[3];
+  CaseConfig c = config(k.dtype, k.hq, k.hkv, k.d);
+  CaseData d = make_case(k.mask, c, seed + 100);
+  DeviceCase dev(d, c);
+  auto plan = test_plan(k.mask, c.heads_q, c.heads_kv, c.head_dim, cat);
+  std::vector<HostTensor> first;
+  for (int run = 0; run < 2; ++run) {
+    dev.poison();
+    cuda::forward(*plan, dev.forward_args(), cuda_options(c, true), nullptr);
+    cuda::backward(*plan, dev.backward_args(), cuda_options(c, true), nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<HostTensor> now = {dev.dq.download(), dev.dk.download(), dev.dv.download()};
+    if (run == 0) {
+      first = std::move(now);
+      continue;
+    }
+    const char* names[] = {"dq", "dk", "dv"};
+    for (size_t i = 0; i < now.size(); ++i)
+      EXPECT_TRUE(check_bitwise_equal(names[i], first[i], now[i], "seed " + std::to_string(seed)));
+  }
+}
+
 TEST(CudaBackend, PlanRejectsUncompiledHeadDim) {
   EXPECT_FALSE(cuda::head_dim_supported(0));
   EXPECT_FALSE(cuda::head_dim_supported(12));

@@ -340,20 +340,21 @@ TEST_F(EnvParse, ImplementedVariablesPrintNothingAtTheDefaultLevel) {
 }
 
 TEST_F(EnvParse, WarningsFromManyThreadsArePrintedOnce) {
-  set("MAGI_ATTENTION_CATGQA", "1");
+  set("MAGI_ATTENTION_NATIVE_GRPCOLL", "1");
   set("MAGI_ATTENTION_SANITY_CHEK", "1");
   ::testing::internal::CaptureStderr();
   std::atomic<int> trues{0};
   std::vector<std::thread> threads;
   for (int t = 0; t < 8; ++t) {
     threads.emplace_back([&] {
-      for (int i = 0; i < 100; ++i) trues += get_bool("MAGI_ATTENTION_CATGQA") ? 1 : 0;
+      for (int i = 0; i < 100; ++i) trues += get_bool("MAGI_ATTENTION_NATIVE_GRPCOLL") ? 1 : 0;
     });
   }
   for (std::thread& thread : threads) thread.join();
   const std::string printed = ::testing::internal::GetCapturedStderr();
   EXPECT_EQ(trues.load(), 800);
-  EXPECT_EQ(count_occurrences(printed, "MAGI_ATTENTION_CATGQA=1 has no effect: not implemented yet"), 1u) << printed;
+  EXPECT_EQ(count_occurrences(printed, "MAGI_ATTENTION_NATIVE_GRPCOLL=1 has no effect: not implemented yet"), 1u)
+      << printed;
   EXPECT_EQ(count_occurrences(printed, "did you mean MAGI_ATTENTION_SANITY_CHECK?"), 1u) << printed;
 }
 
@@ -392,7 +393,7 @@ TEST_F(EnvParse, AnotherToolsVariableThatWeDoNotUseIsOnlyANote) {
 // ---- log levels ----
 
 TEST_F(EnvParse, LogLevelFiltersMessages) {
-  set("MAGI_ATTENTION_CATGQA", "1");
+  set("MAGI_ATTENTION_NATIVE_GRPCOLL", "1");
   set("MAGI_ATTENTION_SANITY_CHECK", "1");
   set("MAGI_ATTENTION_LOG_LEVEL", "error");
   EXPECT_EQ(stderr_of_validation(), "") << "error silences warnings";

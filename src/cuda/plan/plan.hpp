@@ -26,6 +26,10 @@ struct Plan {
   int32_t smem_optin = 0;  // the device's per-block shared-memory limit (opt-in)
   detail::DeviceList fwd, dkdv, dq;
   int64_t fwd_items = 0, dkdv_items = 0, dq_items = 0;
+  // Concatenated heads (PlanTuning::backward_cat_gqa): the Hopper dk/dv kernel's list over chunks of 64 / group
+  // tokens, used when that kernel adds dQ itself (else the dkdv list); group 1: none.
+  int32_t bwd_cat_group = 1;
+  detail::DeviceList dkdv_cat;
   void* arena = nullptr;  // the lists, read-only after upload
   size_t arena_bytes = 0;
 

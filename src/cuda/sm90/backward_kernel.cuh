@@ -18,6 +18,8 @@
 // (tiles.hpp): each role adds to its S^T or dP^T over the block's half what the same role of the other block computed
 // over the other half, which that block stores into this one's shared memory (st.async, counted by an mbarrier); P^T
 // and dS^T are then the same in both blocks, and each block's dV, dK and dQ are its half of the columns.
+// Concatenated heads (MAGI_ATTENTION_CATGQA, kCat, up to D 128): the q heads of the kv head are one sequence of rows
+// token x group + head, walked once (TMA boxes of 64 / group tokens x every head of the group; docs/cuda_notes.md).
 // Deterministic mode: dK / dV are reproducible as they are (a block sums its chunks in a fixed order); up to D 128
 // the dQ reduce-adds take turns in a fixed order (OrderedDqAdds), from D 256 on the kernel runs without dQ (kDq)
 // beside the portable dq kernel.
@@ -46,6 +48,8 @@ __device__ __forceinline__ P* launder(P* p) {
   return p;
 }
 
+constexpr uint64_t kEvictNormal = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);  // CuTe's default
+
 // The consumers' S^T / dP^T GEMMs (M keys, N chunk rows, K D), dV += P^T dO and dK += dS^T Q (M keys, N D, K rows;
 // P^T and dS^T from registers). Up to D 128 the consumers split the keys; at D 256 each runs its GEMMs alone.
 template <class Element, int kN, int kM, int kD, int kConsumers, bool kWide>
@@ -65,15 +69,16 @@ auto kv_mma() {
 // The dQ reduce-adds of one consumer (D <= 128), issued by a warp of the producer warpgroup. Default: unordered
 // (the TMA unit adds). Deterministic (p.dq_semaphores set): each (consumer, q head, chunk) takes its adds in item
 // rank order: an add waits until its semaphore counts `rank` finished adds, and counts itself once complete, before
-// its warp waits for anything else (so that no count is held back while a turn is awaited).
+// its warp waits for anything else (so that no count is held back while a turn is awaited). With concatenated heads
+// the semaphores count per (consumer, kv head, chunk of concatenated rows): as many.
 struct OrderedDqAdds {
   int32_t* pending = nullptr;  // the semaphore of the last add, not yet counted
 
-  // Before the add of chunk q0 / 64 of `head`: in order, wait for its turn.
-  __device__ __forceinline__ void wait_turn(const BwdParams& p, int consumer, int head, int q0, int rank) {
+  // Before the add of `chunk` of `head` (a kv head with concatenated heads, cat of them): in order, wait for its turn.
+  __device__ __forceinline__ void wait_turn(const BwdParams& p, int cat, int consumer, int head, int chunk, int rank) {
     if (p.dq_semaphores == nullptr) return;
-    int32_t* const semaphore =
-        p.dq_semaphores + (int64_t{consumer} * p.hq + head) * (p.tq_pad / detail::kDkdvTileQ) + q0 / detail::kDkdvTileQ;
+    const int64_t heads = p.hq / cat, chunks = int64_t{p.tq_pad} * cat / detail::kDkdvTileQ;
+    int32_t* const semaphore = p.dq_semaphores + (consumer * heads + head) * chunks + chunk;
     int32_t done = -1;
     while (true) {
       asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(done) : "l"(semaphore) : "memory");
@@ -96,7 +101,9 @@ struct OrderedDqAdds {
 // kSoftcap: a kernel of its own, so that its extra live registers (tanh's derivative needs S and dP at once) do not
 // make ptxas serialise the wgmma pipeline of the common kernel (C7512).
 // kDq: dQ added here; without it (the deterministic mode from D 256 on) the portable dq kernel computes dQ.
-template <class T, int kTile, bool kSoftcap, bool kDq>
+// kCat: the q heads of a kv head concatenated (BwdParams::cat_group; D <= 128 with dQ): a kernel of its own, so that
+// the common one keeps its compile-time chunk arithmetic (with it at run time the deterministic mode lost 5-13%).
+template <class T, int kTile, bool kSoftcap, bool kDq, bool kCat = false>
 struct BackwardKernel {
   using Element = typename CuteElement<T>::type;
   static constexpr int kClusterSize = backward_cluster_size(kTile);
@@ -113,6 +120,7 @@ struct BackwardKernel {
   // Named barriers of the dQ handover (D <= 128): a consumer's 128 threads and the writer warp; per consumer.
   static constexpr int kDqHandover = 128 + 32, kDqFull = 3, kDqEmpty = 3 + kConsumers;
   static constexpr bool kDqWriter = kDq && !kWide;
+  static_assert(!kCat || kDqWriter, "concatenated heads: the kernel that adds dQ at D <= 128");
   // setmaxnreg: the producer's share goes to the consumers; the sum must fit the launch's 168 per thread.
   // (nvcc 13, D 128: the consumers spill below 240; the producer spills ~180 bytes at 24, off the critical path.)
   static constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
@@ -203,7 +211,17 @@ struct BackwardKernel {
     TmaKV tma_k, tma_v;
     TmaDq tma_dq;
     int num_work;
+    TmaDescriptor cat_q, cat_do, cat_dq;  // p.cat_group > 1: make_cat_tensor_map's views of Q, dO and dq_accum
   };
+  // Concatenated heads: a stage's Q (dO) is kD / 64 boxes of 64 rows x 64 columns, one after another; a consumer's
+  // dQ tile kD / 64 boxes of 64 rows x 32 fp32 columns.
+  static constexpr auto kQOffsets = get_nonswizzle_portion(LayoutQ{});
+  static constexpr auto kDqOffsets = get_nonswizzle_portion(LayoutdQ{});
+  static_assert(kQOffsets(make_coord(8, 0, 0)) == 8 * 64 && kQOffsets(make_coord(0, 0, 1)) == kM * kD &&
+                    (kD == 64 || kQOffsets(make_coord(0, 64, 0)) == kM * 64),
+                "Q stages in 64-column blocks of 64 contiguous 128-byte rows");
+  static_assert(kDqOffsets(make_coord(8, 0)) == 8 * 32 && (kD < 128 || kDqOffsets(make_coord(0, 32)) == kM * 32),
+                "dQ tiles in 32-column blocks of 64 contiguous 128-byte rows");
 
   static Params make_params(const BwdParams& p, int num_work) {
     // Descriptors need a non-empty tensor.
@@ -223,9 +241,15 @@ struct BackwardKernel {
     float* const dq_base = kDq ? p.dq_accum : const_cast<float*>(p.delta);
     auto dq = make_tensor(make_gmem_ptr(dq_base), make_layout(make_shape(max(p.tq, 1), p.d, p.hq),
                                                                  make_stride(int64_t{p.hq} * p.d, _1{}, int64_t{p.d})));
-    return {p,         chunk(p.q), chunk(p.dout), tile(p.k), tile(p.v),
-            make_tma_copy(SM90_TMA_REDUCE_ADD{}, dq, LayoutdQ{}, Shape<Int<kM>, Int<kD / kConsumers>>{}, _1{}),
-            num_work};
+    Params params{p,         chunk(p.q), chunk(p.dout), tile(p.k), tile(p.v),
+                  make_tma_copy(SM90_TMA_REDUCE_ADD{}, dq, LayoutdQ{}, Shape<Int<kM>, Int<kD / kConsumers>>{}, _1{}),
+                  num_work,  {},         {},            {}};
+    if constexpr (kCat) {
+      params.cat_q = make_cat_tensor_map(static_cast<const Element*>(p.q), p.d, p.cat_group, p.tq, p.hkv, 64, kM);
+      params.cat_do = make_cat_tensor_map(static_cast<const Element*>(p.dout), p.d, p.cat_group, p.tq, p.hkv, 64, kM);
+      params.cat_dq = make_cat_tensor_map(dq_base, p.d, p.cat_group, p.tq, p.hkv, 32, kM);
+    }
+    return params;
   }
 
   // One thread issues every load: K and V once per work (after the consumers are done with the last one's), then
@@ -243,6 +267,7 @@ struct BackwardKernel {
     Tensor sV = make_tensor(make_smem_ptr(shared.v), LayoutKV{});
     PipelineState write = cutlass::make_producer_start_state<Pipeline>();
     const int group = p.hq / p.hkv;
+    const int cat = kCat ? p.cat_group : 1, walked = kCat ? 1 : group;  // heads walked per work
     const int part = kCluster ? static_cast<int>(cute::block_rank_in_cluster()) : 0;  // this block's columns
     int kv_loads = 0;
     for (int n = 0;; ++n) {
@@ -262,7 +287,7 @@ struct BackwardKernel {
       copy(params.tma_k.with(reinterpret_cast<uint64_t&>(shared.kv_full), 0), tKg, tKs);
       copy(params.tma_v.with(reinterpret_cast<uint64_t&>(shared.kv_full), 0), tVg, tVs);
       ++kv_loads;
-      for (int head = kv_head * group; head < (kv_head + 1) * group; ++head) {
+      for (int head = kv_head * group; head < kv_head * group + walked; ++head) {
         Tensor gQ = local_tile(mQ(_, _, head), Shape<Int<kM>, Int<kD>>{}, make_coord(_, part));
         Tensor gdO = local_tile(mdO(_, _, head), Shape<Int<kM>, Int<kD>>{}, make_coord(_, part));
         auto [tQg, tQs] =
@@ -270,13 +295,24 @@ struct BackwardKernel {
         auto [tdOg, tdOs] =
             tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
         for (int item = info.first + info.count - 1; item >= info.first; --item) {  // see rank_dq_adds
-          const int chunk = p.list.items[item].q0 / kM;
+          const int chunk = p.list.items[item].q0 / (kM / cat);
           pipeline.producer_acquire(write);
           uint64_t* const full = pipeline.producer_get_barrier(write);
           const int s = write.index();
-          copy(params.tma_q.with(*full, 0), tQg(_, chunk), tQs(_, s));
-          copy(params.tma_do.with(*full, 0), tdOg(_, chunk), tdOs(_, s));
-          const int64_t stats = int64_t{head} * p.tq_pad + chunk * kM;  // rows < tq_pad: whole chunks exist
+          if constexpr (kCat) {
+            for (int c = 0; c < kD / 64; ++c) {
+              const int at = s * kM * kD + c * kM * 64;
+              SM90_TMA_LOAD_4D::copy(&params.cat_q, full, kEvictNormal, shared.q + at, c * 64, 0, chunk * (kM / cat),
+                                     kv_head);
+              SM90_TMA_LOAD_4D::copy(&params.cat_do, full, kEvictNormal, shared.dout + at, c * 64, 0,
+                                     chunk * (kM / cat), kv_head);
+            }
+          } else {
+            copy(params.tma_q.with(*full, 0), tQg(_, chunk), tQs(_, s));
+            copy(params.tma_do.with(*full, 0), tdOg(_, chunk), tdOs(_, s));
+          }
+          // Rows below tq_pad (x cat): whole chunks exist. stats_index's layouts.
+          const int64_t stats = int64_t{kCat ? kv_head : head} * p.tq_pad * cat + chunk * kM;
           SM90_BULK_COPY_G2S::copy(p.lse2 + stats, full, shared.lse2[s], kM * sizeof(float));
           SM90_BULK_COPY_G2S::copy(p.delta + stats, full, shared.delta[s], kM * sizeof(float));
           static_assert(sizeof(WorkItem) % 16 == 0, "bulk copies move multiples of 16 bytes");
@@ -294,7 +330,7 @@ struct BackwardKernel {
   static __device__ __forceinline__ void for_each_chunk(const Params& params, SharedStorage& shared, Pipeline& pipeline,
                                                         Begin&& begin, Chunk&& chunk, End&& end) {
     const BwdParams& p = params.p;
-    const int group = p.hq / p.hkv;
+    const int group = p.hq / p.hkv, walked = kCat ? 1 : group;
     PipelineState read;
     int kv_phase = 0;
     for (int n = 0;; ++n) {
@@ -307,7 +343,7 @@ struct BackwardKernel {
       if (info.count > 0) {
         shared.kv_full.wait(kv_phase);
         kv_phase ^= 1;
-        for (int head = at.head * group; head < (at.head + 1) * group; ++head) {
+        for (int head = at.head * group; head < at.head * group + walked; ++head) {
           for (int item = info.first + info.count - 1; item >= info.first; --item) {
             const int stage = read.index();
             pipeline.consumer_wait(read);
@@ -394,7 +430,8 @@ struct BackwardKernel {
     };
     auto chunk = [&](int head, int k_base, int stage, auto&& release) {
       const WorkItem w = shared.item[stage];
-      const int q0 = w.q0 / kM * kM;
+      const int cat = kCat ? p.cat_group : 1;
+      const int token0 = w.q0 & -(kM / cat);  // the chunk's first token (its rows: token x cat + head in the group)
       const int buffer = chunks & 1;
       // The operands' descriptors, rebuilt per chunk from an opaque base: hoisted out of the loops, the ~90
       // of them took registers that the accumulators need (spills).
@@ -417,7 +454,7 @@ struct BackwardKernel {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           rows[r] = detail::item_queries(w, k_base + key_local + 8 * r);
-          rows[r].lo -= q0, rows[r].hi -= q0;
+          rows[r].lo = (rows[r].lo - token0) * cat, rows[r].hi = (rows[r].hi - token0) * cat;
         }
       }
       // P^T, then dS^T, into 16-bit A operands; dV += P^T dO issued between them. Without softcap P is
@@ -530,6 +567,7 @@ struct BackwardKernel {
     const BwdParams& p = params.p;
     const bool leader = threadIdx.x % 32 == 0;
     const int group = p.hq / p.hkv;
+    const int cat = kCat ? p.cat_group : 1, walked = kCat ? 1 : group;
     Tensor mdQ = params.tma_dq.get_tma_tensor(make_shape(max(p.tq, 1), p.d, p.hq));
     Tensor sdQ = make_tensor(make_smem_ptr(shared.tiles.dq + consumer * cosize_v<LayoutdQ>), LayoutdQ{});
     OrderedDqAdds adds;
@@ -539,17 +577,27 @@ struct BackwardKernel {
       if (linear >= params.num_work) break;
       const WorkCoords at = detail::work_coords(linear, p.hkv, p.list);
       const TileInfo info = p.list.tiles[at.tile_index];
-      for (int head = at.head * group; head < (at.head + 1) * group && info.count > 0; ++head) {
+      for (int head = at.head * group; head < at.head * group + walked && info.count > 0; ++head) {
         for (int item = info.first + info.count - 1; item >= info.first; --item) {
           const WorkItem w = p.list.items[item];
+          const int chunk = w.q0 / (kM / cat);
           cutlass::arch::NamedBarrier::sync(kDqHandover, kDqFull + consumer);
           if (leader) {
-            Tensor gdQ = local_tile(mdQ(_, _, head), Shape<Int<kM>, Int<kD / kConsumers>>{},
-                                    make_coord(w.q0 / kM, consumer));
+            // Addresses before the turn: in the deterministic mode the adds of a chunk run in a chain.
+            Tensor gdQ =
+                local_tile(mdQ(_, _, head), Shape<Int<kM>, Int<kD / kConsumers>>{}, make_coord(chunk, consumer));
             auto [tdQg, tdQs] = tma_partition(params.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sdQ),
                                               group_modes<0, 2>(gdQ));
-            adds.wait_turn(p, consumer, head, w.q0 / kM * kM, w.rank);
-            copy(params.tma_dq, tdQs, tdQg);
+            const float* const cat_tile = shared.tiles.dq + consumer * cosize_v<LayoutdQ>;
+            const int cat_token0 = chunk * (kM / cat), cat_col0 = consumer * (kD / kConsumers);
+            adds.wait_turn(p, cat, consumer, kCat ? at.head : head, chunk, w.rank);
+            if constexpr (kCat) {
+              for (int c = 0; c < kD / kConsumers / 32; ++c)
+                SM90_TMA_REDUCE_ADD_4D::copy(&params.cat_dq, cat_tile + c * kM * 32, cat_col0 + c * 32, 0, cat_token0,
+                                             at.head);
+            } else {
+              copy(params.tma_dq, tdQs, tdQg);
+            }
             tma_store_arrive();
             tma_store_wait<0>();  // the tile is read
           }
@@ -838,9 +886,9 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
   }
 }
 
-template <class T, int kTile, bool kSoftcap, bool kDq>
+template <class T, int kTile, bool kSoftcap, bool kDq, bool kCat = false>
 void launch_backward_variant(const BwdParams& p, int sm_margin, cudaStream_t stream) {
-  using Kernel = BackwardKernel<T, kTile, kSoftcap, kDq>;
+  using Kernel = BackwardKernel<T, kTile, kSoftcap, kDq, kCat>;
   const int num_work = p.list.num_tiles * p.hkv;
   if (num_work == 0) return;
   launch_persistent<Kernel>(backward_kernel<Kernel>, Kernel::make_params(p, num_work), num_work, sm_margin,
@@ -850,6 +898,18 @@ void launch_backward_variant(const BwdParams& p, int sm_margin, cudaStream_t str
 template <class T, int kTile>
 void launch_backward_kernel(const BwdParams& p, int sm_margin, cudaStream_t stream) {
   const bool dq = p.dq_accum != nullptr;
+  if (p.cat_group > 1) {
+    // The planner concatenates heads only where this kernel adds dQ (tiles 64 and 128).
+    if constexpr (BackwardKernel<T, kTile, false, true>::kDqWriter) {
+      if (!dq) throw Error("cuda backward: concatenated heads need the dk/dv kernel to add dQ (BwdParams::dq_accum)");
+      if (p.softcap > 0.0f) launch_backward_variant<T, kTile, true, true, true>(p, sm_margin, stream);
+      else launch_backward_variant<T, kTile, false, true, true>(p, sm_margin, stream);
+      return;
+    } else {
+      throw Error("cuda backward: concatenated heads at head-dim tile " + std::to_string(kTile) +
+                  " (allowed: 64, 128)");
+    }
+  }
   if (p.softcap > 0.0f) {
     if (dq) launch_backward_variant<T, kTile, true, true>(p, sm_margin, stream);
     else launch_backward_variant<T, kTile, true, false>(p, sm_margin, stream);

@@ -11,6 +11,7 @@
 
 #include "cuda/kernel_common.cuh"
 #include "cuda/small_kernels.hpp"  // check_launch
+#include "magi/error.hpp"
 
 namespace magi::cuda::sm90 {
 
@@ -101,6 +102,34 @@ struct BlockTmaPipeline {
   __device__ void consumer_wait(const PipelineState& state) { storage->full[state.index()].wait(state.phase()); }
   __device__ void consumer_release(const PipelineState& state) { storage->empty[state.index()].arrive(); }
 };
+
+// The concatenated-heads view (BwdParams::cat_group) of a [tokens, hq, d] tensor: a TMA map over (d columns, the
+// group's heads, tokens, kv heads), boxes of box_cols columns x the group x rows / group tokens x 1 with the 128-byte
+// swizzle, so that one box fills a swizzle-atom column of `rows` rows in the order row = token * group + head. (CuTe's
+// make_tma_copy takes the box's shape at compile time; the group is known at run time.)
+template <class Element>
+TmaDescriptor make_cat_tensor_map(const Element* base, int d, int group, int tokens, int kv_heads, int box_cols,
+                                  int rows) {
+  static_assert(sizeof(Element) == 2 || sizeof(Element) == 4, "16-bit inputs or the fp32 dQ accumulator");
+  constexpr bool kBf16 = std::is_same_v<Element, cutlass::bfloat16_t>;
+  constexpr CUtensorMapDataType kType = sizeof(Element) == 4 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                        : kBf16              ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                             : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const auto e = static_cast<cuuint64_t>(sizeof(Element));
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(group),
+                              static_cast<cuuint64_t>(tokens > 1 ? tokens : 1), static_cast<cuuint64_t>(kv_heads)};
+  const cuuint64_t strides[3] = {d * e, dims[1] * dims[3] * d * e, dims[1] * d * e};  // bytes, dims 1 .. 3
+  const cuuint32_t box[4] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(group),
+                             static_cast<cuuint32_t>(rows / group), 1};
+  const cuuint32_t unit[4] = {1, 1, 1, 1};
+  TmaDescriptor map{};
+  const CUresult result = cutlass::call_cuTensorMapEncodeTiled(
+      &map, kType, 4, const_cast<Element*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (result != CUDA_SUCCESS)
+    throw Error("cuda backward: the concatenated-heads TMA map failed (CUresult " + std::to_string(result) + ")");
+  return map;
+}
 
 // Launches a persistent Hopper kernel: one block per SM that the margin leaves (at least one), at most one per work,
 // after zeroing the launch's work counter (claim_work_index). Clusters of `cluster` blocks (each cluster one work at a
