@@ -288,3 +288,42 @@ def test_cuda_graph_captures_forward_and_backward(rng, deterministic):
         torch.testing.assert_close(static_out, eager[0], rtol=0, atol=0)
         for got, want in zip(static_grads, eager[1]):
             torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+CONCATENATED_HEADS = """
+import numpy as np, torch, magi_attn as ma, reference as ref
+rng = np.random.default_rng(int(__import__("sys").argv[1]))
+mask = ma.masks.varlen_causal([0, 5, 77, 78, 140, 300])
+for hq, d, dtype in ((8, 64, torch.bfloat16), (4, 128, torch.float16)):
+    t = lambda *s: torch.from_numpy(rng.standard_normal(s)).to(device="cuda", dtype=dtype)
+    q, k, v = t(300, hq, d), t(300, 1, d), t(300, 1, d)
+    sink = torch.from_numpy(rng.standard_normal((2, hq))).float().cuda()
+    leaves = [x.requires_grad_() for x in (q, k, v, sink)]
+    r = tuple(torch.from_numpy(a).cuda() for a in (mask.q_ranges, mask.k_ranges, mask.attn_type_map))
+    out, lse = ma.flex_flash_attn_func(q, k, v, *r, sink=sink, sink_layout="sh")
+    do = torch.from_numpy(rng.standard_normal(out.shape)).to(out)
+    out.backward(do)
+    host = lambda x: x.detach().double().cpu().numpy()
+    keep = ref.keep_matrix(mask.q_ranges, mask.k_ranges, mask.attn_type_map, 300, 300)
+    grads = ref.backward(host(q), host(k), host(v), host(do), keep, None, 0.0, host(sink), "sh")
+    name = "bf16" if dtype == torch.bfloat16 else "fp16"
+    for g, leaf, want in zip(("dq", "dk", "dv", "dsink"), leaves, grads):
+        ref.assert_close(g, host(leaf.grad), want, name, grad=True)
+print("concatenated heads OK")
+"""
+
+
+@cuda
+def test_concatenated_heads_env_matches_reference(rng):
+    """MAGI_ATTENTION_CATGQA=1 (read once per process: a child process) on GQA / MQA causal documents, sink."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    env = dict(os.environ, MAGI_ATTENTION_CATGQA="1",
+               PYTHONPATH=os.pathsep.join([str(pathlib.Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    seed = str(int(rng.integers(1 << 30)))
+    done = subprocess.run([sys.executable, "-c", CONCATENATED_HEADS, seed], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and "concatenated heads OK" in done.stdout, done.stdout + done.stderr
