@@ -182,6 +182,7 @@ TEST(EnvRegistry, ImplementedAreExactlyWhatThisBuildHonours) {
                                                      "MAGI_ATTENTION_FFA_BACKWARD_SM_MARGIN",
                                                      "MAGI_ATTENTION_PROFILE_MODE", "CUDA_DEVICE_MAX_CONNECTIONS",
                                                      "MAGI_ATTENTION_CUDA_IGNORE_TUNED_CONFIGS",
+                                                     "MAGI_ATTENTION_CATGQA",  // the Hopper backward
                                                      // the build (cmake/build_env.cmake; tests/env/build_env_test.cmake)
                                                      "MAGI_ATTENTION_BUILD_COMPUTE_CAPABILITY",
                                                      "MAGI_ATTENTION_PREBUILD_FFA",
