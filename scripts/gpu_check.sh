@@ -116,6 +116,18 @@ if [ $RUN_SANITIZER = 1 ]; then
       note "$tool ($family): rc $? ($(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$LOGS/$tool.$family.log" | tail -1))"
     done
   done
+  # The Hopper backward with concatenated q heads (MAGI_ATTENTION_CATGQA): small GQA cases (4 q heads over 2 kv
+  # heads at D 8 / 64 / 128, sink, both backward modes).
+  if [[ " ${families[*]} " == *" ffa_sm90 "* ]] && [ -z "${SANITIZE_FILTER:-}" ]; then
+    cat_cases='CudaBackend.DeterministicModeSmallCase:All/Features.MatchReference/sink_sh'
+    cat_cases+=':All/Features.MatchReference/d8_bf16_gqa'
+    for tool in memcheck racecheck synccheck; do
+      MAGI_ATTENTION_CATGQA=1 MAGI_ATTENTION_KERNEL_BACKEND=ffa_sm90 timeout 300 compute-sanitizer --tool $tool \
+        --error-exitcode 9 "$TEST_BIN" --gtest_filter="$cat_cases" > "$LOGS/$tool.catgqa.log" 2>&1
+      note "$tool (ffa_sm90, MAGI_ATTENTION_CATGQA=1): rc $? ($(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' \
+        "$LOGS/$tool.catgqa.log" | tail -1))"
+    done
+  fi
   note "sanitizers: $(( $(date +%s) - t0 )) s"
 fi
 
