@@ -456,7 +456,8 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
     timer.end();
   }
   timer.report("cuda backward, " + std::to_string(plan.dkdv_items) + " dk/dv items" +
-               (fused_dq ? " (dq by atomics)" : ", " + std::to_string(plan.dq_items) + " dq items"));
+               (fused_dq ? " (dq by atomics)" : ", " + std::to_string(plan.dq_items) + " dq items") +
+               (cat_group > 1 ? ", q heads concatenated in groups of " + std::to_string(cat_group) : ""));
 }
 
 }  // namespace magi::cuda
