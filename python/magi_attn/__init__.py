@@ -66,7 +66,7 @@ def env_table() -> str:
 
 def build_info() -> dict:
     """What this installation was built with: version, CUDA kernels, their architectures and head-dim tiles (head
-    dims up to the largest tile run, multiples of 8; above 256 the forward only so far), NCCL engine."""
+    dims up to the largest tile run, multiples of 8), NCCL engine."""
     return {"version": _build.version, "cuda": _build.cuda, "cuda_architectures": _build.cuda_architectures,
             "cuda_head_dim_tiles": [int(t) for t in _build.cuda_head_dim_tiles.split(",") if t],
             "nccl": _build.nccl}

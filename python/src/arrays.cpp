@@ -51,7 +51,8 @@ TensorView dlpack_view(const Array& a, const char* name) {
   TensorView v;
   v.dtype = dtype_of(a.dtype(), name);
   v.ndim = static_cast<int32_t>(a.ndim());
-  // Row-major contiguous: each stride (in elements) is the product of the later dims; size-1 dims are free.
+  // Row-major contiguous: each stride (in elements) is the product of the later dims; size-1 dims are free, and so
+  // is every stride of an array without elements (producers give those arbitrary strides).
   int64_t expected = 1;
   bool contiguous = true;
   for (int i = v.ndim - 1; i >= 0; --i) {
@@ -59,7 +60,7 @@ TensorView dlpack_view(const Array& a, const char* name) {
     if (a.stride_ptr() != nullptr && v.shape[i] != 1 && a.stride(static_cast<size_t>(i)) != expected) contiguous = false;
     expected *= v.shape[i];
   }
-  if (!contiguous) throw InvalidArgument(std::string(name) + ": " + kNotContiguous);
+  if (!contiguous && expected != 0) throw InvalidArgument(std::string(name) + ": " + kNotContiguous);
   switch (a.device_type()) {
     case nb::device::cpu::value: v.device = {DeviceType::CPU, 0}; break;
     case nb::device::cuda::value: v.device = {DeviceType::CUDA, a.device_id()}; break;

@@ -135,6 +135,28 @@ def test_more_queries_than_keys_leaves_empty_rows(rng, kind):
     assert np.isneginf(lse[:400]).all()  # causal: row i keeps j <= i - 400 (bottom-right aligned)
 
 
+@pytest.mark.parametrize("sink_layout", [None, "sh", "ssh"])
+def test_sequences_without_tokens(rng, sink_layout):
+    """No keys: every row is empty (out 0, lse -inf, or the sink's log-sum-exp); no queries: zero dk / dv."""
+    for tq, tk in ((5, 0), (0, 7), (0, 0)):
+        mask = ma.Mask(np.zeros((0, 2), np.int32), np.zeros((0, 2), np.int32), [], total_q=tq, total_k=tk)
+        q, k, v, do = inputs(rng, tq, tk, 2, 1, 16, "fp64")
+        sink = None
+        if sink_layout is not None:
+            sink = rng.standard_normal((3, 2) if sink_layout == "sh" else (tq, 3, 2)).astype(np.float32)
+        out, lse = ma.forward(mask, q, k, v, sink=sink, sink_layout=sink_layout or "sh")
+        assert out.shape == (tq, 2, 16) and lse.shape == (tq, 2)
+        assert (out == 0).all()
+        if sink is None:
+            assert np.isneginf(lse).all()
+        else:
+            want = np.logaddexp.reduce(sink.astype(np.float64), axis=-2)
+            np.testing.assert_allclose(lse, np.broadcast_to(want, lse.shape), rtol=1e-6)
+        grads = ma.backward(mask, q, k, v, out, lse, do, sink=sink, sink_layout=sink_layout or "sh")
+        assert [g.shape for g in grads[:3]] == [q.shape, k.shape, v.shape]
+        assert all((g == 0).all() for g in grads)
+
+
 # ---- options ----
 
 
@@ -199,6 +221,12 @@ BAD = [
     ("heads", lambda q, k, v, m: ma.forward(m, q, np.concatenate([k] * 3, 1), np.concatenate([v] * 3, 1)),
      ValueError, "must be a multiple of Hkv"),
     ("2-D q", lambda q, k, v, m: ma.forward(m, q[:, 0], k, v), ValueError, "q: expected shape [Tq, Hq, D]"),
+    ("zero head dim", lambda q, k, v, m: ma.forward(m, q[:, :, :0].copy(), k[:, :, :0].copy(), v[:, :, :0].copy()),
+     ValueError, "head dim D must be a positive multiple of 8, got 0"),
+    ("no heads", lambda q, k, v, m: ma.forward(m, q[:, :0].copy(), k[:, :0].copy(), v[:, :0].copy()), ValueError,
+     "head counts must be positive"),
+    ("no sink tokens", lambda q, k, v, m: ma.forward(m, q, k, v, sink=np.zeros((0, 2), np.float32)), ValueError,
+     "sink tokens S must be >= 1"),
     ("token count vs mask", lambda q, k, v, m: ma.forward(m, q[:-1].copy(), k, v), ValueError, "mask: total_q x total_k"),
     ("sink layout", lambda q, k, v, m: ma.forward(m, q, k, v, sink=np.zeros((1, 2), np.float32), sink_layout="hs"),
      ValueError, "sink_layout"),
