@@ -5,9 +5,10 @@
 // usage: flash_bench [--cases out.json] [--reps N] [--quick] [--only MASK] [--dims 64,128,256] [--seq 8192]
 //                    [--batch 2] [--deterministic] [--sm-margin N] [--impl NAME] [--fwd-tile-q 64|128|192]
 //                    [--family auto|sm80|sm90] [--bwd-family auto|sm80|sm90] [--large-d] [--fwd-variant 0|1|2|3]
-//                    [--bwd-variant 0|1] [--forward-only] [--fwd-heads-per-pass N] [--kv-heads N] [--cat-gqa]
+//                    [--bwd-variant 0|1] [--forward-only] [--fwd-heads-per-pass N] [--heads N] [--kv-heads N]
+//                    [--cat-gqa]
 //   --family pins both kernels' family, --bwd-family (given after it) the backward's alone.
-//   --batch sequences of --seq tokens (16 heads, bf16); --quick = D 128 only. The backward runs in the default
+//   --batch sequences of --seq tokens (bf16); --quick = D 128 only. The backward runs in the default
 //   mode (dq by atomics); --deterministic also times the deterministic backward (rows `magi_det`); --forward-only
 //   times no backward (its columns print 0).
 //   --sm-margin N: persistent grids leaving N SMs free (the API's default is 4 when
@@ -16,9 +17,10 @@
 //   the long-tailed documents over the same tokens (varlen causal).
 //   --fwd-variant pins the large-D forward's variant (0 resident, 1 deep, 2 streamed, 3 paired; default: the plan's choice);
 //   --bwd-variant the large-D dk/dv kernel's (0 single, 1 paired: two blocks per SM, D 320 only).
-//   --fwd-heads-per-pass N: the forward's work order in passes of N q heads (a divisor of 16; 16 = one pass).
-//   --kv-heads N: GQA, N kv heads for the 16 q heads (a divisor of 16; default 16); --cat-gqa: the backward with
-//   concatenated q heads (MAGI_ATTENTION_CATGQA; PlanTuning::backward_cat_gqa).
+//   --fwd-heads-per-pass N: the forward's work order in passes of N q heads (a divisor of the q heads; all = one
+//   pass). --heads N: q heads (default 16); --kv-heads N: GQA, N kv heads (a divisor of the q heads; default: as
+//   many as q heads); --cat-gqa: the backward with concatenated q heads (MAGI_ATTENTION_CATGQA;
+//   PlanTuning::backward_cat_gqa).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -155,7 +157,7 @@ int main(int argc, char** argv) {
   bool forward_only = false;  // A/B runs of forward kernels: the backward columns stay 0
   bool large_d = false;
   int sm_margin = 0;
-  int32_t kv_heads = 16;
+  int32_t heads = 16, kv_heads = 0;  // kv_heads 0: as many as q heads
   std::string impl = "magi";
   magi::cuda::PlanTuning tuning;  // --fwd-tile-q pins the forward q tile (default: the planner's choice)
   for (int i = 1; i < argc; ++i) {
@@ -174,6 +176,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--sm-margin") && i + 1 < argc) sm_margin = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--impl") && i + 1 < argc) impl = argv[++i];
     else if (!std::strcmp(argv[i], "--fwd-tile-q") && i + 1 < argc) tuning.forward_tile_q = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--heads") && i + 1 < argc) heads = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--kv-heads") && i + 1 < argc) kv_heads = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--cat-gqa")) tuning.backward_cat_gqa = true;
     else if (!std::strcmp(argv[i], "--fwd-heads-per-pass") && i + 1 < argc)
@@ -197,7 +200,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "flash_bench: --seq and --batch must be positive\n");
     return 2;
   }
-  const int32_t heads = 16;
+  if (heads <= 0) {
+    std::fprintf(stderr, "flash_bench: --heads %d must be positive\n", heads);
+    return 2;
+  }
+  if (kv_heads == 0) kv_heads = heads;
   if (kv_heads <= 0 || heads % kv_heads != 0) {
     std::fprintf(stderr, "flash_bench: --kv-heads %d must divide the %d q heads\n", kv_heads, heads);
     return 2;
