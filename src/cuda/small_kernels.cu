@@ -47,6 +47,9 @@ __global__ void preprocess_kernel(const PreprocessArgs a) {
   }
   const int row = warp / a.hq, head = warp % a.hq;
   const int64_t base = int64_t{warp} * a.d;  // [Tq, Hq, D] contiguous: (row * hq + head) * d
+  // Read beside dout and out: after the stores below the compiler keeps it there (they may alias), a second
+  // memory round trip per warp (SASS, sm_90a).
+  const float lse = a.lse[warp];
   float dot = 0.0f;
   for (int c = lane * 4; c < a.d; c += 128) {
     const float4 g = load4_as_float<T>(a.dout, base + c, a.dout_fp32);
@@ -60,7 +63,6 @@ __global__ void preprocess_kernel(const PreprocessArgs a) {
   }
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-  const float lse = a.lse[warp];
   if (lse == -INFINITY) dot = 0.0f;
   if (lane == 0) {
     const int64_t hm = stats_index(head, row, a.tq_pad, a.cat_group);
