@@ -117,9 +117,10 @@ struct BackwardKernel {
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kStages = 2;
-  // Named barriers of the dQ handover (D <= 128): a consumer's 128 threads and the writer warp; per consumer.
-  static constexpr int kDqHandover = 128 + 32, kDqFull = 3, kDqEmpty = 3 + kConsumers;
   static constexpr bool kDqWriter = kDq && !kWide;
+  // dQ tiles per consumer (D <= 128): two, so that a consumer stores its next chunk's dQ while the writer still waits
+  // for the last one's turn (deterministic mode) or for the TMA unit to read it.
+  static constexpr int kDqBuffers = 2;
   static_assert(!kCat || kDqWriter, "concatenated heads: the kernel that adds dQ at D <= 128");
   // setmaxnreg: the producer's share goes to the consumers; the sum must fit the launch's 168 per thread.
   // (nvcc 13, D 128: the consumers spill below 240; the producer spills ~180 bytes at 24, off the critical path.)
@@ -175,8 +176,8 @@ struct BackwardKernel {
   using PipelineState = cutlass::PipelineState<kStages>;
   static constexpr uint32_t kStageBytes = 2 * kM * kD * sizeof(Element) + 2 * kM * sizeof(float) + sizeof(WorkItem);
 
-  struct DqTiles {  // up to D 128
-    alignas(1024) float dq[kConsumers * cosize_v<LayoutdQ>];
+  struct DqTiles {  // up to D 128: [consumer][buffer]
+    alignas(1024) float dq[kConsumers * kDqBuffers * cosize_v<LayoutdQ>];
   };
   // Wide: P^T times the dS factor, fp32, in the S^T fragment's order ([register / 4][thread], float4); in a cluster it
   // first receives the other block's S^T part, in the same order.
@@ -200,6 +201,9 @@ struct BackwardKernel {
     // consumer warps are done with the last chunk's).
     cutlass::arch::ClusterTransactionBarrier part_full[kCluster ? 2 : 1];
     cutlass::arch::ClusterBarrier peer_free;
+    // The dQ handover (D <= 128), per consumer and buffer: full once its 128 threads stored the tile, empty once the
+    // writer's TMA unit read it.
+    cutlass::arch::ClusterBarrier dq_full[kConsumers][kDqBuffers], dq_empty[kConsumers][kDqBuffers];
     WorkRing work;
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
@@ -526,11 +530,12 @@ struct BackwardKernel {
         // dQ rows 16 (warp % 4) + lane / 4 + {0, 8}, this consumer's half of the columns.
         // Into the dQ tile by hand (LayoutdQ: column c of row r at byte (c / 32) 8192 + (r / 8) 1024 +
         // (r % 8) 128 + 16 ((c % 32 / 4) ^ (r % 8)) + 4 (c % 4); r % 8 = lane / 4 here) once the writer has
-        // read the last one, then handed to it (write_dq).
-        const uint32_t tile = detail::smem_addr(shared.tiles.dq) + consumer * uint32_t{cosize_v<LayoutdQ> * 4};
+        // read its last one, then handed to it (write_dq). The tiles alternate by chunk, as the dS buffers.
+        const uint32_t tile = detail::smem_addr(shared.tiles.dq) +
+                              (consumer * kDqBuffers + buffer) * uint32_t{cosize_v<LayoutdQ> * 4};
         const uint32_t at = tile + (warp % 4) * 2048 + (lane / 4) * 128 + (lane % 2) * 8;
         const uint32_t chunk_x = (((lane % 4) / 2) ^ (lane / 4)) * 16;
-        cutlass::arch::NamedBarrier::sync(kDqHandover, kDqEmpty + consumer);
+        shared.dq_empty[consumer][buffer].wait(((chunks / kDqBuffers) & 1) ^ 1);  // a fresh barrier passes parity 1
   #pragma unroll
         for (int nb = 0; nb < kD / 16; ++nb)
   #pragma unroll
@@ -539,7 +544,7 @@ struct BackwardKernel {
                                                                    (((nb % 4) * 32) ^ chunk_x)),
                          "f"(dq[nb][2 * r]), "f"(dq[nb][2 * r + 1]));
         cutlass::arch::fence_view_async_shared();
-        cutlass::arch::NamedBarrier::arrive(kDqHandover, kDqFull + consumer);
+        shared.dq_full[consumer][buffer].arrive();
       } else {
         issue_gemm<false, true>(mma_kv, tKVrdS, tKVrQt(_, _, _, stage), tdKrdK);
       }
@@ -569,9 +574,8 @@ struct BackwardKernel {
     const int group = p.hq / p.hkv;
     const int cat = kCat ? p.cat_group : 1, walked = kCat ? 1 : group;
     Tensor mdQ = params.tma_dq.get_tma_tensor(make_shape(max(p.tq, 1), p.d, p.hq));
-    Tensor sdQ = make_tensor(make_smem_ptr(shared.tiles.dq + consumer * cosize_v<LayoutdQ>), LayoutdQ{});
     OrderedDqAdds adds;
-    cutlass::arch::NamedBarrier::arrive(kDqHandover, kDqEmpty + consumer);  // the tile starts free
+    int tiles = 0;  // this consumer's dQ tiles so far
     for (int n = 0;; ++n) {
       const int linear = shared.work.take(n);
       if (linear >= params.num_work) break;
@@ -581,29 +585,32 @@ struct BackwardKernel {
         for (int item = info.first + info.count - 1; item >= info.first; --item) {
           const WorkItem w = p.list.items[item];
           const int chunk = w.q0 / (kM / cat);
-          cutlass::arch::NamedBarrier::sync(kDqHandover, kDqFull + consumer);
+          const int buffer = tiles % kDqBuffers;
+          float* const tile = shared.tiles.dq + (consumer * kDqBuffers + buffer) * cosize_v<LayoutdQ>;
           if (leader) {
+            shared.dq_full[consumer][buffer].wait((tiles / kDqBuffers) & 1);
+            Tensor sdQ = make_tensor(make_smem_ptr(tile), LayoutdQ{});
             // Addresses before the turn: in the deterministic mode the adds of a chunk run in a chain.
             Tensor gdQ =
                 local_tile(mdQ(_, _, head), Shape<Int<kM>, Int<kD / kConsumers>>{}, make_coord(chunk, consumer));
             auto [tdQg, tdQs] = tma_partition(params.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sdQ),
                                               group_modes<0, 2>(gdQ));
-            const float* const cat_tile = shared.tiles.dq + consumer * cosize_v<LayoutdQ>;
             const int cat_token0 = chunk * (kM / cat), cat_col0 = consumer * (kD / kConsumers);
             adds.wait_turn(p, cat, consumer, kCat ? at.head : head, chunk, w.rank);
             if constexpr (kCat) {
               for (int c = 0; c < kD / kConsumers / 32; ++c)
-                SM90_TMA_REDUCE_ADD_4D::copy(&params.cat_dq, cat_tile + c * kM * 32, cat_col0 + c * 32, 0, cat_token0,
+                SM90_TMA_REDUCE_ADD_4D::copy(&params.cat_dq, tile + c * kM * 32, cat_col0 + c * 32, 0, cat_token0,
                                              at.head);
             } else {
               copy(params.tma_dq, tdQs, tdQg);
             }
             tma_store_arrive();
             tma_store_wait<0>();  // the tile is read
+            shared.dq_empty[consumer][buffer].arrive();
+            adds.count();
           }
           __syncwarp();
-          cutlass::arch::NamedBarrier::arrive(kDqHandover, kDqEmpty + consumer);
-          if (leader) adds.count();
+          ++tiles;
         }
       }
     }
@@ -854,6 +861,12 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
       for (auto& barrier : shared.part_full) barrier.init(1);
       shared.peer_free.init(Kernel::kConsumers * 4);
     }
+    if constexpr (Kernel::kDqWriter)
+      for (int c = 0; c < Kernel::kConsumers; ++c)
+        for (int b = 0; b < Kernel::kDqBuffers; ++b) {
+          shared.dq_full[c][b].init(128);
+          shared.dq_empty[c][b].init(1);
+        }
   }
   auto pipeline = [&] {
     if constexpr (Kernel::kCluster)
