@@ -35,9 +35,13 @@ using detail::TileInfo;
 using detail::WorkCoords;
 using detail::WorkItem;
 
-template <class T, int kD, int kTileQ>
+// kPlainOut: the plain epilogue's kernel (tiles.hpp: forward_has_plain_out), out through shared memory and a TMA
+// store where forward_stages_out.
+template <class T, int kD, int kTileQ, bool kPlainOut = false>
 struct ForwardKernel {
   using Element = typename CuteElement<T>::type;
+  static_assert(!kPlainOut || forward_has_plain_out(kD), "the plain epilogue needs all of a row's columns");
+  static constexpr bool kStageOut = kPlainOut && forward_stages_out(kD);
   static constexpr int kM = kTileQ, kN = forward_tile_k(kD);
   static constexpr int kKStages = forward_k_stages(kD), kVStages = forward_stages(kD), kQStages = forward_q_stages(kD);
   static constexpr int kConsumers = forward_consumers(kD, kM);
@@ -89,6 +93,13 @@ struct ForwardKernel {
                                       Shape<Int<kM>, Int<kBlockD>>{}, _1{}));
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(LayoutK{}),
                                        Shape<Int<kN>, Int<kBlockD>>{}, _1{}));
+  // A consumer's 64 rows of out (kStageOut), the source of its TMA store.
+  using LayoutO = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<_64, Int<kBlockD>>{}));
+  using GmemTensorOut = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GmemLayout{}));
+  using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensorOut{}, LayoutO{}, Shape<_64, Int<kBlockD>>{}, _1{}));
+  // Named barrier of a consumer's 128 threads around its out tile (ids past the turns' and the column split's).
+  static constexpr int kOutBarrier = kConsumers + 2;
+  static_assert(!kStageOut || kOutBarrier + kConsumers <= 8, "CUTLASS leaves named barriers 0 .. 7 to kernels");
   using PipelineK = cutlass::PipelineTmaAsync<kKStages>;
   using PipelineV = cutlass::PipelineTmaAsync<kVStages>;
 
@@ -96,6 +107,7 @@ struct ForwardKernel {
     alignas(1024) Element q[cosize_v<LayoutQ>];
     alignas(1024) Element k[cosize_v<LayoutK>];
     alignas(1024) Element v[cosize_v<LayoutV>];
+    alignas(1024) Element o[kStageOut ? kConsumers * cosize_v<LayoutO> : 0];
     // Column split in one block: S over each consumer's half of D, [item parity][consumer][register][thread]. In a
     // cluster: the S part of the consumer's peer in the other block, written by the peer (st.async, 16 bytes each:
     // after v, the array is aligned) and counted by s_peer_full[item parity][consumer].
@@ -117,6 +129,7 @@ struct ForwardKernel {
     TmaQ tma_q;
     TmaKV tma_k, tma_v;
     int num_work;
+    std::conditional_t<kStageOut, TmaO, int> tma_o;
   };
 
   static Params make_params(const FwdParams& p, int num_work) {
@@ -133,7 +146,16 @@ struct ForwardKernel {
                           Shape<Int<kN>, Int<kBlockD>>{}, _1{}),
             make_tma_copy(SM90_TMA_LOAD{}, tensor(p.v, p.tk, p.hkv), take<0, 2>(LayoutV{}),
                           Shape<Int<kN>, Int<kBlockD>>{}, _1{}),
-            num_work};
+            num_work, [&] {
+              if constexpr (kStageOut) {
+                Tensor out = make_tensor(make_gmem_ptr(static_cast<Element*>(p.out)),
+                                         make_layout(make_shape(max(p.tq, 1), p.d, p.hq),
+                                                     make_stride(int64_t{p.hq} * p.d, _1{}, int64_t{p.d})));
+                return make_tma_copy(SM90_TMA_STORE{}, out, LayoutO{}, Shape<_64, Int<kBlockD>>{}, _1{});
+              } else {
+                return 0;
+              }
+            }()};
   }
 
   // One thread issues every load: Q once per work (into the stage the consumers freed longest ago), then K and V of
@@ -444,6 +466,39 @@ struct ForwardKernel {
         if (part == 0 && (group == 0 || !kSplitColumns) && lane % 4 == 0)
           for (int r = 0; r < 2; ++r)
             if (row0 + 8 * r < p.tq) p.lse[int64_t{row0 + 8 * r} * p.hq + head] = lse_rows[r];
+      } else if constexpr (kStageOut) {
+        // This consumer's 64 rows into its out tile once its last TMA store has read the tile, then stored by TMA
+        // (rows past tq, columns past d clipped by the TMA unit).
+        const bool issuer = thread % 128 == 0;
+        if (issuer) tma_store_wait<0>();
+        cutlass::arch::NamedBarrier::sync(128, kOutBarrier + group);
+        // LayoutO by hand (CuTe's indexing spilled): column c of row x at byte (c / 64) 8192 + (x / 8) 1024 +
+        // (x % 8) 128 + 16 ((c % 64 / 8) ^ (x % 8)) + 2 (c % 8); this thread's rows x % 8 = lane / 4.
+        const uint32_t tile = detail::smem_addr(shared.o) + group * uint32_t{cosize_v<LayoutO> * sizeof(Element)};
+        const uint32_t at = tile + (strip % 4) * 2048 + (lane / 4) * 128 + (lane % 4) * 4;
+        const uint32_t chunk_x = (lane / 4) * 16;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float factor =
+              detail::plain_row_factor(p, row_sum[r], row_max[r], logit_scale, row0 + 8 * r, head, lane, block_max);
+#pragma unroll
+          for (int i = 0; i < kOBlocks; ++i)
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at + (i / 8) * 8192 + r * 1024 + (((i % 8) * 16) ^ chunk_x)),
+                         "r"(detail::pack_pair<T>(acc[i][2 * r] * factor, acc[i][2 * r + 1] * factor)));
+        }
+        Tensor sO = make_tensor(make_smem_ptr(shared.o + group * cosize_v<LayoutO>), LayoutO{});
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::sync(128, kOutBarrier + group);
+        if (issuer) {
+          Tensor mO = params.tma_o.get_tma_tensor(make_shape(max(p.tq, 1), p.d, p.hq));
+          Tensor gO = local_tile(mO(_, _, head), Shape<_64, Int<kBlockD>>{}, make_coord(info.tile * (kM / 64) + group, 0));
+          auto [tOg, tOs] =
+              tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
+          copy(params.tma_o, tOs, tOg);
+          tma_store_arrive();
+        }
+      } else if constexpr (kPlainOut) {
+        detail::finish_plain_rows<T, kOBlocks>(p, acc, row_max, row_sum, logit_scale, row0, head, lane, block_max);
       } else {
         detail::finish_forward_rows<T, kOBlocks>(p, acc, row_max, row_sum, logit_scale, row0, head, lane, block_max);
       }
@@ -452,6 +507,9 @@ struct ForwardKernel {
       linear = next;
     }
     warpgroup_wait<0>();
+    if constexpr (kStageOut) {
+      if (thread % 128 == 0) tma_store_wait<0>();  // the block's shared memory outlives its last store's read
+    }
   }
 };
 
@@ -501,15 +559,31 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1) forward_kernel(const __gr
 
 // The tiles with items on the Hopper kernel; the item-less ones (the last `itemless` of the order) by the copy kernel
 // of the portable family (their rows take out 0 and lse -inf, or the previous result).
+template <class Kernel>
+void launch_forward_works(const FwdParams& p, int num_work, int sm_margin, cudaStream_t stream) {
+  launch_persistent<Kernel>(forward_kernel<Kernel>, Kernel::make_params(p, num_work), num_work, sm_margin,
+                            p.work_counter, stream, "sm90 forward_kernel", Kernel::kClusterSize);
+}
+
+// The tiles with items on the Hopper kernel (the plain epilogue's where the call and the tile allow it); the item-less
+// ones (the last `itemless` of the order) by the copy kernel of the portable family (their rows take out 0 and lse
+// -inf, or the previous result).
 template <class T, int kD, int kTileQ>
 void launch_forward_tiles(const FwdParams& p, int itemless, int sm_margin, cudaStream_t stream) {
-  using Kernel = ForwardKernel<T, kD, kTileQ>;
   FwdParams with_items = p;
   with_items.list = detail::without_last_tiles(p.list, itemless);
   const int num_work = with_items.list.num_tiles * p.hq;
-  if (num_work > 0)
-    launch_persistent<Kernel>(forward_kernel<Kernel>, Kernel::make_params(with_items, num_work), num_work, sm_margin,
-                              p.work_counter, stream, "sm90 forward_kernel", Kernel::kClusterSize);
+  // The TMA store needs a 16-byte aligned out (the API edge requires one; direct callers may pass any).
+  const bool plain = p.sink_kind == detail::kSinkNone && p.prev_out == nullptr && !p.out_fp32 &&
+                     (!forward_stages_out(kD) || reinterpret_cast<uintptr_t>(p.out) % 16 == 0);
+  if (num_work > 0) {
+    if constexpr (forward_has_plain_out(kD)) {
+      if (plain) launch_forward_works<ForwardKernel<T, kD, kTileQ, true>>(with_items, num_work, sm_margin, stream);
+      else launch_forward_works<ForwardKernel<T, kD, kTileQ>>(with_items, num_work, sm_margin, stream);
+    } else {
+      launch_forward_works<ForwardKernel<T, kD, kTileQ>>(with_items, num_work, sm_margin, stream);
+    }
+  }
   detail::launch_itemless_tiles<T, kD, kTileQ>(p, itemless, stream);
 }
 

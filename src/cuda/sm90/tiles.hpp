@@ -72,10 +72,21 @@ constexpr int forward_exchange_bytes(int padded_head_dim) {
              ? 2 * 2 * 64 * forward_tile_k(padded_head_dim) * 4
              : 0;
 }
+// The plain epilogue (out in the input dtype, no sink, no previous result to merge) has kernels of its own where each
+// consumer holds all of its rows' columns (one block, no column split): the general epilogue's code, mostly not run,
+// cost ~1700 cycles a work in instruction fetch (D 128). Up to D 128 its out goes through shared memory and a TMA
+// store (a tile_q x D 16-bit tile beside Q, K and V); from D 256, where that does not fit, from registers.
+constexpr bool forward_has_plain_out(int padded_head_dim) {
+  return !forward_splits_columns(padded_head_dim) && forward_cluster_size(padded_head_dim) == 1;
+}
+constexpr bool forward_stages_out(int padded_head_dim) { return padded_head_dim <= 128; }
+constexpr int forward_out_tile_bytes(int padded_head_dim, int tile_q) {
+  return forward_stages_out(padded_head_dim) ? tile_q * padded_head_dim * 2 : 0;
+}
 constexpr int forward_smem_bytes(int padded_head_dim, int tile_q) {
   const int kv_rows = (forward_k_stages(padded_head_dim) + forward_stages(padded_head_dim)) * forward_tile_k(padded_head_dim);
   return (forward_q_stages(padded_head_dim) * tile_q + kv_rows) * forward_block_head_dim(padded_head_dim) * 2 +
-         forward_exchange_bytes(padded_head_dim) + 1024;
+         forward_exchange_bytes(padded_head_dim) + forward_out_tile_bytes(padded_head_dim, tile_q) + 1024;
 }
 
 // The backward (backward_kernel.cuh). Head-dim tiles up to 256 run in one block; 320, 384 and 512 in a cluster of two
