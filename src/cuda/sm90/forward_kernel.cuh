@@ -557,8 +557,6 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1) forward_kernel(const __gr
   }
 }
 
-// The tiles with items on the Hopper kernel; the item-less ones (the last `itemless` of the order) by the copy kernel
-// of the portable family (their rows take out 0 and lse -inf, or the previous result).
 template <class Kernel>
 void launch_forward_works(const FwdParams& p, int num_work, int sm_margin, cudaStream_t stream) {
   launch_persistent<Kernel>(forward_kernel<Kernel>, Kernel::make_params(p, num_work), num_work, sm_margin,
