@@ -227,6 +227,14 @@ struct BackwardKernel {
   static_assert(kDqOffsets(make_coord(8, 0)) == 8 * 32 && (kD < 128 || kDqOffsets(make_coord(0, 32)) == kM * 32),
                 "dQ tiles in 32-column blocks of 64 contiguous 128-byte rows");
 
+  // The deterministic mode's dQ adds take turns (OrderedDqAdds). Its works then keep the slower way from one work
+  // to the next (K / V loaded first and freed after the last chunk, the pair stores): with the faster one the k
+  // tiles that add to the same chunks fell out of step (H200, D 128, deterministic shared question 418 -> 357,
+  // causal 440 -> 415; docs/cuda_notes.md).
+  static __device__ __forceinline__ bool adds_take_turns(const BwdParams& p) {
+    return p.dq_semaphores != nullptr;
+  }
+
   static Params make_params(const BwdParams& p, int num_work) {
     // Descriptors need a non-empty tensor.
     auto tensor = [&](const void* data, int rows, int heads) {
@@ -273,6 +281,7 @@ struct BackwardKernel {
     const int group = p.hq / p.hkv;
     const int cat = kCat ? p.cat_group : 1, walked = kCat ? 1 : group;  // heads walked per work
     const int part = kCluster ? static_cast<int>(cute::block_rank_in_cluster()) : 0;  // this block's columns
+    const bool turns = adds_take_turns(p);
     int kv_loads = 0;
     for (int n = 0;; ++n) {
       const int linear =
@@ -286,11 +295,18 @@ struct BackwardKernel {
       Tensor gV = local_tile(mV(_, _, kv_head), Shape<Int<kN>, Int<kD>>{}, make_coord(info.tile, part));
       auto [tKg, tKs] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
       auto [tVg, tVs] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-      if (kv_loads > 0) shared.kv_empty.wait((kv_loads - 1) & 1);
-      shared.kv_full.arrive_and_expect_tx(2 * kN * kD * sizeof(Element));
-      copy(params.tma_k.with(reinterpret_cast<uint64_t&>(shared.kv_full), 0), tKg, tKs);
-      copy(params.tma_v.with(reinterpret_cast<uint64_t&>(shared.kv_full), 0), tVg, tVs);
-      ++kv_loads;
+      // K and V go out after the work's first chunk: that chunk's stage is free while the consumers still run the
+      // work before, whose K / V they hold until its last chunk (adds_take_turns: before it).
+      bool kv_loaded = false;
+      auto load_kv = [&] {
+        if (kv_loads > 0) shared.kv_empty.wait((kv_loads - 1) & 1);
+        shared.kv_full.arrive_and_expect_tx(2 * kN * kD * sizeof(Element));
+        copy(params.tma_k.with(reinterpret_cast<uint64_t&>(shared.kv_full), 0), tKg, tKs);
+        copy(params.tma_v.with(reinterpret_cast<uint64_t&>(shared.kv_full), 0), tVg, tVs);
+        ++kv_loads;
+        kv_loaded = true;
+      };
+      if (turns) load_kv();
       for (int head = kv_head * group; head < kv_head * group + walked; ++head) {
         Tensor gQ = local_tile(mQ(_, _, head), Shape<Int<kM>, Int<kD>>{}, make_coord(_, part));
         Tensor gdO = local_tile(mdO(_, _, head), Shape<Int<kM>, Int<kD>>{}, make_coord(_, part));
@@ -322,19 +338,24 @@ struct BackwardKernel {
           static_assert(sizeof(WorkItem) % 16 == 0, "bulk copies move multiples of 16 bytes");
           SM90_BULK_COPY_G2S::copy(p.list.items + item, full, &shared.item[s], sizeof(WorkItem));
           ++write;
+          if (!kv_loaded) load_kv();
         }
       }
     }
   }
 
   // The consumers' persistent loop (both layouts): per work (a k tile of one kv head) begin(), then per chunk (each
-  // q head of the kv head's group, the tile's items last first: see rank_dq_adds) chunk(head, k_base, stage, release)
-  // once its stage is full (the item is in the stage; release() hands the stage back), then end(kv_head, k_base).
-  template <class Begin, class Chunk, class End>
+  // q head of the kv head's group, the tile's items last first: see rank_dq_adds) chunk(head, k_base, stage, release,
+  // last) once its stage is full (the item is in the stage; release() hands the stage back), then end(kv_head,
+  // k_base). kChunkCanFreeKv and not adds_take_turns: the work's last chunk (last) arrives on kv_empty itself, as
+  // soon as its GEMMs are past K and V (the next work's K / V then load under the rest of that chunk and end());
+  // else this loop does, after it.
+  template <bool kChunkCanFreeKv, class Begin, class Chunk, class End>
   static __device__ __forceinline__ void for_each_chunk(const Params& params, SharedStorage& shared, Pipeline& pipeline,
                                                         Begin&& begin, Chunk&& chunk, End&& end) {
     const BwdParams& p = params.p;
     const int group = p.hq / p.hkv, walked = kCat ? 1 : group;
+    const bool chunk_frees_kv = kChunkCanFreeKv && !adds_take_turns(p);
     PipelineState read;
     int kv_phase = 0;
     for (int n = 0;; ++n) {
@@ -351,24 +372,38 @@ struct BackwardKernel {
           for (int item = info.first + info.count - 1; item >= info.first; --item) {
             const int stage = read.index();
             pipeline.consumer_wait(read);
-            chunk(head, k_base, stage, [&] {
-              pipeline.consumer_release(read);
-              ++read;
-            });
+            const bool last = chunk_frees_kv && item == info.first && head == at.head * group + walked - 1;
+            chunk(
+                head, k_base, stage,
+                [&] {
+                  pipeline.consumer_release(read);
+                  ++read;
+                },
+                last);
           }
         }
-        shared.kv_empty.arrive();
+        if (!chunk_frees_kv) shared.kv_empty.arrive();
       }
       end(at.head, k_base);
     }
   }
 
   // dK or dV of this thread's keys (k_base + key_local + {0, 8}) from the accumulator's [8-column block][2 row +
-  // column] view, this block's columns (from col0); keys past tk and columns past d dropped.
+  // column] view, this block's columns (from col0); keys past tk and columns past d dropped. Whole 8-column blocks
+  // (store_row_blocks, as the portable family) when dk and dv are 16-byte aligned, else element pairs.
   template <class Acc>
   static __device__ __forceinline__ void store_key_rows(const BwdParams& p, void* out, const Acc& acc, bool fp32,
                                                         int kv_head, int k_base, int key_local, int lane,
                                                         int col0 = 0) {
+    if (p.vector_stores && !adds_take_turns(p)) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int key = k_base + key_local + 8 * r;
+        const int64_t row = (int64_t{key} * p.hkv + kv_head) * p.d + col0;
+        detail::store_row_blocks<T>(out, row, acc, r, 1.0f, p.d - col0, fp32, key < p.tk, lane);
+      }
+      return;
+    }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int key = k_base + key_local + 8 * r;
@@ -432,7 +467,7 @@ struct BackwardKernel {
       clear(tdVrdV);
       clear(tdKrdK);
     };
-    auto chunk = [&](int head, int k_base, int stage, auto&& release) {
+    auto chunk = [&](int head, int k_base, int stage, auto&& release, bool last) {
       const WorkItem w = shared.item[stage];
       const int cat = kCat ? p.cat_group : 1;
       const int token0 = w.q0 & -(kM / cat);  // the chunk's first token (its rows: token x cat + head in the group)
@@ -526,7 +561,8 @@ struct BackwardKernel {
         Tensor ds_operand = tDqrdS(_, _, _, buffer);
         issue_gemm<true, false>(mma_dq, ds_operand, tDqrKt, tDqrdQ);
         issue_gemm<false, true>(mma_kv, tKVrdS, tKVrQt(_, _, _, stage), tdKrdK);
-        warpgroup_wait<1>();
+        warpgroup_wait<1>();  // dQ: the last GEMM that reads K or V
+        if (last) shared.kv_empty.arrive();
         // dQ rows 16 (warp % 4) + lane / 4 + {0, 8}, this consumer's half of the columns.
         // Into the dQ tile by hand (LayoutdQ: column c of row r at byte (c / 32) 8192 + (r / 8) 1024 +
         // (r % 8) 128 + 16 ((c % 32 / 4) ^ (r % 8)) + 4 (c % 4); r % 8 = lane / 4 here) once the writer has
@@ -549,6 +585,8 @@ struct BackwardKernel {
         issue_gemm<false, true>(mma_kv, tKVrdS, tKVrQt(_, _, _, stage), tdKrdK);
       }
       warpgroup_wait<0>();
+      if constexpr (!kDq)
+        if (last) shared.kv_empty.arrive();
       // P^T and dS^T live until the GEMMs that read them from registers are done.
       warpgroup_fence_operand(tKVrP);
       warpgroup_fence_operand(tKVrdS);
@@ -562,7 +600,7 @@ struct BackwardKernel {
       store_key_rows(p, p.dk, dk, p.grad_fp32, kv_head, k_base, key_local, lane);
       store_key_rows(p, p.dv, dv, p.dv_fp32, kv_head, k_base, key_local, lane);
     };
-    for_each_chunk(params, shared, pipeline, begin, chunk, end);
+    for_each_chunk<true>(params, shared, pipeline, begin, chunk, end);
   }
 
   // D <= 128 with dQ: warp 1 + c of the producer warpgroup takes consumer c's dQ tiles, walking the same works and
@@ -686,7 +724,7 @@ struct BackwardKernel {
     };
 
     auto begin = [&] { clear(tKVrAcc); };
-    auto chunk = [&](int head, int k_base, int stage, auto&& release) {
+    auto chunk = [&](int head, int k_base, int stage, auto&& release, bool) {
       const WorkItem w = shared.item[stage];
       const int q0 = w.q0 / kM * kM;
       // Descriptors rebuilt per chunk from an opaque base (see consume_narrow).
@@ -811,7 +849,7 @@ struct BackwardKernel {
       store_key_rows(p, role == 0 ? p.dv : p.dk, acc, role == 0 ? p.dv_fp32 : p.grad_fp32, kv_head, k_base,
                      key_local, lane, col0);
     };
-    for_each_chunk(params, shared, pipeline, begin, chunk, end);
+    for_each_chunk<false>(params, shared, pipeline, begin, chunk, end);
   }
 
   // Wide: this thread's dQ (rows `row`, + 8; columns col0 + 8 nb + 2 (lane % 4) + {0, 1}, nb < kCols / 8) added to
