@@ -284,11 +284,12 @@ struct BackwardKernel {
     const bool turns = adds_take_turns(p);
     int kv_loads = 0;
     for (int n = 0;; ++n) {
-      const int linear =
-          kCluster ? shared.work.publish_in_cluster(n, p.work_counter) : shared.work.publish(n, p.work_counter);
-      if (linear >= params.num_work) break;
-      const WorkCoords at = detail::work_coords(linear, p.hkv, p.list);
-      const TileInfo info = p.list.tiles[at.tile_index];
+      const PublishedWork work =
+          kCluster ? shared.work.publish_in_cluster(n, p.work_counter, p.list, p.hkv, params.num_work)
+                   : shared.work.publish(n, p.work_counter, p.list, p.hkv, params.num_work);
+      if (work.linear >= params.num_work) break;
+      const WorkCoords at = work.at;
+      const TileInfo info = work.info;
       if (info.count == 0) continue;
       const int kv_head = at.head;
       Tensor gK = local_tile(mK(_, _, kv_head), Shape<Int<kN>, Int<kD>>{}, make_coord(info.tile, part));
@@ -359,7 +360,8 @@ struct BackwardKernel {
     PipelineState read;
     int kv_phase = 0;
     for (int n = 0;; ++n) {
-      const int linear = shared.work.take(n);
+      // Not the published description: read from the ring, it cost the D <= 128 backward 1-2% (ring.sh A/B).
+      const int linear = shared.work.take(n).linear;
       if (linear >= params.num_work) break;
       const WorkCoords at = detail::work_coords(linear, p.hkv, p.list);
       const TileInfo info = p.list.tiles[at.tile_index];
@@ -615,7 +617,8 @@ struct BackwardKernel {
     OrderedDqAdds adds;
     int tiles = 0;  // this consumer's dQ tiles so far
     for (int n = 0;; ++n) {
-      const int linear = shared.work.take(n);
+      // Not the published description: read from the ring, it cost the D <= 128 backward 1-2% (ring.sh A/B).
+      const int linear = shared.work.take(n).linear;
       if (linear >= params.num_work) break;
       const WorkCoords at = detail::work_coords(linear, p.hkv, p.list);
       const TileInfo info = p.list.tiles[at.tile_index];

@@ -174,11 +174,12 @@ struct ForwardKernel {
     int q_loads = 0;
     const int part = kCluster ? static_cast<int>(cute::block_rank_in_cluster()) : 0;  // this block's part of D
     for (int n = 0;; ++n) {
-      const int linear =
-          kCluster ? shared.work.publish_in_cluster(n, p.work_counter) : shared.work.publish(n, p.work_counter);
-      if (linear >= params.num_work) break;
-      const WorkCoords at = detail::work_coords(linear, p.hq, p.list);
-      const TileInfo info = p.list.tiles[at.tile_index];
+      const PublishedWork work =
+          kCluster ? shared.work.publish_in_cluster(n, p.work_counter, p.list, p.hq, params.num_work)
+                   : shared.work.publish(n, p.work_counter, p.list, p.hq, params.num_work);
+      if (work.linear >= params.num_work) break;
+      const WorkCoords at = work.at;
+      const TileInfo info = work.info;
       if (info.count == 0) continue;
       const int kv_head = at.head / (p.hq / p.hkv);
       Tensor gQ = local_tile(mQ(_, _, at.head), Shape<Int<kM>, Int<kBlockD>>{}, make_coord(info.tile, part));
@@ -330,26 +331,27 @@ struct ForwardKernel {
 
     // Works without items reach this kernel only where rows take a sink (else the launcher sends them to the copy
     // kernel); the producer loads nothing for them.
-    auto has_items = [&](int work) {
-      return work < params.num_work && p.list.tiles[detail::work_coords(work, p.hq, p.list).tile_index].count > 0;
-    };
+    auto has_items = [&](int n) { return shared.work.read(n).info.count > 0; };
     // At D 64 a work's first Q K^T goes out beside the last P V of the work before (its Q has a stage of its own),
     // and that work's epilogue runs under it (tiles.hpp). That GEMM is issued on every path, so that the groups in
     // flight agree where paths meet (else ptxas serialises every wgmma of the kernel); before a work without items
     // and past a block's last work it is a stand-in whose result nobody reads (its shared memory may be stale or
     // being refilled).
     constexpr bool kFirstSEarly = forward_first_s_early(kD);
-    int linear = shared.work.take(0);
+    // A work is waited for (its index known) before the last P V of the work before, and released once its
+    // description is read at its start.
+    int linear = shared.work.wait(0);
     if constexpr (kFirstSEarly) {
-      if (has_items(linear)) wait_first_s_operands();
+      if (has_items(0)) wait_first_s_operands();
       wait_turn();
       issue_s();
       pass_turn();
     }
     clear(tOrO);
     for (int n = 0; linear < params.num_work; ++n) {
-      const WorkCoords at = detail::work_coords(linear, p.hq, p.list);
-      const TileInfo info = p.list.tiles[at.tile_index];
+      const WorkCoords at = shared.work.read(n).at;
+      const TileInfo info = shared.work.read(n).info;
+      shared.work.release(n);
       const int head = at.head;
       const int row0 = info.tile * kM + strip * 16 + lane / 4;
       float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
@@ -427,10 +429,10 @@ struct ForwardKernel {
           rescale(scale_old);
           to_p();
         }
-        next = shared.work.take(n + 1);
+        next = shared.work.wait(n + 1);
         pipeline_v.consumer_wait(read_v);
         if constexpr (kFirstSEarly) {
-          if (has_items(next)) wait_first_s_operands();
+          if (has_items(n + 1)) wait_first_s_operands();
         }
         wait_turn();
         issue_gemm<false, true>(mma_o, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
@@ -444,9 +446,9 @@ struct ForwardKernel {
           clear(tSrS);
           add_other_half(tSrS);
         }
-        next = shared.work.take(n + 1);
+        next = shared.work.wait(n + 1);
         if constexpr (kFirstSEarly) {
-          if (has_items(next)) wait_first_s_operands();
+          if (has_items(n + 1)) wait_first_s_operands();
           wait_turn();
           issue_s();
           pass_turn();

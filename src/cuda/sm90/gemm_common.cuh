@@ -190,12 +190,24 @@ __device__ __forceinline__ void wait_cluster_barrier(cutlass::arch::ClusterBarri
   } while (done == 0);
 }
 
+// A published work: its index and, for a work of the launch, its (tile, head) and the tile's items (count 0
+// past the last work). The producer computes them anyway; the consumers read them from shared memory instead of
+// computing work_coords and loading the tile when they start the work.
+struct PublishedWork {
+  int linear;
+  detail::WorkCoords at;
+  detail::TileInfo info;
+};
+
 // The persistent schedule of both families (first_work_index, claim_work_index), fed by the producer: it claims
 // the work indices and hands each to the consumers through a two-slot ring in shared memory. An index past the
 // last work ends the block. In a cluster of two the first block's producer claims for both and hands each index to
 // the other block's producer through a two-slot mailbox in that block's shared memory.
 struct WorkRing {
-  int slot[2];
+  // CUTLASS's barrier asm has no memory clobber: the slot's loads and stores must stay between the waits and arrives.
+  static __device__ __forceinline__ void keep_order() { asm volatile("" ::: "memory"); }
+
+  PublishedWork slot[2];
   cutlass::arch::ClusterBarrier full[2], empty[2];
   int peer_slot[2];  // the mailbox (the cluster's second block)
   cutlass::arch::ClusterTransactionBarrier peer_full[2];
@@ -209,50 +221,75 @@ struct WorkRing {
       peer_empty[s].init(1);
     }
   }
-  // Producer: the n-th work of this block (n = 0, 1, ...), published for the consumers.
-  __device__ int publish(int n, int32_t* counter) {
-    return publish_index(n, [&] { return n == 0 ? detail::first_work_index() : detail::claim_work_index(counter); });
+  // Producer: the n-th work of this block (n = 0, 1, ...), published for the consumers; works of `list` over
+  // `heads` heads (work_coords), num_work of them.
+  __device__ PublishedWork publish(int n, int32_t* counter, const detail::DeviceList& list, int heads, int num_work) {
+    return publish_index(
+        n, [&] { return n == 0 ? detail::first_work_index() : detail::claim_work_index(counter); }, list, heads,
+        num_work);
   }
   // Producer of a block in a cluster of two: the n-th work of its cluster, the same in both blocks (the first block
   // claims it: cluster c starts with work c, then takes the counter's next index plus the number of clusters).
-  __device__ int publish_in_cluster(int n, int32_t* counter) {
-    return publish_index(n, [&] {
-      const int s = n & 1;
-      if (cute::block_rank_in_cluster() == 0) {
-        if (n >= 2) wait_cluster_barrier(peer_empty[s], ((n >> 1) - 1) & 1);
-        const int clusters = static_cast<int>(cute::cluster_grid_dims().x);
-        const int linear = n == 0 ? static_cast<int>(cute::cluster_id_in_grid().x) : atomicAdd(counter, 1) + clusters;
-        const uint32_t to = cute::set_block_rank(cute::cast_smem_ptr_to_uint(&peer_slot[s]), 1);
-        const uint32_t to_full = cute::set_block_rank(cute::cast_smem_ptr_to_uint(&peer_full[s]), 1);
-        asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(to),
-                     "r"(linear), "r"(to_full)
-                     : "memory");
-        return linear;
-      }
-      peer_full[s].arrive_and_expect_tx(sizeof(int));
-      peer_full[s].wait((n >> 1) & 1);
-      const int linear = *static_cast<volatile int*>(&peer_slot[s]);
-      arrive_cluster_barrier(peer_empty[s], 0);
-      return linear;
-    });
+  __device__ PublishedWork publish_in_cluster(int n, int32_t* counter, const detail::DeviceList& list, int heads,
+                                              int num_work) {
+    return publish_index(
+        n,
+        [&] {
+          const int s = n & 1;
+          if (cute::block_rank_in_cluster() == 0) {
+            if (n >= 2) wait_cluster_barrier(peer_empty[s], ((n >> 1) - 1) & 1);
+            const int clusters = static_cast<int>(cute::cluster_grid_dims().x);
+            const int linear =
+                n == 0 ? static_cast<int>(cute::cluster_id_in_grid().x) : atomicAdd(counter, 1) + clusters;
+            const uint32_t to = cute::set_block_rank(cute::cast_smem_ptr_to_uint(&peer_slot[s]), 1);
+            const uint32_t to_full = cute::set_block_rank(cute::cast_smem_ptr_to_uint(&peer_full[s]), 1);
+            asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(to),
+                         "r"(linear), "r"(to_full)
+                         : "memory");
+            return linear;
+          }
+          peer_full[s].arrive_and_expect_tx(sizeof(int));
+          peer_full[s].wait((n >> 1) & 1);
+          const int linear = *static_cast<volatile int*>(&peer_slot[s]);
+          arrive_cluster_barrier(peer_empty[s], 0);
+          return linear;
+        },
+        list, heads, num_work);
   }
-  // Once the consumers have taken the work two before: index() is the n-th work.
+  // Once the consumers have released the work two before: index() is the n-th work.
   template <class Index>
-  __device__ __forceinline__ int publish_index(int n, Index&& index) {
+  __device__ __forceinline__ PublishedWork publish_index(int n, Index&& index, const detail::DeviceList& list, int heads,
+                                                         int num_work) {
     const int s = n & 1;
     if (n >= 2) empty[s].wait(((n >> 1) - 1) & 1);
-    const int linear = index();
-    slot[s] = linear;
+    keep_order();
+    PublishedWork work{index(), {0, 0}, {0, 0, 0, 0}};
+    if (work.linear < num_work) {
+      work.at = detail::work_coords(work.linear, heads, list);
+      work.info = list.tiles[work.at.tile_index];
+    }
+    slot[s] = work;
+    keep_order();
     full[s].arrive();
-    return linear;
+    return work;
   }
-  // Consumers: the n-th work of this block.
-  __device__ int take(int n) {
-    const int s = n & 1;
-    full[s].wait((n >> 1) & 1);
-    const int linear = slot[s];
-    empty[s].arrive();
-    return linear;
+  // Consumers: wait for the n-th work of this block (its index), read it (once waited for), release it (the
+  // producer may then publish work n + 2 into its slot); take = all three.
+  __device__ __forceinline__ int wait(int n) {
+    full[n & 1].wait((n >> 1) & 1);
+    keep_order();
+    return slot[n & 1].linear;
+  }
+  __device__ __forceinline__ const PublishedWork& read(int n) const { return slot[n & 1]; }
+  __device__ __forceinline__ void release(int n) {
+    keep_order();
+    empty[n & 1].arrive();
+  }
+  __device__ __forceinline__ PublishedWork take(int n) {
+    wait(n);
+    const PublishedWork work = slot[n & 1];
+    release(n);
+    return work;
   }
 };
 
