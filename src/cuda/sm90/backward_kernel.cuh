@@ -299,15 +299,16 @@ struct BackwardKernel {
       // K and V go out after the work's first chunk: that chunk's stage is free while the consumers still run the
       // work before, whose K / V they hold until its last chunk (adds_take_turns: before it).
       bool kv_loaded = false;
-      auto load_kv = [&] {
+      // (The partitions as arguments: a lambda capturing structured bindings is C++20.)
+      auto load_kv = [&](auto& k_global, auto& k_shared, auto& v_global, auto& v_shared) {
         if (kv_loads > 0) shared.kv_empty.wait((kv_loads - 1) & 1);
         shared.kv_full.arrive_and_expect_tx(2 * kN * kD * sizeof(Element));
-        copy(params.tma_k.with(reinterpret_cast<uint64_t&>(shared.kv_full), 0), tKg, tKs);
-        copy(params.tma_v.with(reinterpret_cast<uint64_t&>(shared.kv_full), 0), tVg, tVs);
+        copy(params.tma_k.with(reinterpret_cast<uint64_t&>(shared.kv_full), 0), k_global, k_shared);
+        copy(params.tma_v.with(reinterpret_cast<uint64_t&>(shared.kv_full), 0), v_global, v_shared);
         ++kv_loads;
         kv_loaded = true;
       };
-      if (turns) load_kv();
+      if (turns) load_kv(tKg, tKs, tVg, tVs);
       for (int head = kv_head * group; head < kv_head * group + walked; ++head) {
         Tensor gQ = local_tile(mQ(_, _, head), Shape<Int<kM>, Int<kD>>{}, make_coord(_, part));
         Tensor gdO = local_tile(mdO(_, _, head), Shape<Int<kM>, Int<kD>>{}, make_coord(_, part));
@@ -339,7 +340,7 @@ struct BackwardKernel {
           static_assert(sizeof(WorkItem) % 16 == 0, "bulk copies move multiples of 16 bytes");
           SM90_BULK_COPY_G2S::copy(p.list.items + item, full, &shared.item[s], sizeof(WorkItem));
           ++write;
-          if (!kv_loaded) load_kv();
+          if (!kv_loaded) load_kv(tKg, tKs, tVg, tVs);
         }
       }
     }
