@@ -1,8 +1,8 @@
 // Hopper backward (sm_90a): dK, dV and dQ in one kernel over the plan's k-major list. A block is three warpgroups
-// on one SM and holds one k tile of one kv head: a producer that brings K and V once per tile and then, for every q
-// head of the GQA group and every item of the tile, the item's 64-row chunk of Q and dO (TMA, swizzled), its
-// lse2 / Delta rows and the item itself (bulk copies) through a two-stage mbarrier pipeline; and two consumers that
-// run, per chunk (wgmma):
+// on one SM and holds one k tile of one kv head: a producer that brings K and V once per tile (after the tile's first
+// chunk) and, for every q head of the GQA group and every item of the tile, the item's 64-row chunk of Q and dO (TMA,
+// swizzled), its lse2 / Delta rows and the item itself (bulk copies) through a two-stage mbarrier pipeline; and two
+// consumers that run, per chunk (wgmma):
 //   S^T = K Q^T, dP^T = V dO^T                (both operands in shared memory)
 //   P^T, dS^T from them (the portable family's bwd_cell: softcap, masks, empty rows)
 //   dV += P^T dO, dK += dS^T Q, dQ = dS K     (dS through shared memory)
