@@ -79,9 +79,13 @@ if [ $RUN_TESTS = 1 ]; then
   grep -E "\*\*\*Failed|Timeout" "$LOGS/tests.log" | head -30
   note "gpu tests: $(grep -E 'tests passed' "$LOGS/tests.log" | tail -1) (rc $rc, $(( $(date +%s) - t0 )) s)"
   # A per-rank timeline of the device runtime (MAGI_ATTENTION_PROFILE_DIR) and its merge by `magi-attn trace`.
-  rm -rf "$LOGS/trace" && MAGI_ATTENTION_PROFILE_DIR="$LOGS/trace" timeout 120 "$BUILD/src/cli/magi-attn" dist-demo \
-    --tokens 8192 > "$LOGS/dist_demo.txt" 2>&1
-  note "dist-demo with MAGI_ATTENTION_PROFILE_DIR: rc $? ($(grep -c . "$LOGS/dist_demo.txt") lines); trace: $("$BUILD/src/cli/magi-attn" trace "$LOGS/trace" 2>&1 | tail -1)"
+  if [ -x "$BUILD/src/cli/magi-attn" ]; then
+    rm -rf "$LOGS/trace" && MAGI_ATTENTION_PROFILE_DIR="$LOGS/trace" timeout 120 "$BUILD/src/cli/magi-attn" dist-demo \
+      --tokens 8192 > "$LOGS/dist_demo.txt" 2>&1
+    note "dist-demo with MAGI_ATTENTION_PROFILE_DIR: rc $? ($(grep -c . "$LOGS/dist_demo.txt") lines); trace: $("$BUILD/src/cli/magi-attn" trace "$LOGS/trace" 2>&1 | tail -1)"
+  else
+    note "dist-demo: skipped (magi-attn not among BUILD_TARGETS)"
+  fi
 fi
 
 if [ $RUN_SANITIZER = 1 ]; then
