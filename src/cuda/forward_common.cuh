@@ -128,17 +128,24 @@ __device__ __forceinline__ float plain_row_factor(const FwdParams& p, float row_
   return has_keys ? 1.0f / sum : 0.0f;
 }
 
-// finish_forward_rows for the plain epilogue, out stored from registers.
+// plain_row_factor of this thread's two rows (row0, row0 + 8).
+__device__ __forceinline__ void plain_row_factors(const FwdParams& p, const float (&row_max)[2],
+                                                  const float (&row_sum)[2], float logit_scale, int row0, int head,
+                                                  int lane, float& block_max, float (&factor)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+    factor[r] = plain_row_factor(p, row_sum[r], row_max[r], logit_scale, row0 + 8 * r, head, lane, block_max);
+}
+
+// The plain epilogue's out from registers (factor: plain_row_factors).
 template <class T, int kDBlocks>
-__device__ __forceinline__ void finish_plain_rows(const FwdParams& p, const float (&acc)[kDBlocks][4],
-                                                  const float (&row_max)[2], const float (&row_sum)[2],
-                                                  float logit_scale, int row0, int head, int lane, float& block_max) {
+__device__ __forceinline__ void store_plain_rows(const FwdParams& p, const float (&acc)[kDBlocks][4],
+                                                 const float (&factor)[2], int row0, int head, int lane) {
   const int64_t q_stride = int64_t{p.hq} * p.d;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = row0 + r * 8;
-    const float factor = plain_row_factor(p, row_sum[r], row_max[r], logit_scale, row, head, lane, block_max);
-    store_row_blocks<T, kDBlocks>(p.out, int64_t{row} * q_stride + int64_t{head} * p.d, acc, r, factor,
+    store_row_blocks<T, kDBlocks>(p.out, int64_t{row} * q_stride + int64_t{head} * p.d, acc, r, factor[r],
                                   min(p.d, kDBlocks * 8), false, row < p.tq, lane);
   }
 }

@@ -411,6 +411,21 @@ struct ForwardKernel {
 
       if constexpr (kFirstSEarly) warpgroup_wait<0>();  // the work's first Q K^T, or a stand-in
       int next;
+      float block_max = -INFINITY;
+      // The plain epilogue's row factors (and lse), and the out tile free again: while the last P V runs (the row
+      // sums are final once the last item's softmax is done); after the work they took ~1000 cycles (H200, D 128
+      // trace). With three consumers (160 registers) only after it: beside the next work's Q K^T they spilled.
+      float factor[2];
+      const bool out_issuer = thread % 128 == 0;
+      auto prepare_plain_out = [&] {
+        if constexpr (kPlainOut) {
+          detail::plain_row_factors(p, row_max, row_sum, logit_scale, row0, head, lane, block_max, factor);
+          if constexpr (kStageOut) {  // this consumer's out tile, once its last TMA store has read it
+            if (out_issuer) tma_store_wait<0>();
+            cutlass::arch::NamedBarrier::sync(128, kOutBarrier + group);
+          }
+        }
+      };
       if (info.count > 0) {
         float scale_old[2];
         if constexpr (!kFirstSEarly) {
@@ -458,6 +473,7 @@ struct ForwardKernel {
         issue_gemm<false, true>(mma_o, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
         if constexpr (kFirstSEarly) issue_s();
         pass_turn();
+        if constexpr (kConsumers < 3) prepare_plain_out();
         warpgroup_wait<kFirstSEarly ? 1 : 0>();
         pipeline_v.consumer_release(read_v);
         ++read_v;
@@ -473,9 +489,10 @@ struct ForwardKernel {
           issue_s();
           pass_turn();
         }
+        if constexpr (kConsumers < 3) prepare_plain_out();
       }
+      if constexpr (kConsumers == 3) prepare_plain_out();
 
-      float block_max = -INFINITY;
       if constexpr (kSplitColumns || kCluster) {
         float lse_rows[2];
         const int part = kCluster ? static_cast<int>(cute::block_rank_in_cluster()) : 0;
@@ -489,29 +506,23 @@ struct ForwardKernel {
           for (int r = 0; r < 2; ++r)
             if (row0 + 8 * r < p.tq) p.lse[int64_t{row0 + 8 * r} * p.hq + head] = lse_rows[r];
       } else if constexpr (kStageOut) {
-        // This consumer's 64 rows into its out tile once its last TMA store has read the tile, then stored by TMA
-        // (rows past tq, columns past d clipped by the TMA unit).
-        const bool issuer = thread % 128 == 0;
-        if (issuer) tma_store_wait<0>();
-        cutlass::arch::NamedBarrier::sync(128, kOutBarrier + group);
+        // This consumer's 64 rows into its out tile (free: prepare_plain_out), then stored by TMA (rows past tq,
+        // columns past d clipped by the TMA unit).
         // LayoutO by hand (CuTe's indexing spilled): column c of row x at byte (c / 64) 8192 + (x / 8) 1024 +
         // (x % 8) 128 + 16 ((c % 64 / 8) ^ (x % 8)) + 2 (c % 8); this thread's rows x % 8 = lane / 4.
         const uint32_t tile = detail::smem_addr(shared.o) + group * uint32_t{cosize_v<LayoutO> * sizeof(Element)};
         const uint32_t at = tile + (strip % 4) * 2048 + (lane / 4) * 128 + (lane % 4) * 4;
         const uint32_t chunk_x = (lane / 4) * 16;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const float factor =
-              detail::plain_row_factor(p, row_sum[r], row_max[r], logit_scale, row0 + 8 * r, head, lane, block_max);
+        for (int r = 0; r < 2; ++r)
 #pragma unroll
           for (int i = 0; i < kOBlocks; ++i)
             asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at + (i / 8) * 8192 + r * 1024 + (((i % 8) * 16) ^ chunk_x)),
-                         "r"(detail::pack_pair<T>(acc[i][2 * r] * factor, acc[i][2 * r + 1] * factor)));
-        }
+                         "r"(detail::pack_pair<T>(acc[i][2 * r] * factor[r], acc[i][2 * r + 1] * factor[r])));
         Tensor sO = make_tensor(make_smem_ptr(shared.o + group * cosize_v<LayoutO>), LayoutO{});
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(128, kOutBarrier + group);
-        if (issuer) {
+        if (out_issuer) {
           Tensor mO = params.tma_o.get_tma_tensor(make_shape(max(p.tq, 1), p.d, p.hq));
           Tensor gO = local_tile(mO(_, _, head), Shape<_64, Int<kBlockD>>{}, make_coord(info.tile * (kM / 64) + group, 0));
           auto [tOg, tOs] =
@@ -520,7 +531,7 @@ struct ForwardKernel {
           tma_store_arrive();
         }
       } else if constexpr (kPlainOut) {
-        detail::finish_plain_rows<T, kOBlocks>(p, acc, row_max, row_sum, logit_scale, row0, head, lane, block_max);
+        detail::store_plain_rows<T, kOBlocks>(p, acc, factor, row0, head, lane);
       } else {
         detail::finish_forward_rows<T, kOBlocks>(p, acc, row_max, row_sum, logit_scale, row0, head, lane, block_max);
       }
