@@ -115,6 +115,11 @@ __device__ __forceinline__ void finish_forward_rows(const FwdParams& p, float (&
 // The plain epilogue (out in the input dtype, no sink, no previous result): row r's lse stored, its 1 / sum returned
 // (0 for a row without keys). Kernels that specialise on it skip the general epilogue's code, which costs instruction
 // fetch even where its branches are not taken (Hopper forward, D 128: ~1700 cycles a work).
+// kApprox: the hardware's approximate log2 and reciprocal (sum >= 1 where the row has keys: its largest term is at
+// least 1) instead of the library's, whose range handling is ~80 instructions a row, run once a work from a cold
+// instruction cache. A/B (H200, Hopper forward): D 64 +1..+4%, D 256 +1..+3%; D 128, whose factors run under its last
+// P V, -3% causal (code placement), so it keeps the library's.
+template <bool kApprox = false>
 __device__ __forceinline__ float plain_row_factor(const FwdParams& p, float row_sum, float row_max, float logit_scale,
                                                   int row, int head, int lane, float& block_max) {
   float sum = row_sum;
@@ -124,17 +129,19 @@ __device__ __forceinline__ float plain_row_factor(const FwdParams& p, float row_
   const float row_max2 = row_max * logit_scale;  // log2 units
   block_max = fmaxf(block_max, row_max2);
   if (row < p.tq && lane % 4 == 0)
-    p.lse[int64_t{row} * p.hq + head] = has_keys ? (row_max2 + log2f(sum)) * kLn2 : -INFINITY;
-  return has_keys ? 1.0f / sum : 0.0f;
+    p.lse[int64_t{row} * p.hq + head] =
+        has_keys ? (row_max2 + (kApprox ? __log2f(sum) : log2f(sum))) * kLn2 : -INFINITY;
+  return has_keys ? (kApprox ? __fdividef(1.0f, sum) : 1.0f / sum) : 0.0f;
 }
 
 // plain_row_factor of this thread's two rows (row0, row0 + 8).
+template <bool kApprox>
 __device__ __forceinline__ void plain_row_factors(const FwdParams& p, const float (&row_max)[2],
                                                   const float (&row_sum)[2], float logit_scale, int row0, int head,
                                                   int lane, float& block_max, float (&factor)[2]) {
 #pragma unroll
   for (int r = 0; r < 2; ++r)
-    factor[r] = plain_row_factor(p, row_sum[r], row_max[r], logit_scale, row0 + 8 * r, head, lane, block_max);
+    factor[r] = plain_row_factor<kApprox>(p, row_sum[r], row_max[r], logit_scale, row0 + 8 * r, head, lane, block_max);
 }
 
 // The plain epilogue's out from registers (factor: plain_row_factors).

@@ -425,7 +425,7 @@ struct ForwardKernel {
       const bool out_issuer = thread % 128 == 0;
       auto prepare_plain_out = [&] {
         if constexpr (kPlainOut) {
-          detail::plain_row_factors(p, row_max, row_sum, logit_scale, row0, head, lane, block_max, factor);
+          detail::plain_row_factors<kD != 128>(p, row_max, row_sum, logit_scale, row0, head, lane, block_max, factor);
           if constexpr (kStageOut) {  // this consumer's out tile, once its last TMA store has read it
             if (out_issuer) tma_store_wait<0>();
             cutlass::arch::NamedBarrier::sync(128, kOutBarrier + group);
