@@ -1,12 +1,13 @@
 // Hopper forward (sm_90a). A block is a producer warpgroup on one SM that brings each work's Q and each work item's K
 // and V tiles into swizzled shared memory with TMA (mbarrier pipelines: Q two works deep up to D 128, K one item ahead
-// of V), and two consumer warpgroups (three at D 64) that run S = Q K^T (wgmma, both operands in shared memory) and
-// O += P V (P from registers). Up to D 320 each consumer holds 64 q rows; above, two hold the same 64 rows and half of
+// of V), and two consumer warpgroups (three at D 64) that run S = Q K^T (wgmma, both operands in shared memory; at
+// tile 384 Q from registers) and O += P V (P from registers). Up to D 320 each consumer holds 64 q rows; above, two hold the same 64 rows and half of
 // O's columns each; at tiles 576 / 768 / 1024 a cluster of two blocks takes each tile, each block part of D
 // (tiles.hpp), the clusters claiming works dynamically. A consumer issues the next item's Q K^T before its P V of the
 // current one and computes the softmax while both run; the consumers take turns to issue (ping-pong), so the tensor
 // cores serve the others while one computes its softmax.
-// At D 64 a work's first Q K^T goes out beside the last P V of the work before, so that the epilogue runs under it.
+// At D 64 a work's first Q K^T goes out beside the last P V of the work before, so that the epilogue runs under it;
+// elsewhere the plain epilogue's row factors run under the last P V (docs/cuda_notes.md, "The work's end, traced").
 // The grid is persistent, fed by the producer (WorkRing). Masking, softcap, the online softmax and the epilogue (sink,
 // merge with a previous result, lse, max_logits) are the portable family's (src/cuda/forward_common.cuh).
 #pragma once
