@@ -97,7 +97,8 @@ Shapes check_qkv(const Mask& mask, const TensorView& q, const TensorView& k, con
   if (mask.total_q != s.tq || mask.total_k != s.tk)
     throw InvalidArgument("mask: total_q x total_k is " + std::to_string(mask.total_q) + " x " +
                           std::to_string(mask.total_k) + " but q and k have " + std::to_string(s.tq) + " x " +
-                          std::to_string(s.tk) + " tokens");
+                          std::to_string(s.tk) + " tokens (a mask's totals default to its largest range ends: give "
+                          "total_q / total_k where rows or keys past them are uncovered)");
   return s;
 }
 

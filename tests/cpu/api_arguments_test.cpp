@@ -119,6 +119,9 @@ TEST_F(ApiArguments, OutputsAndMask) {
 
   const Mask wrong_totals{{make_slice(0, 24, 0, 20, MaskType::Causal)}, 24, 21};
   expect_forward_rejects(forward_args(), "mask", &wrong_totals);
+  // A mask whose ranges end before the last rows (totals inferred from the ranges) is told how to cover them.
+  const Mask short_totals{{make_slice(0, 20, 0, 20, MaskType::Causal)}, 20, 20};
+  expect_forward_rejects(forward_args(), "give total_q / total_k", &short_totals);
   const Mask out_of_range{{make_slice(0, 25, 0, 20, MaskType::Full)}, 24, 20};
   expect_forward_rejects(forward_args(), "slice 0", &out_of_range);
   const Mask overlapping{{make_slice(0, 12, 0, 20, MaskType::Full), make_slice(10, 24, 5, 10, MaskType::Full)}, 24, 20};
