@@ -418,6 +418,10 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
   StageTimer timer(o.profile, stream);
   timer.begin("preprocess");
   if (layout.dq_semaphores != 0) {
+    // Ordered dQ adds: one pass over every head, a tile's heads in turn, so that few tiles of one head (whose adds
+    // to a chunk wait on each other) run at once. A head's works keep the list's order, which the ranks follow.
+    dkdv.list.heads_per_pass = plan.hkv;
+    dkdv.list.heavy_tiles = 0;
     dkdv.dq_semaphores = reinterpret_cast<int32_t*>(scratch + layout.dq_semaphores);
     check(cudaMemsetAsync(dkdv.dq_semaphores, 0, layout.dq_semaphore_bytes, stream), "cudaMemsetAsync (dq order)");
   }
