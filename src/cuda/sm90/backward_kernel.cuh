@@ -227,14 +227,6 @@ struct BackwardKernel {
   static_assert(kDqOffsets(make_coord(8, 0)) == 8 * 32 && (kD < 128 || kDqOffsets(make_coord(0, 32)) == kM * 32),
                 "dQ tiles in 32-column blocks of 64 contiguous 128-byte rows");
 
-  // The deterministic mode's dQ adds take turns (OrderedDqAdds). Its works then keep the slower way from one work
-  // to the next (K / V loaded first and freed after the last chunk, the pair stores): with the faster one the k
-  // tiles that add to the same chunks fell out of step (H200, D 128, deterministic shared question 418 -> 357,
-  // causal 440 -> 415; docs/cuda_notes.md).
-  static __device__ __forceinline__ bool adds_take_turns(const BwdParams& p) {
-    return p.dq_semaphores != nullptr;
-  }
-
   static Params make_params(const BwdParams& p, int num_work) {
     // Descriptors need a non-empty tensor.
     auto tensor = [&](const void* data, int rows, int heads) {
@@ -281,7 +273,6 @@ struct BackwardKernel {
     const int group = p.hq / p.hkv;
     const int cat = kCat ? p.cat_group : 1, walked = kCat ? 1 : group;  // heads walked per work
     const int part = kCluster ? static_cast<int>(cute::block_rank_in_cluster()) : 0;  // this block's columns
-    const bool turns = adds_take_turns(p);
     int kv_loads = 0;
     for (int n = 0;; ++n) {
       const PublishedWork work =
@@ -297,7 +288,7 @@ struct BackwardKernel {
       auto [tKg, tKs] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
       auto [tVg, tVs] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
       // K and V go out after the work's first chunk: that chunk's stage is free while the consumers still run the
-      // work before, whose K / V they hold until its last chunk (adds_take_turns: before it).
+      // work before, whose K / V they hold until its last chunk.
       bool kv_loaded = false;
       // (The partitions as arguments: a lambda capturing structured bindings is C++20.)
       auto load_kv = [&](auto& k_global, auto& k_shared, auto& v_global, auto& v_shared) {
@@ -308,7 +299,6 @@ struct BackwardKernel {
         ++kv_loads;
         kv_loaded = true;
       };
-      if (turns) load_kv(tKg, tKs, tVg, tVs);
       for (int head = kv_head * group; head < kv_head * group + walked; ++head) {
         Tensor gQ = local_tile(mQ(_, _, head), Shape<Int<kM>, Int<kD>>{}, make_coord(_, part));
         Tensor gdO = local_tile(mdO(_, _, head), Shape<Int<kM>, Int<kD>>{}, make_coord(_, part));
@@ -349,7 +339,7 @@ struct BackwardKernel {
   // The consumers' persistent loop (both layouts): per work (a k tile of one kv head) begin(), then per chunk (each
   // q head of the kv head's group, the tile's items last first: see rank_dq_adds) chunk(head, k_base, stage, release,
   // last) once its stage is full (the item is in the stage; release() hands the stage back), then end(kv_head,
-  // k_base). kChunkCanFreeKv and not adds_take_turns: the work's last chunk (last) arrives on kv_empty itself, as
+  // k_base). kChunkCanFreeKv: the work's last chunk (last) arrives on kv_empty itself, as
   // soon as its GEMMs are past K and V (the next work's K / V then load under the rest of that chunk and end());
   // else this loop does, after it.
   template <bool kChunkCanFreeKv, class Begin, class Chunk, class End>
@@ -357,7 +347,7 @@ struct BackwardKernel {
                                                         Begin&& begin, Chunk&& chunk, End&& end) {
     const BwdParams& p = params.p;
     const int group = p.hq / p.hkv, walked = kCat ? 1 : group;
-    const bool chunk_frees_kv = kChunkCanFreeKv && !adds_take_turns(p);
+    constexpr bool chunk_frees_kv = kChunkCanFreeKv;
     PipelineState read;
     int kv_phase = 0;
     for (int n = 0;; ++n) {
@@ -398,7 +388,7 @@ struct BackwardKernel {
   static __device__ __forceinline__ void store_key_rows(const BwdParams& p, void* out, const Acc& acc, bool fp32,
                                                         int kv_head, int k_base, int key_local, int lane,
                                                         int col0 = 0) {
-    if (p.vector_stores && !adds_take_turns(p)) {
+    if (p.vector_stores) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int key = k_base + key_local + 8 * r;
