@@ -900,7 +900,7 @@ TEST(CudaBackend, AutoRangeMergedMasksMatchReference) {
 
 // Large head dims (tiles above 256: the D-split forward; in the Hopper family's run the Hopper forward up to 512 and
 // at 576 / 768 / 1024 in clusters of two blocks (520: in the 576 tile, two 320-column blocks of 128 rows), 776 with
-// the second block's last consumer on 8 real columns),
+// the second block's last consumer on 8 real columns; 456 in the 512 tile, whose consumers take the items in turn),
 // every mask kind and feature against the fp64 reference;
 // parametrised over D x dtype x case, skipped only where this build lacks the tile (MAGI_ATTN_CUDA_HEAD_DIMS).
 // Forward and backward through the API (the backward from the kernel's own out and lse).
@@ -953,7 +953,7 @@ TEST_P(LargeHeadDim, MatchReference) {
 }
 INSTANTIATE_TEST_SUITE_P(
     Dims, LargeHeadDim,
-    testing::Combine(testing::Values(264, 320, 376, 512, 520, 768, 776, 1024), testing::Values(DType::BF16, DType::F16),
+    testing::Combine(testing::Values(264, 320, 376, 456, 512, 520, 768, 776, 1024), testing::Values(DType::BF16, DType::F16),
                      testing::Values(LargeDimCase{"full"}, LargeDimCase{"causal"}, LargeDimCase{"varlen_causal"},
                                      LargeDimCase{"random_slices", 4, 2},
                                      LargeDimCase{"random_slices_sink_sh", 2, 1, SinkLayout::SH},

@@ -1,11 +1,12 @@
 // Hopper forward (sm_90a). A block is a producer warpgroup on one SM that brings each work's Q and each work item's K
 // and V tiles into swizzled shared memory with TMA (mbarrier pipelines: Q two works deep up to D 128, K one item ahead
-// of V), and two consumer warpgroups (three at D 64) that run S = Q K^T (wgmma, both operands in shared memory; at
-// tile 384 Q from registers) and O += P V (P from registers). Up to D 320 each consumer holds 64 q rows; above, two hold the same 64 rows and half of
+// of V), and two consumer warpgroups (three at D 64) that run S = Q K^T (wgmma, both operands in shared memory) and
+// O += P V (P from registers). Up to D 320 each consumer holds 64 q rows; above, two hold the same 64 rows and half of
 // O's columns each; at tiles 576 / 768 / 1024 a cluster of two blocks takes each tile, each block part of D
 // (tiles.hpp), the clusters claiming works dynamically. A consumer issues the next item's Q K^T before its P V of the
 // current one and computes the softmax while both run; the consumers take turns to issue (ping-pong), so the tensor
-// cores serve the others while one computes its softmax.
+// cores serve the others while one computes its softmax. At tiles 384 / 512 (one block, O's columns split) the
+// consumers take the items in turn instead, each item's S and softmax by one, P V by both (consume_in_turns).
 // At D 64 a work's first Q K^T goes out beside the last P V of the work before, so that the epilogue runs under it;
 // elsewhere the plain epilogue's row factors run under the last P V (docs/cuda_notes.md, "The work's end, traced").
 // The grid is persistent, fed by the producer (WorkRing). Masking, softcap, the online softmax and the epilogue (sink,
@@ -51,8 +52,13 @@ struct ForwardKernel {
   static constexpr int kBlockD = forward_block_head_dim(kD);  // the part of D this block holds
   static constexpr bool kSplitColumns = forward_splits_columns(kD);
   static constexpr int kOCols = kSplitColumns ? kBlockD / kConsumers : kBlockD;  // O's columns in one consumer
-  // The part of D one consumer's S covers.
-  static constexpr int kSDepth = kSplitColumns && !kCluster ? kBlockD / kConsumers : kBlockD;
+  // In one block's column split (tiles 384 and 512) the consumers take the items in turn: item t of the block
+  // (counted over its works) is consumer t % 2's, which computes its S over all of D and its softmax and hands P
+  // (16-bit) and the rows' new maxima and rescale factors over through shared memory; both add P V over their halves
+  // of O. One consumer's softmax then runs while the other's Q K^T holds the tensor cores. (Before, each computed S
+  // over its half of D and added the other's at every item, so both waited there: A/B, H200, fwd, D 512 +6..+9%,
+  // D 384 +3..+7% against its Q held in registers.)
+  static constexpr bool kTakeTurns = kSplitColumns && !kCluster;
   static_assert(kOCols % 64 == 0 || !kSplitColumns, "a consumer's V columns are whole 128-byte swizzle atoms");
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kNBlocks = kN / 8, kOBlocks = kOCols / 8;
@@ -62,30 +68,32 @@ struct ForwardKernel {
   // the sum must fit (else the kernel hangs). The producer spills below 56 (D 128, nvcc 13); D 256's consumers spill
   // least at 232.
   static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
-  // At tile 384 (one block's column split, 192 of Q's columns per consumer) a consumer holds its part of Q in
-  // registers for the work: each 32-key item's Q K^T then reads only K from shared memory, and Q's stage is free for
-  // the next work's load once copied. A/B (H200, fwd): +5..+8% on every mask. At 512 (256 columns) the registers run
-  // short: all of them serialise the wgmma (ptxas C7512), half of them (the rest by descriptor) lost 2-14%.
-  static constexpr bool kQInRegisters = kSplitColumns && !kCluster && kSDepth <= 192;
   static constexpr int kProducerRegisters =
-      kConsumers == 3 ? 32 : kBlockD == 320 || kQInRegisters ? 24 : kBlockD > 128 ? 40 : 56;
+      kConsumers == 3 ? 32 : kBlockD == 320 ? 24 : kBlockD > 128 ? 40 : 56;
   static constexpr int kConsumerRegisters =
-      kConsumers == 3 ? 160 : kBlockD == 320 || kQInRegisters ? 240 : kBlockD > 128 ? 232 : 224;
+      kConsumers == 3 ? 160 : kBlockD == 320 ? 240 : kBlockD > 128 ? 232 : 224;
   static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= (kConsumers + 1) * kLaunchRegisters,
                 "setmaxnreg: the consumers would wait for registers forever");
 
   // Row split: one tiled MMA over both consumers (64 rows each). Column split: each consumer is a tiled MMA of its own.
   static constexpr int kMmaGroups = kSplitColumns ? 1 : kConsumers;
   using AtomLayout = Layout<Shape<Int<kMmaGroups>, _1, _1>>;
-  using ShapeS = Shape<Int<kM / kMmaGroups>, Int<kN>, Int<kSDepth>>;
   using MmaS = decltype(make_tiled_mma(
-      std::conditional_t<kQInRegisters, decltype(GMMA::rs_op_selector<Element, Element, float, ShapeS>()),
-                         decltype(GMMA::ss_op_selector<Element, Element, float, ShapeS>())>{},
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kM / kMmaGroups>, Int<kN>, Int<kBlockD>>>(),
       AtomLayout{}));
   using MmaO = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, Shape<Int<kM / kMmaGroups>, Int<kOCols>, Int<kN>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
       AtomLayout{}));
+  // kTakeTurns: P V of the other consumer's items, P from its shared-memory slot.
+  using MmaOShared = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kM / kMmaGroups>, Int<kOCols>, Int<kN>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      AtomLayout{}));
+  // kTakeTurns: four slots of P (item t in slot t % 4: two per consumer, so that one is written while the other
+  // consumer may still read the last), rows x keys, keys contiguous.
+  static constexpr int kPSlots = 4;
+  using LayoutP = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<Element>{}, Shape<Int<kM>, Int<kN>, Int<kPSlots>>{}));
   using LayoutQ =
       decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kM>, Int<kBlockD>, Int<kQStages>>{}));
   template <int kStages>
@@ -126,7 +134,16 @@ struct ForwardKernel {
     // Column split in one block: S over each consumer's half of D, [item parity][consumer][register][thread]. In a
     // cluster: the S part of the consumer's peer in the other block, written by the peer (st.async, 16 bytes each:
     // after v, the array is aligned) and counted by s_peer_full[item parity][consumer].
-    float s_half[kSplitColumns || kCluster ? 2 : 0][kConsumers][kSRegisters][128];
+    float s_half[kCluster ? 2 : 0][kConsumers][kSRegisters][128];
+    // kTakeTurns: the slots' P, and per slot and thread the owner's {new maxima, rescale factors} of its two rows
+    // (the same rows in both consumers' threads of one index); row sums added at a work's end, by work parity.
+    struct Turns {
+      alignas(1024) Element p[cosize_v<LayoutP>];
+      float4 scales[kPSlots][128];
+      float2 sums[2][kConsumers][128];
+      cutlass::arch::ClusterBarrier p_full[kPSlots], p_empty[kPSlots];
+    };
+    std::conditional_t<kTakeTurns, Turns, char> turns;
     typename PipelineK::SharedStorage pipeline_k;
     typename PipelineV::SharedStorage pipeline_v;
     cutlass::arch::ClusterTransactionBarrier q_full[kQStages];
@@ -226,6 +243,234 @@ struct ForwardKernel {
 
   static __device__ __forceinline__ void consume(const Params& params, SharedStorage& shared, PipelineK& pipeline_k,
                                                  PipelineV& pipeline_v) {
+    if constexpr (kTakeTurns) {
+      consume_in_turns(params, shared, pipeline_k, pipeline_v);
+    } else {
+      consume_together(params, shared, pipeline_k, pipeline_v);
+    }
+  }
+
+  // kTakeTurns (see there). Per work, consumer c walks its items j (the block's item t + j, c's where (t + j) % 2 == c):
+  // for each of its own, it issues S_j, then adds the other's item j - 1 (its slot's factors, P V from the slot)
+  // while S_j runs, then its softmax of S_j (on the maxima item j - 1 left), publishes slot j, and issues its own
+  // P V from registers. The GEMM groups in flight are the same wherever paths meet (else ptxas serialises every wgmma
+  // of the kernel): one P V between own items, none at a work's ends.
+  static __device__ __forceinline__ void consume_in_turns(const Params& params, SharedStorage& shared,
+                                                          PipelineK& pipeline_k, PipelineV& pipeline_v) {
+    const FwdParams& p = params.p;
+    const int thread = static_cast<int>(threadIdx.x) - 128;  // 0 .. 255
+    const int lane = thread % 32;
+    const int group = thread / 128;  // this consumer warpgroup
+    const int mma_thread = thread % 128;
+    const int strip = mma_thread / 32;  // this warp's 16 rows of the tile
+    MmaS mma_s;
+    MmaO mma_o;
+    MmaOShared mma_o_shared;
+    auto thread_s = mma_s.get_thread_slice(mma_thread);
+    auto thread_o = mma_o.get_thread_slice(mma_thread);
+    auto thread_o_shared = mma_o_shared.get_thread_slice(mma_thread);
+    auto& turns = shared.turns;
+    // S's descriptors rebuilt per item from an opaque base (hoisted, 32 k-steps of Q and K took 128 registers).
+    auto opaque = [](Element* at) {
+      asm volatile("" : "+l"(at));
+      return at;
+    };
+    Tensor sVt = local_tile(make_tensor(make_smem_ptr(shared.v), LayoutVt{}),
+                            Shape<Int<kOCols>, Int<kN>, Int<kVStages>>{}, make_coord(group, 0, 0));
+    Tensor tOrV = thread_o.partition_fragment_B(sVt);
+    Tensor tOrVShared = thread_o_shared.partition_fragment_B(sVt);
+    Tensor sP = make_tensor(make_smem_ptr(turns.p), LayoutP{});
+    Tensor tOrPShared = thread_o_shared.partition_fragment_A(sP);
+    Tensor tSsP = thread_s.partition_C(sP);  // where this thread's P goes, in S's register order
+
+    const bool softcapped = p.softcap > 0.0f;
+    const float logit_scale = softcapped ? 1.0f : p.scale_log2;
+    const float max_slack = p.max_logits == nullptr ? 8.0f / logit_scale : 0.0f;
+    cutlass::PipelineState<kVStages> read_v;
+    int q_phase = 0;
+    Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<kM>, Int<kN>>{});
+    Tensor rP = make_tensor<Element>(tSrS.layout());
+    Tensor tOrP = make_tensor(rP.data(), accumulator_as_a_operand(rP.layout()));
+    Tensor tOrO = partition_fragment_C(mma_o, Shape<Int<kM>, Int<kOCols>>{});
+    auto& acc = *reinterpret_cast<float(*)[kOBlocks][4]>(raw_pointer_cast(tOrO.data()));
+    auto& s = *reinterpret_cast<float(*)[kNBlocks][4]>(raw_pointer_cast(tSrS.data()));
+    auto keep_order = [] { asm volatile("" ::: "memory"); };
+    auto release_q = [&] {
+      shared.q_empty[0].arrive();
+      q_phase ^= 1;
+    };
+    auto rescale = [&](float scale0, float scale1) {
+      if (!__any_sync(0xffffffffu, scale0 != 1.0f || scale1 != 1.0f)) return;
+#pragma unroll
+      for (int i = 0; i < kOBlocks; ++i) {
+        acc[i][0] *= scale0;
+        acc[i][1] *= scale0;
+        acc[i][2] *= scale1;
+        acc[i][3] *= scale1;
+      }
+    };
+
+    int t = 0;  // the block's items before this work (the same count in both consumers)
+    int linear = shared.work.wait(0);
+    clear(tOrO);
+    for (int n = 0; linear < params.num_work; ++n) {
+      const WorkCoords at = shared.work.read(n).at;
+      const TileInfo info = shared.work.read(n).info;
+      shared.work.release(n);
+      const int head = at.head;
+      const int row0 = info.tile * kM + strip * 16 + lane / 4;
+      const int count = info.count;
+      float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+      float block_max = -INFINITY;
+      auto slot_of = [&](int j) { return (t + j) % kPSlots; };
+      auto phase_of = [&](int j) { return static_cast<uint32_t>((t + j) / kPSlots) & 1; };
+      // S_j = Q K_j^T over all of D (K's stages follow the block's items; only their owner reads and frees them).
+      auto issue_s = [&](int j) {
+        const cutlass::PipelineState<kKStages> k_state((t + j) % kKStages, ((t + j) / kKStages) & 1, 0);
+        if (j < 2) shared.q_full[0].wait(q_phase);
+        pipeline_k.consumer_wait(k_state);
+        Tensor q = thread_s.partition_fragment_A(make_tensor(make_smem_ptr(opaque(shared.q)), LayoutQ{}));
+        Tensor k = thread_s.partition_fragment_B(make_tensor(make_smem_ptr(opaque(shared.k)), LayoutK{}));
+        Tensor q_stage = q(_, _, _, 0);
+        issue_gemm<true, false>(mma_s, q_stage, k(_, _, _, k_state.index()), tSrS);
+      };
+      auto s_done = [&](int j) {
+        pipeline_k.consumer_release(cutlass::PipelineState<kKStages>((t + j) % kKStages, 0, 0));
+        if (j + 2 >= count) release_q();  // this consumer's last S of the work
+      };
+      // The softmax of the own item j; P into registers and its slot, with the rows' maxima and factors.
+      auto softmax_and_publish = [&](int j, float (&scale_old)[2]) {
+        if (softcapped) detail::softcap_logits(s, p);
+        const WorkItem w = p.list.items[info.first + j];
+        if (w.flags & detail::kWorkMasked) {
+          const int k0 = w.k0 / kN * kN;
+          const KeyInterval keys[2] = {detail::item_keys(w, row0), detail::item_keys(w, row0 + 8)};
+          const bool all = detail::keeps_all(keys[0], k0, k0 + kN) && detail::keeps_all(keys[1], k0, k0 + kN);
+          if (!__all_sync(0xffffffffu, all)) detail::mask_cells(s, keys, k0, lane);
+        }
+        detail::online_softmax<kNBlocks, true>(s, row_max, row_sum, scale_old, logit_scale, max_slack);
+        CUTE_UNROLL
+        for (int i = 0; i < size(tSrS); ++i) rP(i) = static_cast<Element>(tSrS(i));
+        const int slot = slot_of(j);
+        if (t + j >= kPSlots) turns.p_empty[slot].wait(phase_of(j) ^ 1);
+        keep_order();
+        copy(rP, tSsP(_, _, _, slot));
+        turns.scales[slot][mma_thread] = make_float4(row_max[0], row_max[1], scale_old[0], scale_old[1]);
+        cutlass::arch::fence_view_async_shared();  // P is read next by the other consumer's tensor cores
+        keep_order();
+        turns.p_full[slot].arrive();
+      };
+      // The other consumer's item j: its factors, then P V from its slot.
+      auto take_other = [&](int j) {
+        const int slot = slot_of(j);
+        turns.p_full[slot].wait(phase_of(j));
+        keep_order();
+        const float4 f = turns.scales[slot][mma_thread];
+        row_max[0] = f.x;
+        row_max[1] = f.y;
+        row_sum[0] *= f.z;
+        row_sum[1] *= f.w;
+        return f;
+      };
+      auto issue_pv_other = [&](int j) {
+        pipeline_v.consumer_wait(read_v);
+        Tensor p_slot = tOrPShared(_, _, _, slot_of(j));
+        issue_gemm<false, false>(mma_o_shared, p_slot, tOrVShared(_, _, _, read_v.index()), tOrO);
+      };
+      auto issue_pv_own = [&] {
+        pipeline_v.consumer_wait(read_v);
+        issue_gemm<false, true>(mma_o, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+      };
+      auto pv_done = [&] {
+        pipeline_v.consumer_release(read_v);
+        ++read_v;
+      };
+      auto other_done = [&](int j) {
+        pv_done();
+        keep_order();
+        turns.p_empty[slot_of(j)].arrive();
+      };
+      // Own item j whose item j - 1 is the other's; on entry this consumer's P V of item j - 2 may be in flight
+      // (kFirst: nothing is).
+      auto own_after_other = [&](int j, auto first) {
+        issue_s(j);
+        const float4 f = take_other(j - 1);
+        warpgroup_wait<1>();  // P V of item j - 2 done (S_j may run)
+        if constexpr (!decltype(first)::value) pv_done();
+        rescale(f.z, f.w);
+        issue_pv_other(j - 1);
+        warpgroup_wait<1>();  // S_j done; P V of item j - 1 may run
+        s_done(j);
+        float scale_old[2];
+        softmax_and_publish(j, scale_old);
+        warpgroup_wait<0>();
+        other_done(j - 1);
+        rescale(scale_old[0], scale_old[1]);
+        issue_pv_own();
+      };
+
+      if (count > 0) {
+        const bool owns_first = (t & 1) == group;
+        if (count == 1 && !owns_first) {  // nothing of this work is this consumer's
+          release_q();
+          const float4 f = take_other(0);
+          rescale(f.z, f.w);
+          issue_pv_other(0);
+          warpgroup_wait<0>();
+          other_done(0);
+        } else {
+          int j;
+          if (owns_first) {
+            issue_s(0);
+            warpgroup_wait<0>();
+            s_done(0);
+            float scale_old[2];
+            softmax_and_publish(0, scale_old);
+            issue_pv_own();  // (O is clear)
+            j = 2;
+          } else {
+            own_after_other(1, cute::true_type{});
+            j = 3;
+          }
+          for (; j < count; j += 2) own_after_other(j, cute::false_type{});
+          if (j == count) {  // the last item is the other's
+            const float4 f = take_other(count - 1);
+            warpgroup_wait<0>();
+            pv_done();
+            rescale(f.z, f.w);
+            issue_pv_other(count - 1);
+            warpgroup_wait<0>();
+            other_done(count - 1);
+          } else {
+            warpgroup_wait<0>();
+            pv_done();
+          }
+        }
+      }
+      t += count;
+      const int next = shared.work.wait(n + 1);
+      // Both consumers' row sums, added in each (a + b == b + a).
+      turns.sums[n & 1][group][mma_thread] = make_float2(row_sum[0], row_sum[1]);
+      cutlass::arch::NamedBarrier::sync(128 * kConsumers, kConsumers + 1);
+      const float2 other_sum = turns.sums[n & 1][group ^ 1][mma_thread];
+      row_sum[0] += other_sum.x;
+      row_sum[1] += other_sum.y;
+      float lse_rows[2];
+      detail::finish_forward_rows<T, kOBlocks>(p, acc, row_max, row_sum, logit_scale, row0, head, lane, block_max,
+                                               group * kOCols, kOCols, lse_rows);
+      // Both have read prev_lse (it may be lse) before the first writes lse; their rows' lse agree.
+      cutlass::arch::NamedBarrier::sync(128 * kConsumers, kConsumers);
+      if (group == 0 && lane % 4 == 0)
+        for (int r = 0; r < 2; ++r)
+          if (row0 + 8 * r < p.tq) p.lse[int64_t{row0 + 8 * r} * p.hq + head] = lse_rows[r];
+      detail::publish_max_logits(p, block_max, head, lane);
+      clear(tOrO);
+      linear = next;
+    }
+  }
+
+  static __device__ __forceinline__ void consume_together(const Params& params, SharedStorage& shared,
+                                                          PipelineK& pipeline_k, PipelineV& pipeline_v) {
     const FwdParams& p = params.p;
     const int thread = static_cast<int>(threadIdx.x) - 128;  // 0 .. 128 * kConsumers - 1
     const int lane = thread % 32;
@@ -245,25 +490,15 @@ struct ForwardKernel {
     auto thread_o = mma_o.get_thread_slice(mma_thread);
     // Q's GEMM descriptors, built where they are used: hoisted out of the loops they take a 64-bit register per
     // k-step, which above D 128 spilled and were reloaded from local memory inside the item loop.
-    // The column split's consumer takes its half of D of Q and K (whole swizzle atoms, as V's columns below).
-    const int depth_part = kSplitColumns && !kCluster ? group : 0;
-    auto q_part = [&](Element* q) {
-      return local_tile(make_tensor(make_smem_ptr(q), LayoutQ{}), Shape<Int<kM>, Int<kSDepth>, Int<kQStages>>{},
-                        make_coord(0, depth_part, 0));
-    };
-    Tensor tSrQ = thread_s.partition_fragment_A(q_part(shared.q));  // descriptors per stage
-    Tensor tSrQRegisters = thread_s.partition_fragment_A(q_part(shared.q)(_, _, 0));  // registers if kQInRegisters
-    auto copy_q = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, mma_s);
-    auto thread_copy_q = copy_q.get_thread_slice(mma_thread);
+    auto q_tensor = [&](Element* q) { return make_tensor(make_smem_ptr(q), LayoutQ{}); };
+    Tensor tSrQ = thread_s.partition_fragment_A(q_tensor(shared.q));  // descriptors per stage
     auto q_operand = [&](int stage) {
       if constexpr (kD <= 128) return tSrQ(_, _, _, stage);
       Element* q = shared.q;
       asm volatile("" : "+l"(q));
-      return thread_s.partition_fragment_A(q_part(q))(_, _, _, stage);
+      return thread_s.partition_fragment_A(q_tensor(q))(_, _, _, stage);
     };
-    Tensor tSrK = thread_s.partition_fragment_B(local_tile(make_tensor(make_smem_ptr(shared.k), LayoutK{}),
-                                                           Shape<Int<kN>, Int<kSDepth>, Int<kKStages>>{},
-                                                           make_coord(0, depth_part, 0)));
+    Tensor tSrK = thread_s.partition_fragment_B(make_tensor(make_smem_ptr(shared.k), LayoutK{}));
     // Column split: this consumer's S part plus the other's (the same sum in both, a + b == b + a). In one block the
     // other is the other consumer, through shared memory, a barrier per item; in a cluster it is this consumer's peer
     // in the other block, which stores its part into this block's shared memory (st.async, counted by an mbarrier)
@@ -298,13 +533,6 @@ struct ForwardKernel {
         }
         s_phase ^= s_parity;
         s_parity ^= 1;
-      } else if constexpr (kSplitColumns) {
-        CUTE_UNROLL
-        for (int i = 0; i < size(s); ++i) shared.s_half[s_parity][group][i][mma_thread] = s(i);
-        cutlass::arch::NamedBarrier::sync(128 * kConsumers, kConsumers + 1);
-        CUTE_UNROLL
-        for (int i = 0; i < size(s); ++i) s(i) += shared.s_half[s_parity][group ^ 1][i][mma_thread];
-        s_parity ^= 1;
       }
     };
     // This consumer's columns of V (all of them in the row split): whole swizzle atoms, so the slice's descriptors
@@ -331,12 +559,8 @@ struct ForwardKernel {
     };
     // S = Q K^T of the item that K's read stage holds; the caller has this consumer's turn.
     auto issue_s = [&] {
-      if constexpr (kQInRegisters) {
-        issue_gemm<true, true>(mma_s, tSrQRegisters, tSrK(_, _, _, read_k.index()), tSrS);
-      } else {
-        auto q = q_operand(q_stage);
-        issue_gemm<true, false>(mma_s, q, tSrK(_, _, _, read_k.index()), tSrS);
-      }
+      auto q = q_operand(q_stage);
+      issue_gemm<true, false>(mma_s, q, tSrK(_, _, _, read_k.index()), tSrS);
     };
     // After a work's last Q K^T: its Q stage is free for the producer.
     auto release_q = [&] {
@@ -348,10 +572,6 @@ struct ForwardKernel {
     };
     auto wait_first_s_operands = [&] {
       shared.q_full[q_stage].wait(q_phase);
-      if constexpr (kQInRegisters) {
-        copy(copy_q, thread_copy_q.partition_S(q_part(shared.q))(_, _, _, q_stage), thread_copy_q.retile_D(tSrQRegisters));
-        release_q();
-      }
       pipeline_k.consumer_wait(read_k);
     };
 
@@ -445,7 +665,7 @@ struct ForwardKernel {
         }
         pipeline_k.consumer_release(read_k);
         ++read_k;
-        if (info.count == 1 && !kQInRegisters) release_q();
+        if (info.count == 1) release_q();
         add_other_half(tSrS);
         softmax(info.first, first_item, scale_old);
         to_p();
@@ -464,7 +684,7 @@ struct ForwardKernel {
           warpgroup_wait<1>();  // S of this item ready; P V of the last one may still run
           pipeline_k.consumer_release(read_k);
           ++read_k;
-          if (item + 1 == info.first + info.count && !kQInRegisters) release_q();
+          if (item + 1 == info.first + info.count) release_q();
           add_other_half(tSrS);
           softmax(item, w, scale_old);
           warpgroup_wait<0>();
@@ -571,9 +791,16 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1) forward_kernel(const __gr
     shared.work.init(Kernel::kConsumers * 128);
   }
   auto pipeline_k = make_tma_pipeline<typename Kernel::PipelineK, Kernel::kClusterSize>(
-      shared.pipeline_k, Kernel::kStageBytes, Kernel::kConsumers * 128, warp_group == 0);
+      shared.pipeline_k, Kernel::kStageBytes, Kernel::kTakeTurns ? 128 : Kernel::kConsumers * 128, warp_group == 0);
   auto pipeline_v = make_tma_pipeline<typename Kernel::PipelineV, Kernel::kClusterSize>(
       shared.pipeline_v, Kernel::kStageBytes, Kernel::kConsumers * 128, warp_group == 0);
+  if constexpr (Kernel::kTakeTurns) {
+    if (threadIdx.x == 0)
+      for (int slot = 0; slot < Kernel::kPSlots; ++slot) {
+        shared.turns.p_full[slot].init(128);
+        shared.turns.p_empty[slot].init(128);
+      }
+  }
   if constexpr (Kernel::kCluster) {
     if (threadIdx.x == 0)
       for (auto& per_parity : shared.s_peer_full)

@@ -17,9 +17,9 @@ constexpr int forward_block_head_dim(int padded_head_dim) {
 constexpr bool sm90_forward_tile(int padded_head_dim) { return padded_head_dim <= 1024; }
 // A block is a producer warpgroup and two or three consumer warpgroups. Up to a block's D 320 each consumer holds 64
 // q rows with all of the block's columns of O. Above, 64 x D fp32 does not fit one warpgroup's registers: two
-// consumers hold the same 64 rows, each half of the block's columns of O. In one block each computes S over its half
-// of D and adds the other's half; in a cluster both compute S over the block's half. In a cluster each consumer adds
-// what its peer in the other block (the same rows) computed (shared memory holds one exchange, not two).
+// consumers hold the same 64 rows, each half of the block's columns of O. In one block they take the items in turn
+// (each item's S over all of D and its softmax by one, P V by both); in a cluster both compute S over the block's
+// part, and each consumer adds what its peer in the other block (the same rows) computed.
 constexpr bool forward_splits_columns(int padded_head_dim) { return forward_block_head_dim(padded_head_dim) > 320; }
 // Rows per tile: 192 at D 64 (three consumers: a step's GEMMs are short there beside its softmax, and the tensor
 // cores serve two while the third computes its softmax), 128 up to D 320, 64 above.
@@ -65,12 +65,15 @@ constexpr int forward_q_stages(int padded_head_dim) { return padded_head_dim <= 
 // start): D 64 full +15% / +4%, causal +7% / +5%, shared question +12% / +11%, window, block-causal and varlen full
 // +2..+5%, varlen causal -2%; at D 128 the same lost 1-3% (16 x 1k full -3%), where two Q stages alone gained 0..+3%.
 constexpr bool forward_first_s_early(int padded_head_dim) { return padded_head_dim <= 64; }
-// The S parts exchanged (fp32, 64 rows, two consumers, two items in flight): in one block's column split each
-// consumer's half of D, in a cluster what each consumer receives from its peer in the other block.
+// What the consumers exchange. In one block's column split, where they take the items in turn: four slots of P
+// (64 rows x the item's keys, 16-bit), each slot's rows' maxima and factors (16 bytes a thread) and the row sums (two
+// works x two consumers x 8 bytes a thread), aligned. In a cluster: the S parts (fp32, 64 rows, two consumers, two
+// items in flight) that each consumer receives from its peer in the other block.
 constexpr int forward_exchange_bytes(int padded_head_dim) {
-  return forward_splits_columns(padded_head_dim) || forward_cluster_size(padded_head_dim) > 1
-             ? 2 * 2 * 64 * forward_tile_k(padded_head_dim) * 4
-             : 0;
+  if (forward_cluster_size(padded_head_dim) > 1) return 2 * 2 * 64 * forward_tile_k(padded_head_dim) * 4;
+  if (forward_splits_columns(padded_head_dim))
+    return 4 * 64 * forward_tile_k(padded_head_dim) * 2 + 4 * 128 * 16 + 2 * 2 * 128 * 8 + 1024;
+  return 0;
 }
 // The plain epilogue (out in the input dtype, no sink, no previous result to merge) has kernels of its own where each
 // consumer holds all of its rows' columns (one block, no column split): the general epilogue's code, mostly not run,
