@@ -95,9 +95,11 @@ if [ $RUN_SANITIZER = 1 ]; then
   # D 256 and both forward tiles: All/Features.MatchReference/d256_fp16, CudaBackend.ForwardTileChoicesMatchReference.
   small='CudaBackend.EmptyMaskGivesZerosAndMinusInf:CudaBackend.DeterministicModeSmallCase:All/Features.MatchReference/d40_bf16:All/Features.MatchReference/sink_sh'
   small+=':All/Features.MatchReference/d256_fp16:CudaBackend.ForwardTileChoicesMatchReference'
-  # Large head dims where built (D 520 in the 576 tile, forward + backward; D 376 in the 384 tile: on sm_90 the
-  # Hopper forward's column split, its S halves through shared memory; the deterministic D-split backward).
+  # Large head dims where built (D 520 in the 576 tile, forward + backward; D 376 / 456 in the 384 / 512 tiles: on
+  # sm_90 the Hopper forward's column split, its consumers taking the items in turn with P through shared memory;
+  # the deterministic D-split backward).
   small+=':Dims/LargeHeadDim.MatchReference/d520_bf16_random_slices:Dims/LargeHeadDim.MatchReference/d376_bf16_random_slices_sink_sh'
+  small+=':Dims/LargeHeadDim.MatchReference/d456_fp16_varlen_mqa_persistent'
   small+=':Dims/LargeHeadDimBackward.MatchesReference/d320_random_bf16_fp32_grads_deterministic'
   # On sm_90 the Hopper backward's clusters (S^T / dP^T parts through distributed shared memory): D 264 in the 320
   # tile (run as 384: uneven dQ columns per role), D 512 with softcap.
