@@ -135,6 +135,12 @@ struct ForwardKernel {
     // cluster: the S part of the consumer's peer in the other block, written by the peer (st.async, 16 bytes each:
     // after v, the array is aligned) and counted by s_peer_full[item parity][consumer].
     float s_half[kCluster ? 2 : 0][kConsumers][kSRegisters][128];
+    typename PipelineK::SharedStorage pipeline_k;
+    typename PipelineV::SharedStorage pipeline_v;
+    cutlass::arch::ClusterTransactionBarrier q_full[kQStages];
+    cutlass::arch::ClusterBarrier q_empty[kQStages];
+    WorkRing work;
+    cutlass::arch::ClusterTransactionBarrier s_peer_full[kCluster ? 2 : 1][kConsumers];
     // kTakeTurns: the slots' P, and per slot and thread the owner's {new maxima, rescale factors} of its two rows
     // (the same rows in both consumers' threads of one index); row sums added at a work's end, by work parity.
     struct Turns {
@@ -144,12 +150,6 @@ struct ForwardKernel {
       cutlass::arch::ClusterBarrier p_full[kPSlots], p_empty[kPSlots];
     };
     std::conditional_t<kTakeTurns, Turns, char> turns;
-    typename PipelineK::SharedStorage pipeline_k;
-    typename PipelineV::SharedStorage pipeline_v;
-    cutlass::arch::ClusterTransactionBarrier q_full[kQStages];
-    cutlass::arch::ClusterBarrier q_empty[kQStages];
-    WorkRing work;
-    cutlass::arch::ClusterTransactionBarrier s_peer_full[kCluster ? 2 : 1][kConsumers];
   };
   static_assert(offsetof(SharedStorage, s_half) % 16 == 0);
   static constexpr int kSmemBytes = sizeof(SharedStorage);
