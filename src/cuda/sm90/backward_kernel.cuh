@@ -41,13 +41,6 @@ using detail::TileInfo;
 using detail::WorkCoords;
 using detail::WorkItem;
 
-// p, opaque to the optimiser (so that what is computed from it is not hoisted out of a loop).
-template <class P>
-__device__ __forceinline__ P* launder(P* p) {
-  asm volatile("" : "+l"(p));
-  return p;
-}
-
 constexpr uint64_t kEvictNormal = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);  // CuTe's default
 
 // The consumers' S^T / dP^T GEMMs (M keys, N chunk rows, K D), dV += P^T dO and dK += dS^T Q (M keys, N D, K rows;

@@ -271,10 +271,6 @@ struct ForwardKernel {
     auto thread_o_shared = mma_o_shared.get_thread_slice(mma_thread);
     auto& turns = shared.turns;
     // S's descriptors rebuilt per item from an opaque base (hoisted, 32 k-steps of Q and K took 128 registers).
-    auto opaque = [](Element* at) {
-      asm volatile("" : "+l"(at));
-      return at;
-    };
     Tensor sVt = local_tile(make_tensor(make_smem_ptr(shared.v), LayoutVt{}),
                             Shape<Int<kOCols>, Int<kN>, Int<kVStages>>{}, make_coord(group, 0, 0));
     Tensor tOrV = thread_o.partition_fragment_B(sVt);
@@ -329,8 +325,8 @@ struct ForwardKernel {
         const cutlass::PipelineState<kKStages> k_state((t + j) % kKStages, ((t + j) / kKStages) & 1, 0);
         if (j < 2) shared.q_full[0].wait(q_phase);
         pipeline_k.consumer_wait(k_state);
-        Tensor q = thread_s.partition_fragment_A(make_tensor(make_smem_ptr(opaque(shared.q)), LayoutQ{}));
-        Tensor k = thread_s.partition_fragment_B(make_tensor(make_smem_ptr(opaque(shared.k)), LayoutK{}));
+        Tensor q = thread_s.partition_fragment_A(make_tensor(make_smem_ptr(launder(shared.q)), LayoutQ{}));
+        Tensor k = thread_s.partition_fragment_B(make_tensor(make_smem_ptr(launder(shared.k)), LayoutK{}));
         Tensor q_stage = q(_, _, _, 0);
         issue_gemm<true, false>(mma_s, q_stage, k(_, _, _, k_state.index()), tSrS);
       };
@@ -494,9 +490,7 @@ struct ForwardKernel {
     Tensor tSrQ = thread_s.partition_fragment_A(q_tensor(shared.q));  // descriptors per stage
     auto q_operand = [&](int stage) {
       if constexpr (kD <= 128) return tSrQ(_, _, _, stage);
-      Element* q = shared.q;
-      asm volatile("" : "+l"(q));
-      return thread_s.partition_fragment_A(q_tensor(q))(_, _, _, stage);
+      return thread_s.partition_fragment_A(q_tensor(launder(shared.q)))(_, _, _, stage);
     };
     Tensor tSrK = thread_s.partition_fragment_B(make_tensor(make_smem_ptr(shared.k), LayoutK{}));
     // Column split: this consumer's S part plus the other's (the same sum in both, a + b == b + a). In one block the

@@ -37,6 +37,13 @@ __device__ __forceinline__ constexpr auto accumulator_as_a_operand(Layout acc) {
                      coalesce(make_layout(get<2, 1>(split), get<2>(acc))));
 }
 
+// p, opaque to the optimiser (so that what is computed from it is not hoisted out of a loop).
+template <class P>
+__device__ __forceinline__ P* launder(P* p) {
+  asm volatile("" : "+l"(p));
+  return p;
+}
+
 // Issues one warpgroup GEMM C (+)= A B over all k-steps (kZero: C = A B) and commits it; the caller waits.
 template <bool kZero, bool kRegistersA, class Mma, class TA, class TB, class TC>
 __device__ __forceinline__ void issue_gemm(Mma& mma, TA& a, const TB& b, TC& c) {
