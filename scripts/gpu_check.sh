@@ -105,6 +105,10 @@ if [ $RUN_SANITIZER = 1 ]; then
   # tile (run as 384: uneven dQ columns per role), D 512 with softcap.
   small+=':Dims/LargeHeadDimBackward.MatchesReference/d264_bi_causal_empty_rows_bf16'
   small+=':Dims/LargeHeadDimBackward.MatchesReference/d512_causal_fp16_softcap'
+  # Three blocks (D 520 in the 576 tile, two Q / dO stages; D 760 in the 768 tile, one) and four (D 776 in 1024).
+  small+=':Dims/LargeHeadDimBackward.MatchesReference/d520_varlen_causal_bf16_ssh_sink'
+  small+=':Dims/LargeHeadDimBackward.MatchesReference/d760_causal_fp16_softcap'
+  small+=':Dims/LargeHeadDimBackward.MatchesReference/d776_random_fp16_mqa_sh_sink_persistent'
   # D 776 in the 1024 tile: on sm_90 the Hopper forward's clusters (S parts through distributed shared memory).
   small+=':Dims/LargeHeadDim.MatchReference/d776_fp16_random_slices_sink_sh'
   small=${SANITIZE_FILTER:-$small}

@@ -201,8 +201,7 @@ std::vector<Variable> make_registry() {
              kImplemented,
              "Attention engine: auto and ffa pick the fast engine for the tensors' device (on the GPU the "
              "kernel family for its architecture), ffa_sm80 / ffa_sm90 force the portable (mma.sync) or the "
-             "Hopper (wgmma + TMA; the forward at every head-dim tile, the backward up to 512) GPU kernels for A/B "
-             "runs, sdpa the exact reference engine (as MAGI_ATTENTION_SDPA_BACKEND=1)."),
+             "Hopper (wgmma + TMA; forward and backward at every head-dim tile) GPU kernels for A/B runs, sdpa the exact reference engine (as MAGI_ATTENTION_SDPA_BACKEND=1)."),
       boolean("MAGI_ATTENTION_DETERMINISTIC_MODE", "0", kDebug, kImplemented,
               "Use only deterministic algorithms, so repeated runs give bitwise-identical results "
               "(the CPU engine always is)."),

@@ -965,11 +965,11 @@ INSTANTIATE_TEST_SUITE_P(
              (std::get<1>(info.param) == DType::BF16 ? "_bf16_" : "_fp16_") + std::get<2>(info.param).name;
     });
 
-// Head dims above 256: the backward kernels alone (the portable D-split ones; on sm_90 up to tile 512 the Hopper
-// clusters) against the fp64 reference (out and lse from the reference). Full / causal / varlen causal / random slices of every
-// type with q-overlap, empty rows, GQA and MQA, sinks (sh, ssh) and softcap, fp32 gradients, the persistent grids
-// (SM margin), and the deterministic mode bitwise over two runs; D 264, 520 and 760 run padded in the next larger
-// tile.
+// Head dims above 256: the backward kernels alone (the portable D-split ones; on sm_90 the Hopper clusters of two to
+// four blocks) against the fp64 reference (out and lse from the reference). Full / causal / varlen causal / random
+// slices of every type with q-overlap, empty rows, GQA and MQA, sinks (sh, ssh) and softcap, fp32 gradients, the
+// persistent grids (SM margin), and the deterministic mode bitwise over two runs; D 264, 520, 760 and 776 run padded
+// in the next larger tile (on sm_90 at 776 the last of the 1024 tile's four blocks holds 8 columns of D).
 struct LargeDimBackwardCase {
   std::string name;
   int32_t d;
@@ -986,7 +986,7 @@ struct LargeDimBackwardCase {
 
 std::vector<LargeDimBackwardCase> large_dim_backward_cases() {
   std::vector<LargeDimBackwardCase> cases;
-  for (int32_t d : {264, 320, 384, 512, 520, 760, 1024}) {
+  for (int32_t d : {264, 320, 384, 512, 520, 760, 776, 1024}) {
     const std::string dim = "d" + std::to_string(d) + "_";
     cases.push_back({dim + "full_bf16_gqa", d, DType::BF16, 4, 2, 0});
     cases.push_back({dim + "causal_fp16_softcap", d, DType::F16, 2, 1, 1, SinkLayout::None, 20.0});
@@ -1007,9 +1007,6 @@ class LargeHeadDimBackward : public testing::TestWithParam<LargeDimBackwardCase>
 TEST_P(LargeHeadDimBackward, MatchesReference) {
   const LargeDimBackwardCase& lc = GetParam();
   if (!cuda::head_dim_supported(lc.d)) GTEST_SKIP() << "this build has no head-dim tile for " << lc.d;
-  // Where the Hopper family has no backward (tiles above 512) the plan runs the portable one: its run covers it.
-  if (family_under_test() == cuda::KernelFamily::Sm90 && !cuda::sm90_backward_available(lc.d, 0))
-    GTEST_SKIP() << "no Hopper backward at head dim " << lc.d << ": the portable family's run covers it";
   const uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
   const int32_t tokens = lc.d <= 520 ? 384 : 256;  // the fp64 reference's time
@@ -1190,7 +1187,7 @@ TEST(CudaBackend, PlansRunTheFamilyAskedFor) {
   const cuda::PlanStats s = cuda::stats(*test_plan(mask, 2, 1, 128));
   EXPECT_EQ(s.forward_family, testing_sm90() ? cuda::KernelFamily::Sm90 : cuda::KernelFamily::Sm80);
   if (s.padded_head_dim == 128) EXPECT_EQ(s.forward_tile_k, testing_sm90() ? 128 : 64);
-  // The backward follows the family at head-dim tiles 64 to 512 and stays portable above.
+  // The backward follows the family at every head-dim tile.
   EXPECT_EQ(s.backward_family, testing_sm90() ? cuda::KernelFamily::Sm90 : cuda::KernelFamily::Sm80);
   EXPECT_EQ(cuda::stats(*test_plan(mask, 2, 1, 64)).backward_family, s.backward_family);
   // (A build without some tile runs that head dim padded in a larger one: only the exact tiles are checked.)
@@ -1200,7 +1197,7 @@ TEST(CudaBackend, PlansRunTheFamilyAskedFor) {
   }
   if (cuda::head_dim_supported(320)) {
     const cuda::PlanStats d320 = cuda::stats(*test_plan(mask, 2, 1, 320));
-    if (d320.padded_head_dim <= 512) EXPECT_EQ(d320.backward_family, s.backward_family);
+    EXPECT_EQ(d320.backward_family, s.backward_family);
     // A backward_variant asks for the portable D-split backward.
     cuda::PlanTuning variant;
     variant.backward_variant = 0;
@@ -1211,7 +1208,7 @@ TEST(CudaBackend, PlansRunTheFamilyAskedFor) {
     }
   }
   if (cuda::head_dim_supported(1024))
-    EXPECT_EQ(cuda::stats(*test_plan(mask, 2, 1, 1024)).backward_family, cuda::KernelFamily::Sm80);
+    EXPECT_EQ(cuda::stats(*test_plan(mask, 2, 1, 1024)).backward_family, s.backward_family);
   // The Hopper forward at tile 512 (64-row tiles above 320); a forward_variant asks for the portable one.
   if (cuda::head_dim_supported(512) && cuda::stats(*test_plan(mask, 2, 1, 512)).padded_head_dim == 512) {
     const cuda::PlanStats large = cuda::stats(*test_plan(mask, 2, 1, 512));

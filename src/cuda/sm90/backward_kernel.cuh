@@ -14,10 +14,10 @@
 // dV += P^T dO for all 256 columns, the other dP^T, dS^T and dK += dS^T Q; P^T (times the dS factor) crosses in
 // fp32 through shared memory, dS^T in 16 bits for dQ = dS K, whose columns the two split; dQ goes out by vector
 // reductions from registers (its fp32 tile does not fit beside two stages of Q and dO).
-// Tiles 320 (as 384), 384 and 512 run as clusters of two blocks of the D 256 layout, each holding half of D
-// (tiles.hpp): each role adds to its S^T or dP^T over the block's half what the same role of the other block computed
-// over the other half, which that block stores into this one's shared memory (st.async, counted by an mbarrier); P^T
-// and dS^T are then the same in both blocks, and each block's dV, dK and dQ are its half of the columns.
+// Tiles above 256 run as clusters of two to four blocks of the D 256 layout, each holding its part of D (tiles.hpp):
+// each role adds to its S^T or dP^T over the block's part what the same role of every other block computed over
+// theirs, which those blocks store into this one's shared memory (st.async, counted by an mbarrier); every block sums
+// the parts in rank order, so P^T and dS^T are the same bits in all, and each block's dV, dK and dQ are its columns.
 // Concatenated heads (MAGI_ATTENTION_CATGQA, kCat, up to D 128): the q heads of the kv head are one sequence of rows
 // token x group + head, walked once (TMA boxes of 64 / group tokens x every head of the group; docs/cuda_notes.md).
 // Deterministic mode: dK / dV are reproducible as they are (a block sums its chunks in a fixed order); up to D 128
@@ -109,7 +109,12 @@ struct BackwardKernel {
   static_assert(!kCluster || kWide, "a cluster's blocks have the wide layout");
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = 128 * (kConsumers + 1);
-  static constexpr int kStages = 2;
+  // Cluster: the parts each role receives per chunk (fp32, kN x kM each), from every other block.
+  static constexpr int kParts = kClusterSize - 1;
+  // Q / dO stages: two where shared memory holds them beside the parts (up to tile 576), else one (768, 1024: the
+  // stage is then handed back as soon as dV and dK are issued and done, before the dQ GEMM).
+  static constexpr int kStages =
+      !kCluster || (2 * kN * kD + 2 * 2 * kM * kD) * 2 + 2 * kParts * kN * kM * 4 + 1024 <= 227 * 1024 ? 2 : 1;
   static constexpr bool kDqWriter = kDq && !kWide;
   // dQ tiles per consumer (D <= 128): two, so that a consumer stores its next chunk's dQ while the writer still waits
   // for the last one's turn (deterministic mode) or for the TMA unit to read it.
@@ -147,9 +152,9 @@ struct BackwardKernel {
   // dS (rows x keys, rows contiguous). Up to D 128 two buffers: chunk i's in buffer i % 2, so that one barrier per
   // chunk suffices (a consumer past chunk i + 1's barrier knows the other finished chunk i's GEMMs). At D 256 one:
   // its writer is past the barrier where the other consumer hands over the next chunk's P^T, after its dQ GEMM. In a
-  // cluster the dS space is twice that: it first receives the other block's dP^T part (fp32).
+  // cluster the dS space first receives the other blocks' dP^T parts (fp32: twice a dS tile each).
   static constexpr int kDsBuffers = kWide ? 1 : 2;
-  static constexpr int kDsSpace = kCluster ? 2 : 1;
+  static constexpr int kDsSpace = kCluster ? 2 * kParts : 1;
   using LayoutdS =
       decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{}, Shape<Int<kM>, Int<kN>, Int<kDsBuffers>>{}));
   // Global [rows, heads, D] as (rows, D, heads).
@@ -172,10 +177,10 @@ struct BackwardKernel {
   struct DqTiles {  // up to D 128: [consumer][buffer]
     alignas(1024) float dq[kConsumers * kDqBuffers * cosize_v<LayoutdQ>];
   };
-  // Wide: P^T times the dS factor, fp32, in the S^T fragment's order ([register / 4][thread], float4); in a cluster it
-  // first receives the other block's S^T part, in the same order.
+  // Wide: P^T times the dS factor, fp32, in the S^T fragment's order ([register / 4][thread], float4); in a cluster
+  // this space first receives the other blocks' S^T parts, in the same order (g over the first).
   struct PTiles {
-    alignas(16) float g[kN * kM];
+    alignas(16) float g[(kCluster ? kParts : 1) * kN * kM];
   };
   struct SharedStorage {
     alignas(1024) Element k[cosize_v<LayoutKV>];
@@ -190,7 +195,7 @@ struct BackwardKernel {
     typename Pipeline::SharedStorage pipeline;
     cutlass::arch::ClusterTransactionBarrier kv_full;
     cutlass::arch::ClusterBarrier kv_empty;
-    // Cluster: the other block's part has arrived, per role; the other block's buffers may be written (its 8
+    // Cluster: the other blocks' parts have arrived, per role; the other blocks' buffers may be written (their
     // consumer warps are done with the last chunk's).
     cutlass::arch::ClusterTransactionBarrier part_full[kCluster ? 2 : 1];
     cutlass::arch::ClusterBarrier peer_free;
@@ -214,7 +219,7 @@ struct BackwardKernel {
   // dQ tile kD / 64 boxes of 64 rows x 32 fp32 columns.
   static constexpr auto kQOffsets = get_nonswizzle_portion(LayoutQ{});
   static constexpr auto kDqOffsets = get_nonswizzle_portion(LayoutdQ{});
-  static_assert(kQOffsets(make_coord(8, 0, 0)) == 8 * 64 && kQOffsets(make_coord(0, 0, 1)) == kM * kD &&
+  static_assert(kQOffsets(make_coord(8, 0, 0)) == 8 * 64 && (kStages == 1 || kQOffsets(make_coord(0, 0, 1)) == kM * kD) &&
                     (kD == 64 || kQOffsets(make_coord(0, 64, 0)) == kM * 64),
                 "Q stages in 64-column blocks of 64 contiguous 128-byte rows");
   static_assert(kDqOffsets(make_coord(8, 0)) == 8 * 32 && (kD < 128 || kDqOffsets(make_coord(0, 32)) == kM * 32),
@@ -269,7 +274,8 @@ struct BackwardKernel {
     int kv_loads = 0;
     for (int n = 0;; ++n) {
       const PublishedWork work =
-          kCluster ? shared.work.publish_in_cluster(n, p.work_counter, p.list, p.hkv, params.num_work)
+          kCluster ? shared.work.template publish_in_cluster<kClusterSize>(n, p.work_counter, p.list, p.hkv,
+                                                                         params.num_work)
                    : shared.work.publish(n, p.work_counter, p.list, p.hkv, params.num_work);
       if (work.linear >= params.num_work) break;
       const WorkCoords at = work.at;
@@ -676,37 +682,69 @@ struct BackwardKernel {
     auto& s = *reinterpret_cast<float(*)[kM / 8][4]>(raw_pointer_cast(tSrS.data()));
     // g in the fragment's order: registers 4 j .. 4 j + 3 of thread t at float4 index j * 128 + t (conflict-free).
     float4* const g = reinterpret_cast<float4*>(shared.tiles.g) + own;
-    // Cluster: where the other block's part of this role's matrix arrives (g's space for S^T, dS's for dP^T), in the
-    // same order, and this block's columns.
+    // Cluster: where the other blocks' parts of this role's matrix arrive (g's space for S^T, dS's for dP^T), in the
+    // same order, and this block's columns. The part of the block e ranks after this one (mod the cluster) is in slot
+    // e - 1 (slots of kN x kM floats).
     float4* const part =
         reinterpret_cast<float4*>(role == 0 ? shared.tiles.g : reinterpret_cast<float*>(shared.ds)) + own;
+    constexpr int kSlot = kN * kM / 4;  // float4s
     const uint32_t rank = kCluster ? cute::block_rank_in_cluster() : 0;
     const int col0 = rank * kD;
+    auto block_after = [&](int d) -> uint32_t { return kClusterSize == 2 ? rank ^ 1 : (rank + d) % kClusterSize; };
     int chunks = 0;  // this block's chunks so far (the exchange's phases)
-    // This role's S^T or dP^T over the block's columns plus the other block's part (the same sum in both blocks,
-    // a + b == b + a). A part is stored into the other block once its 8 consumer warps are done with the buffers of
-    // the chunk before (peer_free), which they read until their dQ GEMM.
-    auto add_other_part = [&] {
-      const uint32_t other = rank ^ 1;
+    // This role's S^T or dP^T over the whole of D: the blocks' parts summed in rank order (the same bits in every
+    // block; with two, own + other == other + own). A part is stored into another block once that block's consumer
+    // warps are done with the buffers of the chunk before (peer_free), which they read until their dQ GEMM.
+    auto add_other_parts = [&] {
       auto& full = shared.part_full[role];
-      if (own == 0) full.arrive_and_expect_tx(kN * kM * 4);
+      if (own == 0) full.arrive_and_expect_tx(kParts * kN * kM * 4);
       if (chunks > 0) wait_cluster_barrier(shared.peer_free, (chunks - 1) & 1);
-      const uint32_t to = cute::set_block_rank(cute::cast_smem_ptr_to_uint(part), other);
-      const uint32_t to_full = cute::set_block_rank(cute::cast_smem_ptr_to_uint(&full), other);
       CUTE_UNROLL
-      for (int j = 0; j < kM / 8; ++j)
-        asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
-                     :
-                     : "r"(to + j * 128 * 16), "f"(s[j][0]), "f"(s[j][1]), "f"(s[j][2]), "f"(s[j][3]), "r"(to_full)
-                     : "memory");
+      for (int d = 1; d < kClusterSize; ++d) {  // to block rank + d, whose slot for this block is kClusterSize - 1 - d
+        const uint32_t block = block_after(d);
+        const uint32_t to = cute::set_block_rank(cute::cast_smem_ptr_to_uint(part + (kClusterSize - 1 - d) * kSlot),
+                                                 block);
+        const uint32_t to_full = cute::set_block_rank(cute::cast_smem_ptr_to_uint(&full), block);
+        CUTE_UNROLL
+        for (int j = 0; j < kM / 8; ++j)
+          asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
+                       :
+                       : "r"(to + j * 128 * 16), "f"(s[j][0]), "f"(s[j][1]), "f"(s[j][2]), "f"(s[j][3]), "r"(to_full)
+                       : "memory");
+      }
       full.wait(chunks & 1);
-      CUTE_UNROLL
-      for (int j = 0; j < kM / 8; ++j) {
-        const float4 v = part[j * 128];
-        s[j][0] += v.x;
-        s[j][1] += v.y;
-        s[j][2] += v.z;
-        s[j][3] += v.w;
+      if constexpr (kClusterSize == 2) {
+        CUTE_UNROLL
+        for (int j = 0; j < kM / 8; ++j) {
+          const float4 v = part[j * 128];
+          s[j][0] += v.x;
+          s[j][1] += v.y;
+          s[j][2] += v.z;
+          s[j][3] += v.w;
+        }
+      } else {
+        CUTE_UNROLL
+        for (int j = 0; j < kM / 8; ++j) {
+          float4 sum;
+          CUTE_UNROLL
+          for (int b = 0; b < kClusterSize; ++b) {
+            const int e = (b - static_cast<int>(rank) + kClusterSize) % kClusterSize;
+            const float4 other = part[(e == 0 ? 0 : e - 1) * kSlot + j * 128];
+            const float4 x = e == 0 ? make_float4(s[j][0], s[j][1], s[j][2], s[j][3]) : other;
+            if (b == 0) {
+              sum = x;
+            } else {
+              sum.x += x.x;
+              sum.y += x.y;
+              sum.z += x.z;
+              sum.w += x.w;
+            }
+          }
+          s[j][0] = sum.x;
+          s[j][1] = sum.y;
+          s[j][2] = sum.z;
+          s[j][3] = sum.w;
+        }
       }
     };
 
@@ -733,7 +771,7 @@ struct BackwardKernel {
         }
       }
       warpgroup_wait<0>();
-      if constexpr (kCluster) add_other_part();
+      if constexpr (kCluster) add_other_parts();
       if (role == 0) {
         // bwd_cell's P and dS factor; P = 0 where not kept, so that dS = g (dP - Delta) needs no mask.
         detail::with_bool(masked, [&](auto is_masked) {
@@ -791,13 +829,16 @@ struct BackwardKernel {
       // dV / dK done before dQ is issued: P^T / dS^T's registers then hold dQ (else they spill).
       warpgroup_wait<0>();
       warpgroup_fence_operand(tKVrA);
+      if constexpr (kStages == 1) release();  // Q and dO read: the next chunk's load runs under the dQ GEMM
       auto finish = [&] {
-        if constexpr (kCluster) {  // this warp is done with g and dS: the other block may store its next parts
+        if constexpr (kCluster) {  // this warp is done with g and dS: the other blocks may store their next parts
           __syncwarp();
-          if (lane == 0) arrive_cluster_barrier(shared.peer_free, rank ^ 1);
+          if (lane == 0)
+            CUTE_UNROLL
+            for (int d = 1; d < kClusterSize; ++d) arrive_cluster_barrier(shared.peer_free, block_after(d));
         }
         ++chunks;
-        release();
+        if constexpr (kStages > 1) release();
       };
       if constexpr (kDq) {
         // dQ = dS K, role 0 the first kDqCols0 columns, role 1 the rest: one GEMM split by columns where both halves
@@ -881,10 +922,11 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
     prefetch_tma_descriptor(params.tma_dq.get_tma_descriptor());
     shared.kv_full.init(1);
     shared.kv_empty.init(Kernel::kConsumers * 128);
-    shared.work.init(Kernel::kConsumers * 128 + (Kernel::kDqWriter ? Kernel::kConsumers * 32 : 0));
+    shared.work.init(Kernel::kConsumers * 128 + (Kernel::kDqWriter ? Kernel::kConsumers * 32 : 0),
+                     Kernel::kClusterSize);
     if constexpr (Kernel::kCluster) {
       for (auto& barrier : shared.part_full) barrier.init(1);
-      shared.peer_free.init(Kernel::kConsumers * 4);
+      shared.peer_free.init(Kernel::kConsumers * 4 * Kernel::kParts);
     }
     if constexpr (Kernel::kDqWriter)
       for (int c = 0; c < Kernel::kConsumers; ++c)

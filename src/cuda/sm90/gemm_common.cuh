@@ -208,24 +208,24 @@ struct PublishedWork {
 
 // The persistent schedule of both families (first_work_index, claim_work_index), fed by the producer: it claims
 // the work indices and hands each to the consumers through a two-slot ring in shared memory. An index past the
-// last work ends the block. In a cluster of two the first block's producer claims for both and hands each index to
-// the other block's producer through a two-slot mailbox in that block's shared memory.
+// last work ends the block. In a cluster the first block's producer claims for all and hands each index to the
+// other blocks' producers through a two-slot mailbox in each one's shared memory.
 struct WorkRing {
   // CUTLASS's barrier asm has no memory clobber: the slot's loads and stores must stay between the waits and arrives.
   static __device__ __forceinline__ void keep_order() { asm volatile("" ::: "memory"); }
 
   PublishedWork slot[2];
   cutlass::arch::ClusterBarrier full[2], empty[2];
-  int peer_slot[2];  // the mailbox (the cluster's second block)
+  int peer_slot[2];  // the mailbox (the cluster's other blocks)
   cutlass::arch::ClusterTransactionBarrier peer_full[2];
-  cutlass::arch::ClusterBarrier peer_empty[2];  // (the first block: the other block has read slot s)
+  cutlass::arch::ClusterBarrier peer_empty[2];  // (the first block: every other block has read slot s)
 
-  __device__ void init(int consumer_threads) {
+  __device__ void init(int consumer_threads, int cluster_blocks = 2) {
     for (int s = 0; s < 2; ++s) {
       full[s].init(1);
       empty[s].init(consumer_threads);
       peer_full[s].init(1);
-      peer_empty[s].init(1);
+      peer_empty[s].init(cluster_blocks - 1);
     }
   }
   // Producer: the n-th work of this block (n = 0, 1, ...), published for the consumers; works of `list` over
@@ -235,8 +235,9 @@ struct WorkRing {
         n, [&] { return n == 0 ? detail::first_work_index() : detail::claim_work_index(counter); }, list, heads,
         num_work);
   }
-  // Producer of a block in a cluster of two: the n-th work of its cluster, the same in both blocks (the first block
-  // claims it: cluster c starts with work c, then takes the counter's next index plus the number of clusters).
+  // Producer of a block in a cluster: the n-th work of its cluster, the same in every block (the first block claims
+  // it: cluster c starts with work c, then takes the counter's next index plus the number of clusters).
+  template <int kClusterBlocks = 2>
   __device__ PublishedWork publish_in_cluster(int n, int32_t* counter, const detail::DeviceList& list, int heads,
                                               int num_work) {
     return publish_index(
@@ -248,11 +249,14 @@ struct WorkRing {
             const int clusters = static_cast<int>(cute::cluster_grid_dims().x);
             const int linear =
                 n == 0 ? static_cast<int>(cute::cluster_id_in_grid().x) : atomicAdd(counter, 1) + clusters;
-            const uint32_t to = cute::set_block_rank(cute::cast_smem_ptr_to_uint(&peer_slot[s]), 1);
-            const uint32_t to_full = cute::set_block_rank(cute::cast_smem_ptr_to_uint(&peer_full[s]), 1);
-            asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(to),
-                         "r"(linear), "r"(to_full)
-                         : "memory");
+            CUTE_UNROLL
+            for (int block = 1; block < kClusterBlocks; ++block) {
+              const uint32_t to = cute::set_block_rank(cute::cast_smem_ptr_to_uint(&peer_slot[s]), block);
+              const uint32_t to_full = cute::set_block_rank(cute::cast_smem_ptr_to_uint(&peer_full[s]), block);
+              asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(to),
+                           "r"(linear), "r"(to_full)
+                           : "memory");
+            }
             return linear;
           }
           peer_full[s].arrive_and_expect_tx(sizeof(int));

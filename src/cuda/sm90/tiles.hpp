@@ -92,17 +92,21 @@ constexpr int forward_smem_bytes(int padded_head_dim, int tile_q) {
          forward_exchange_bytes(padded_head_dim) + forward_out_tile_bytes(padded_head_dim, tile_q) + 1024;
 }
 
-// The backward (backward_kernel.cuh). Head-dim tiles up to 256 run in one block; 320, 384 and 512 in a cluster of two
-// blocks, each holding half of D of K, V, Q, dO and of dK, dV, dQ: both compute S^T and dP^T over their half and add
-// the other's through distributed shared memory. Tile 320 runs as 384 (two 192-column halves, whole 128-byte swizzle
-// atoms; its last 64 columns zero-filled by the TMA unit). Above 512 a block's half would not fit (the portable D-split
-// backward runs those tiles).
+// The backward (backward_kernel.cuh). Head-dim tiles up to 256 run in one block; above, a cluster of blocks of the
+// D 256 layout, each holding its part of D of K, V, Q, dO and of dK, dV, dQ: every block computes S^T and dP^T over its
+// part and adds the other blocks' through distributed shared memory. Two blocks up to 512 (tile 320 runs as 384: two
+// 192-column parts, whole 128-byte swizzle atoms, its last 64 columns zero-filled by the TMA unit), three at 576 (192
+// columns each) and 768 (256), four at 1024 (256). A block's dK and dV of 64 keys x 256 columns are all the registers
+// of its two consumers, so larger D takes more blocks, not wider ones.
 constexpr bool sm90_backward_tile(int padded_head_dim) {
   return padded_head_dim == 64 || padded_head_dim == 128 || padded_head_dim == 256 || padded_head_dim == 320 ||
-         padded_head_dim == 384 || padded_head_dim == 512;
+         padded_head_dim == 384 || padded_head_dim == 512 || padded_head_dim == 576 || padded_head_dim == 768 ||
+         padded_head_dim == 1024;
 }
 constexpr int backward_kernel_head_dim(int padded_head_dim) { return padded_head_dim == 320 ? 384 : padded_head_dim; }
-constexpr int backward_cluster_size(int padded_head_dim) { return padded_head_dim > 256 ? 2 : 1; }
+constexpr int backward_cluster_size(int padded_head_dim) {
+  return padded_head_dim <= 256 ? 1 : padded_head_dim <= 512 ? 2 : padded_head_dim <= 768 ? 3 : 4;
+}
 constexpr int backward_block_head_dim(int padded_head_dim) {
   return backward_kernel_head_dim(padded_head_dim) / backward_cluster_size(padded_head_dim);
 }

@@ -1,0 +1,11 @@
+// Hopper backward, bf16, head-dim tile 768.
+#include "cuda/small_kernels.hpp"
+#include "cuda/sm90/backward_kernel.cuh"
+#include "cuda/sm90/launch_backward.hpp"
+
+namespace magi::cuda::sm90 {
+template <>
+void launch_backward<detail::kBf16, 768>(const detail::BwdParams& params, int sm_margin, cudaStream_t stream) {
+  launch_backward_kernel<__nv_bfloat16, 768>(params, sm_margin, stream);
+}
+}  // namespace magi::cuda::sm90
