@@ -831,11 +831,13 @@ struct BackwardKernel {
       warpgroup_fence_operand(tKVrA);
       if constexpr (kStages == 1) release();  // Q and dO read: the next chunk's load runs under the dQ GEMM
       auto finish = [&] {
-        if constexpr (kCluster) {  // this warp is done with g and dS: the other blocks may store their next parts
+        // This warp is done with g and dS (its loads used, the dQ GEMM waited for): the other blocks may store their
+        // next parts. Relaxed: a release would first wait for this thread's dQ reductions of the chunk before.
+        if constexpr (kCluster) {
           __syncwarp();
           if (lane == 0)
             CUTE_UNROLL
-            for (int d = 1; d < kClusterSize; ++d) arrive_cluster_barrier(shared.peer_free, block_after(d));
+            for (int d = 1; d < kClusterSize; ++d) arrive_cluster_barrier_relaxed(shared.peer_free, block_after(d));
         }
         ++chunks;
         if constexpr (kStages > 1) release();

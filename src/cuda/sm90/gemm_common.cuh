@@ -184,6 +184,14 @@ __device__ __forceinline__ void arrive_cluster_barrier(cutlass::arch::ClusterBar
   const uint32_t remote = cute::set_block_rank(cute::cast_smem_ptr_to_uint(&barrier), block_rank);
   asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
 }
+// A relaxed arrival: for a hand-back whose only hazard is the other block's later writes over what this thread read,
+// once those reads have completed (their values used, wgmma reads waited for). The release above makes the arriving
+// thread wait for every memory operation it issued before (e.g. global reductions still in flight), once per arrival.
+__device__ __forceinline__ void arrive_cluster_barrier_relaxed(cutlass::arch::ClusterBarrier& barrier,
+                                                               uint32_t block_rank) {
+  const uint32_t remote = cute::set_block_rank(cute::cast_smem_ptr_to_uint(&barrier), block_rank);
+  asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
 __device__ __forceinline__ void wait_cluster_barrier(cutlass::arch::ClusterBarrier& barrier, int phase) {
   const uint32_t at = cute::cast_smem_ptr_to_uint(&barrier);
   uint32_t done = 0;
