@@ -6,7 +6,7 @@
 //                    [--batch 2] [--deterministic] [--sm-margin N] [--impl NAME] [--fwd-tile-q 64|128|192]
 //                    [--family auto|sm80|sm90] [--bwd-family auto|sm80|sm90] [--large-d] [--fwd-variant 0|1|2|3]
 //                    [--bwd-variant 0|1] [--forward-only] [--fwd-heads-per-pass N] [--heads N] [--kv-heads N]
-//                    [--cat-gqa]
+//                    [--cat-gqa] [--stages]
 //   --family pins both kernels' family, --bwd-family (given after it) the backward's alone.
 //   --batch sequences of --seq tokens (bf16); --quick = D 128 only. The backward runs in the default
 //   mode (dq by atomics); --deterministic also times the deterministic backward (rows `magi_det`); --forward-only
@@ -20,7 +20,9 @@
 //   --fwd-heads-per-pass N: the forward's work order in passes of N q heads (a divisor of the q heads; all = one
 //   pass). --heads N: q heads (default 16); --kv-heads N: GQA, N kv heads (a divisor of the q heads; default: as
 //   many as q heads); --cat-gqa: the backward with concatenated q heads (MAGI_ATTENTION_CATGQA;
-//   PlanTuning::backward_cat_gqa).
+//   PlanTuning::backward_cat_gqa). --stages: after each case's timing, one more forward and backward in profile mode
+//   (MAGI_ATTENTION_PROFILE_MODE's per-kernel times on stderr: the backward's preprocess, dk/dv kernel and dq
+//   conversion apart).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -156,6 +158,7 @@ int main(int argc, char** argv) {
   bool deterministic_too = false;
   bool forward_only = false;  // A/B runs of forward kernels: the backward columns stay 0
   bool large_d = false;
+  bool stages = false;
   int sm_margin = 0;
   int32_t heads = 16, kv_heads = 0;  // kv_heads 0: as many as q heads
   std::string impl = "magi";
@@ -171,6 +174,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--deterministic")) deterministic_too = true;
     else if (!std::strcmp(argv[i], "--forward-only")) forward_only = true;
     else if (!std::strcmp(argv[i], "--large-d")) large_d = true, batch = 1;
+    else if (!std::strcmp(argv[i], "--stages")) stages = true;
     else if (!std::strcmp(argv[i], "--fwd-variant") && i + 1 < argc) tuning.forward_variant = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--bwd-variant") && i + 1 < argc) tuning.backward_variant = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--sm-margin") && i + 1 < argc) sm_margin = std::atoi(argv[++i]);
@@ -194,6 +198,11 @@ int main(int argc, char** argv) {
       }
       if (both) tuning.forward_family = chosen;
       tuning.backward_family = chosen;
+    } else {
+      // A mistyped option would otherwise measure something other than what was asked for.
+      std::fprintf(stderr, "flash_bench: unknown argument '%s' or missing value (see the usage at the top of %s)\n",
+                   argv[i], "bench/cuda/flash_bench.cpp");
+      return 2;
     }
   }
   if (seq <= 0 || batch <= 0) {
@@ -311,6 +320,12 @@ int main(int argc, char** argv) {
         const double det_tf = magi::flops_backward(area, heads, d) / (det_ms * 1e-3) / 1e12;
         std::printf("%s_det,%s,%d,%d,%.1f,%.1f,%.3f,%.3f\n", impl.c_str(), c.name.c_str(), total, d, fwd_tf, det_tf,
                     fwd_ms, det_ms);
+      }
+      if (stages) {
+        magi::cuda::Options timed = options;
+        timed.profile = true;
+        magi::cuda::forward(*plan, fa, timed, stream);
+        if (!forward_only) magi::cuda::backward(*plan, ba, timed, stream);
       }
       std::fflush(stdout);
     }
