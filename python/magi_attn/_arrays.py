@@ -46,8 +46,9 @@ class Framework:
         return tuple(int(s) for s in x.shape)
 
     def for_extension(self, x):
-        """The object the extension reads through DLPack (torch: detached, so tensors needing grad pass)."""
-        return x.detach() if self.kind == "torch" else x
+        """The object the extension reads through DLPack (torch: detached, so tensors needing grad pass). By the
+        array's own type, not q's framework: the other inputs may come from another DLPack framework."""
+        return x.detach() if type(x).__module__.split(".")[0] == "torch" else x
 
     # -- allocation and streams --
     def empty(self, shape, dtype: str, device: tuple):

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from . import _C
+from ._attention import _check_options
 from ._mask import Mask
 
 # ---- masks from range tensors, cached by tensor identity and version (no host sync after the first call) ----
@@ -28,9 +29,10 @@ def _require_ranges(x, name: str, n: Optional[int], ndim: int) -> None:
 
 
 class _MaskCache:
-    """Range tensors -> Mask. Keyed by the tensors themselves (alive, same version: contents unchanged); CPU
-    range tensors also by content. A CUDA range tensor is read to the host once, on its first use; the tensors
-    are checked then (a hit means these very tensors passed)."""
+    """Range tensors -> Mask. CPU range tensors are keyed by content on every call (a write through `.data` or a
+    numpy view leaves torch's version counter alone, so identity and version would miss it). CUDA range tensors
+    are keyed by the tensors themselves (alive, same version), so that a hit reads nothing back: such a tensor is
+    read to the host once, on its first use, and checked then (a hit means these very tensors passed)."""
 
     def __init__(self, capacity: int = 64):
         self.capacity = capacity
@@ -40,7 +42,8 @@ class _MaskCache:
     def get(self, q_ranges: Tensor, k_ranges: Tensor, types: Tensor, total_q: int, total_k: int):
         tensors = (q_ranges, k_ranges, types)
         key = (id(q_ranges), id(k_ranges), id(types), total_q, total_k)
-        hit = self.by_identity.get(key)
+        on_host = any(t.device.type == "cpu" for t in tensors if isinstance(t, Tensor))
+        hit = None if on_host else self.by_identity.get(key)
         if hit is not None:
             refs, versions, mask = hit
             if (refs[0]() is q_ranges and refs[1]() is k_ranges and refs[2]() is types
@@ -217,12 +220,15 @@ def flex_flash_attn_func(q: Tensor, k: Tensor, v: Tensor, q_ranges: Tensor, k_ra
     MAGI_ATTENTION_DETERMINISTIC_MODE=1) makes the backward bitwise reproducible.
 
     Range tensors may live on the GPU: they are read once and the plan is cached by the tensor (keep passing
-    the same tensors; an in-place change is noticed). Later calls do no host sync and allocate only through
-    torch, so a CUDA graph can capture them.
+    the same tensors; an in-place torch operation on them is noticed, a write through `.data` is not: pass a new
+    tensor then). Later calls do no host sync and allocate only through torch, so a CUDA graph can capture them.
+    CPU range tensors are read on every call (their contents key the cache).
     """
     for name, x in (("q", q), ("k", k), ("v", v), ("q_ranges", q_ranges), ("k_ranges", k_ranges)):
         if not isinstance(x, Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        if x.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{name}: tensors on {x.device.type} are not supported (allowed devices: cpu, cuda)")
     if q.dim() != 3:
         raise ValueError(f"q: expected shape [Tq, Hq, D], got {list(q.shape)}")
     if q.dtype not in _DTYPES:
@@ -231,8 +237,7 @@ def flex_flash_attn_func(q: Tensor, k: Tensor, v: Tensor, q_ranges: Tensor, k_ra
         attn_type_map = _all_full(q_ranges.shape[0], q_ranges.device)
     if sink is not None and not isinstance(sink, Tensor):
         raise TypeError(f"sink: expected a torch.Tensor or None, got {type(sink).__name__}")
-    if sink_layout not in ("sh", "ssh"):
-        raise ValueError(f"sink_layout: unknown layout {sink_layout!r} (allowed: 'sh', 'ssh')")
+    _check_options(softmax_scale, softcap, sink_layout, "auto", None)
     if out_type is not None and out_type not in (q.dtype, torch.float32):
         raise ValueError(f"out_type: {out_type} is not allowed (allowed: None, q's dtype {q.dtype}, torch.float32)")
     if deterministic is not True and deterministic is not False:

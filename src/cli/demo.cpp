@@ -103,6 +103,8 @@ int demo_command(std::span<const std::string> args) {
   const int32_t heads_q = static_cast<int32_t>(options.get_int("heads-q", 8, 1, 1024));
   const int32_t heads_kv = static_cast<int32_t>(options.get_int("heads-kv", std::min(2, heads_q), 1, 1024));
   const int32_t head_dim = static_cast<int32_t>(options.get_int("head-dim", 128, 8, 1024));
+  if (head_dim % 8 != 0)  // checked before any work starts (the API would say so only at the first call)
+    throw InvalidArgument("--head-dim " + std::to_string(head_dim) + ": must be a multiple of 8 (allowed: 8, 16, .., 1024)");
   const int32_t block = static_cast<int32_t>(options.get_int("block", 128, 1, 1 << 26));
   const int32_t check_rows = static_cast<int32_t>(options.get_int("check-rows", 32, 1, 4096));
   if (heads_q % heads_kv != 0)

@@ -168,6 +168,8 @@ Settings read_settings(const Options& options) {
   s.heads_q = static_cast<int32_t>(options.get_int("heads-q", 8, 1, 1024));
   s.heads_kv = static_cast<int32_t>(options.get_int("heads-kv", std::min(2, s.heads_q), 1, 1024));
   s.head_dim = static_cast<int32_t>(options.get_int("head-dim", 128, 8, 1024));
+  if (s.head_dim % 8 != 0)  // checked before any work starts (the API would say so only at the first call)
+    throw InvalidArgument("--head-dim " + std::to_string(s.head_dim) + ": must be a multiple of 8 (allowed: 8, 16, .., 1024)");
   s.block = static_cast<int32_t>(options.get_int("block", 128, 1, 1 << 26));
   s.runs = static_cast<int32_t>(options.get_int("runs", 3, 1, 1000));
   s.threads = static_cast<int32_t>(options.get_int("threads", 0, 0, 4096));

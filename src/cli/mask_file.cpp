@@ -4,6 +4,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -12,6 +13,8 @@
 namespace magi::cli {
 
 std::string read_text_file(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) throw InvalidArgument(path + ": is a directory, not a file");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw InvalidArgument(path + ": cannot open: " + std::strerror(errno));
   std::ostringstream text;

@@ -78,6 +78,18 @@ TEST_F(CliErrors, MissingInputFile) {
   expect_error(with(valid_args(), "--k", missing), {"--k", missing, "cannot open"});
 }
 
+TEST_F(CliErrors, DirectoryAsInputFile) {
+  const std::string folder = dir_ / "a_folder";
+  fs::create_directories(folder);
+  expect_error(with(valid_args(), "--q", folder), {"--q", folder, "is a directory"});
+  expect_error(with(valid_args(), "--mask", folder), {folder, "is a directory"});
+}
+
+TEST_F(CliErrors, DemoHeadDimNotAMultipleOfEightBeforeAnyWork) {
+  // One line: the check runs before the demo prints its first step.
+  expect_error({"demo", "--tokens", "300", "--head-dim", "12"}, {"--head-dim", "12", "multiple of 8"});
+}
+
 TEST_F(CliErrors, WrongRank) {
   write_npy_file(dir_ / "q2.npy", DType::F32, {kTq, kHq * kD}, std::vector<double>(kTq * kHq * kD, 0.0));
   expect_error(with(valid_args(), "--q", dir_ / "q2.npy"), {"--q", "q2.npy", "expected shape [Tq, Hq, D]", "[32, 32]"});

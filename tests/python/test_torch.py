@@ -179,6 +179,22 @@ def test_range_tensors_changed_in_place_are_noticed(rng):
     keep = np.tril(np.ones((32, 32), bool))
     ref.assert_close("out", b.numpy(), ref.forward(q.numpy(), k.numpy(), v.numpy(), keep)[0], "fp64")
     assert not torch.equal(a, b)
+    tm.data[0] = 0  # back to full, by a write torch's version counter does not see: CPU ranges are read anew
+    c, _ = ma.flex_flash_attn_func(q, k, v, qr, kr, tm)
+    ref.assert_close("out", c.numpy(), ref.forward(q.numpy(), k.numpy(), v.numpy(), np.ones((32, 32), bool))[0], "fp64")
+
+
+def test_inputs_of_two_frameworks(rng):
+    """q from torch, k and v from numpy (and the other way round): read through DLPack alike, out in q's framework."""
+    mask = ma.masks.causal(24)
+    q, k, v, _ = make(rng, mask, 2, 1, 8, "fp64", "cpu")
+    want = ref.forward(q.numpy(), k.numpy(), v.numpy(), np.tril(np.ones((24, 24), bool)))[0]
+    out, _ = ma.forward(mask, q, k.numpy(), v.numpy())
+    assert isinstance(out, torch.Tensor)
+    ref.assert_close("out", out.numpy(), want, "fp64")
+    out, _ = ma.forward(mask, q.numpy(), k, v)
+    assert isinstance(out, np.ndarray)
+    ref.assert_close("out", out, want, "fp64")
 
 
 def test_max_logits_and_fp32_output(rng):
@@ -211,6 +227,12 @@ BAD = [
      ValueError, "sink: dtype fp64"),
     ("dtype", lambda q, k, v, r: ma.flex_flash_attn_func(q.int(), k.int(), v.int(), *r), ValueError,
      "q: dtype torch.int32 is not supported"),
+    ("softcap None", lambda q, k, v, r: ma.flex_flash_attn_func(q, k, v, *r, softcap=None), TypeError,
+     "softcap: expected a number"),
+    ("scale text", lambda q, k, v, r: ma.flex_flash_attn_func(q, k, v, *r, softmax_scale="a"), TypeError,
+     "softmax_scale: expected a number or None"),
+    ("meta device", lambda q, k, v, r: ma.flex_flash_attn_func(q.to("meta"), k.to("meta"), v.to("meta"), *r),
+     ValueError, "q: tensors on meta are not supported"),
 ]
 
 
