@@ -84,9 +84,11 @@ nb::ndarray<nb::numpy, int32_t> types_of(const Mask& m) {
 // Window sides: negative = unbounded; beyond int32 is as good as unbounded too.
 int32_t window_arg(int64_t value) { return value < 0 ? -1 : static_cast<int32_t>(std::min<int64_t>(value, INT32_MAX)); }
 
-int32_t size_arg(int64_t value, const char* name) {
-  if (value < 0 || value > INT32_MAX)
-    throw InvalidArgument(std::string(name) + ": " + std::to_string(value) + " is out of range (allowed: 0 .. 2^31-1)");
+// A size that must fit int32 and be at least `least` (1 for a block: the message names the range that passes).
+int32_t size_arg(int64_t value, const char* name, int64_t least = 0) {
+  if (value < least || value > INT32_MAX)
+    throw InvalidArgument(std::string(name) + ": " + std::to_string(value) + " is out of range (allowed: " +
+                          std::to_string(least) + " .. 2^31-1)");
   return static_cast<int32_t>(value);
 }
 
@@ -133,9 +135,11 @@ void bind_mask(nb::module_& m) {
   });
   b.def("block_causal", [](int64_t total, int64_t block) {
     const int32_t t = size_arg(total, "total");
-    return masks::block_causal(t, size_arg(block, "block"));
+    return masks::block_causal(t, size_arg(block, "block", 1));
   });
-  b.def("varlen_block_causal", [](const Cu& cu, int64_t block) { return masks::varlen_block_causal(cu, size_arg(block, "block")); });
+  b.def("varlen_block_causal", [](const Cu& cu, int64_t block) {
+    return masks::varlen_block_causal(cu, size_arg(block, "block", 1));
+  });
   b.def("shared_question", [](int64_t question, const Cu& answers) {
     return masks::shared_question(size_arg(question, "question"), answers);
   });

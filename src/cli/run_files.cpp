@@ -71,9 +71,9 @@ RunSettings parse_run_settings(const Options& options) {
   if (has_sink != options.has("sink-layout"))
     throw InvalidArgument(has_sink ? "--sink needs --sink-layout sh|ssh" : "--sink-layout given without --sink");
   if (has_sink) {
-    attention.sink_layout = parse_sink_layout(*options.get("sink-layout"), "--sink-layout");
-    if (attention.sink_layout == SinkLayout::None)
-      throw InvalidArgument("--sink-layout: '" + *options.get("sink-layout") + "' (allowed: sh, ssh)");
+    const std::string layout = *options.get("sink-layout");
+    if (layout != "sh" && layout != "ssh") throw InvalidArgument("--sink-layout: '" + layout + "' (allowed: sh, ssh)");
+    attention.sink_layout = parse_sink_layout(layout, "--sink-layout");
   }
   if (auto text = options.get("dtype")) s.dtype = parse_dtype(*text, "--dtype");
   attention.softmax_scale = options.get_double("softmax-scale");

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <set>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -111,8 +112,17 @@ std::optional<int32_t> read_total(const json& doc, std::string_view key) {
 
 Mask mask_from_json(std::string_view json_text) {
   json doc;
+  // A key given twice would silently keep its last value; name it instead.
+  std::set<std::string> keys;
+  std::string repeated;
+  const json::parser_callback_t note_repeats = [&](int depth, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::key && depth == 1 && repeated.empty() &&
+        !keys.insert(parsed.get<std::string>()).second)
+      repeated = parsed.get<std::string>();
+    return true;
+  };
   try {
-    doc = json::parse(json_text.begin(), json_text.end());
+    doc = json::parse(json_text.begin(), json_text.end(), note_repeats);
   } catch (const json::parse_error& e) {
     // e.what() starts with "[json.exception.parse_error.N] "; keep only the description after it.
     std::string what = e.what();
@@ -123,6 +133,7 @@ Mask mask_from_json(std::string_view json_text) {
     fail("top level must be an object with keys \"q_ranges\", \"k_ranges\", \"attn_type_map\" (optional \"total_q\", "
          "\"total_k\"), got " + std::string(doc.type_name()));
   }
+  if (!repeated.empty()) fail("key " + in_quotes(repeated) + " appears more than once");
   for (const auto& item : doc.items()) {
     if (std::find(kKeys.begin(), kKeys.end(), item.key()) == kKeys.end()) {
       fail("unknown key " + in_quotes(item.key()) +

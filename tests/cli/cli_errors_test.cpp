@@ -214,6 +214,10 @@ TEST_F(CliErrors, BadNumber) {
 TEST_F(CliErrors, BadSinkLayout) {
   auto args = with(with(valid_args(), "--sink", dir_ / "sink.npy"), "--sink-layout", "hs");
   expect_error(args, {"--sink-layout", "hs", "sh", "ssh"});
+  // The error lists only what passes ("none" is a layout of the API, not of a given --sink).
+  const CliResult r = run_cli(with(args, "--sink-layout", "nonsense"));
+  EXPECT_EQ(r.err.find("none"), std::string::npos) << describe(r);
+  expect_error(with(args, "--sink-layout", "none"), {"--sink-layout", "'none'", "(allowed: sh, ssh)"});
 }
 
 TEST_F(CliErrors, SinkWithoutLayout) {

@@ -202,6 +202,26 @@ TEST(CudaBackend, DeterministicModeSmallCase) {
   EXPECT_TRUE(check_cuda_case(mask, d256, seed + 2, "random 300x260, d256", true));
 }
 
+// dQ by 64-row chunks (the dk/dv kernels' adds): chunks without adds (rows without keys, between and after busy
+// ones), a partial last chunk, several k tiles adding to one chunk, GQA / MQA, both modes and 16-bit dtypes. dq
+// starts as NaN, so a chunk nobody writes fails.
+TEST(CudaBackend, DqOfChunksWithAndWithoutAddsMatchesReference) {
+  Mask mask;
+  mask.total_q = 457;
+  mask.total_k = 390;
+  mask.slices = {make_slice(0, 70, 0, 300, MaskType::Full), make_slice(200, 260, 100, 390, MaskType::Causal),
+                 make_slice(300, 330, 0, 50, MaskType::InvCausal), make_slice(430, 457, 250, 390, MaskType::Full)};
+  const uint64_t seed = fresh_seed();
+  int index = 0;
+  for (const bool deterministic : {false, true}) {
+    for (const CaseConfig& c : {config(DType::BF16, 4, 2, 128), config(DType::F16, 3, 1, 64)}) {
+      const std::string name = "chunks with and without adds, " + std::string(to_string(c.dtype)) + ", D " +
+                               std::to_string(c.head_dim) + (deterministic ? ", deterministic" : "");
+      EXPECT_TRUE(check_cuda_case(mask, c, seed + index++, name, deterministic));
+    }
+  }
+}
+
 // Runs forward + backward twice on the same inputs and requires bitwise-identical results.
 TEST(CudaBackend, DeterministicAcrossRuns) {
   const uint64_t seed = fresh_seed();

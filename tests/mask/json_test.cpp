@@ -81,6 +81,11 @@ TEST(MaskJsonErrors, TopLevelMustBeAnObjectWithKnownKeys) {
   expect_error("[1, 2]", "top level must be an object");
   expect_error(R"({"q_ranges":[],"k_ranges":[],"attn_type_map":[],"attn_type_mask":[]})",
                "unknown key \"attn_type_mask\"; allowed: \"q_ranges\", \"k_ranges\", \"attn_type_map\"");
+  // A repeated key would keep its last value; a nested object's keys are its own.
+  expect_error(R"({"q_ranges":[[0,1]],"k_ranges":[[0,1]],"attn_type_map":[0],"q_ranges":[[0,2]]})",
+               "key \"q_ranges\" appears more than once");
+  expect_error(R"({"q_ranges":[[0,1]],"k_ranges":[[0,1]],"attn_type_map":[0],"total_q":4,"total_q":4})",
+               "key \"total_q\" appears more than once");
 }
 
 TEST(MaskJsonErrors, MissingKeys) {

@@ -96,6 +96,8 @@ BAD = [
     (lambda: ma.Mask.from_json(5), TypeError, "text: expected a JSON string"),
     (lambda: ma.masks.varlen_causal([1, 5]), ValueError, "cu_seqlens"),
     (lambda: ma.masks.block_causal(100, 0), ValueError, "block"),
+    (lambda: ma.masks.block_causal(100, -1), ValueError, "block: -1 is out of range (allowed: 1 .. 2^31-1)"),
+    (lambda: ma.masks.varlen_block_causal([0, 8], -3), ValueError, "(allowed: 1 .. 2^31-1)"),
     (lambda: ma.masks.full(-1), ValueError, "total_q"),
     (lambda: ma.masks.varlen_full([0, 2**33]), ValueError, "cu_seqlens_q: values must fit int32"),
 ]
