@@ -81,7 +81,9 @@ struct BackwardArgs {
   Workspace workspace;
 };
 
-// Validates arguments (throws InvalidArgument naming the argument), then computes.
+// Validates arguments (throws InvalidArgument naming the argument), then computes. Outputs (out, lse, max_logits;
+// dq, dk, dv, dsink) may not share memory with each other or with an input; only prev_out / prev_lse may be out /
+// lse themselves.
 void forward(const Mask& mask, const ForwardArgs& args, const AttentionOptions& options = {},
              StreamHandle stream = nullptr);
 void backward(const Mask& mask, const BackwardArgs& args, const AttentionOptions& options = {},

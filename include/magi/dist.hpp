@@ -141,8 +141,11 @@ void roll(const RuntimeKey& key, Axis axis, const TensorView& local, const Tenso
 
 // Collective. Local tensors: q [Lq, Hq, D], k/v [Lk, Hkv, D], out [Lq, Hq, D], lse [Lq, Hq],
 // sink sh [S, Hq] (the same on every rank) or ssh [Lq, S, Hq] (dispatched), max_logits [Hq] (global max).
+// Dtypes as magi::forward's; no prev_out / prev_lse (the runtime merges the key parts itself); outputs share no
+// memory with each other or with an input. Checked on every rank before any communication.
 void calc_attn(const RuntimeKey& key, const ForwardArgs& local, StreamHandle stream = nullptr);
-// Collective. out/lse as returned by calc_attn; dq/dk/dv local; dsink partial per rank unless reduced.
+// Collective. out/lse as returned by calc_attn; dq/dk/dv local (overwritten: no accumulate_dq); dsink partial per
+// rank unless reduced.
 void calc_attn_backward(const RuntimeKey& key, const BackwardArgs& local, StreamHandle stream = nullptr);
 
 // The LRU of runtimes (tests, memory control): all of them, or those over one communicator.

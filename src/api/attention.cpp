@@ -2,6 +2,7 @@
 // backend's engine (src/api/engine.hpp), which checks only what is its own.
 #include "magi/attention.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -51,6 +52,9 @@ Backend parse_backend(std::string_view text, std::string_view what) {
 Backend resolve_backend(const AttentionOptions& options, Device device) {
   env::ensure_validated();
   Backend backend = options.backend;
+  if (backend != Backend::Auto && backend != Backend::Cpu && backend != Backend::Cuda && backend != Backend::Reference)
+    throw InvalidArgument("options.backend: unknown value " + std::to_string(static_cast<int>(backend)) +
+                          " (allowed: auto, cpu, cuda, reference)");
   if (backend == Backend::Auto) {
     if (env::kernel_backend() == env::KernelBackend::Sdpa) backend = Backend::Reference;
     else backend = device.type == DeviceType::CUDA ? Backend::Cuda : Backend::Cpu;
@@ -103,6 +107,9 @@ Shapes check_qkv(const Mask& mask, const TensorView& q, const TensorView& k, con
 }
 
 void check_sink(const TensorView& sink, const char* name, SinkLayout layout, const Shapes& s, Device device) {
+  if (layout != SinkLayout::None && layout != SinkLayout::SH && layout != SinkLayout::SSH)
+    throw InvalidArgument("options.sink_layout: unknown value " + std::to_string(static_cast<int>(layout)) +
+                          " (allowed: none, sh, ssh)");
   if (layout == SinkLayout::None) {
     if (sink.ndim != 0) throw InvalidArgument(std::string(name) + " given but options.sink_layout is none (allowed: sh, ssh)");
     return;
@@ -147,7 +154,12 @@ void check_prev(const ForwardArgs& a, const Shapes& s) {
     throw InvalidArgument("prev_lse: may be lse itself only when lse has its dtype");
   if (!lse_in_place && (api::overlaps(a.prev_lse, a.lse) || api::overlaps(a.prev_lse, a.out)))
     throw InvalidArgument("prev_lse: overlaps out or lse without being lse itself");
+  if (api::overlaps(a.prev_out, a.max_logits) || api::overlaps(a.prev_lse, a.max_logits))
+    throw InvalidArgument("max_logits: overlaps prev_out or prev_lse");
 }
+
+// OpenMP's runtime crashed at 100000 threads.
+constexpr int32_t kMaxThreads = 1024;
 
 // The options of one call, defaults and environment applied.
 api::Call make_call(const AttentionOptions& o, const Shapes& s, DType dtype, Backend backend,
@@ -156,7 +168,9 @@ api::Call make_call(const AttentionOptions& o, const Shapes& s, DType dtype, Bac
     throw InvalidArgument("softmax_scale must be finite, got " + std::to_string(*o.softmax_scale));
   if (!std::isfinite(o.softcap) || o.softcap < 0)
     throw InvalidArgument("softcap must be finite and >= 0 (0 = off), got " + std::to_string(o.softcap));
-  if (o.num_threads < 0) throw InvalidArgument("num_threads must be >= 0 (0 = all cores)");
+  if (o.num_threads < 0 || o.num_threads > kMaxThreads)
+    throw InvalidArgument("num_threads: " + std::to_string(o.num_threads) + " (allowed: 0 = all cores, 1 .. " +
+                          std::to_string(kMaxThreads) + ")");
   api::Call c;
   c.shapes = s;
   c.softmax_scale = o.softmax_scale.value_or(1.0 / std::sqrt(static_cast<double>(s.d)));
@@ -190,6 +204,8 @@ void forward(const Mask& mask, const ForwardArgs& a, const AttentionOptions& opt
     require_device(a.max_logits, "max_logits", a.q.device);
   }
   check_prev(a, s);
+  api::require_disjoint({{&a.out, "out"}, {&a.lse, "lse"}, {&a.max_logits, "max_logits"}},
+                        {{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.sink, "sink"}});
   const api::Engine& engine = api::engine(backend, a.q.device);
   engine.forward(mask, a, make_call(options, s, a.q.dtype, backend, engine, stream));
 }
@@ -218,7 +234,8 @@ void backward(const Mask& mask, const BackwardArgs& a, const AttentionOptions& o
   check_sink(a.sink, "sink", options.sink_layout, s, a.q.device);
   if (options.sink_layout != SinkLayout::None) {
     require_dtype(a.dsink, "dsink", {DType::F32});
-    if (a.dsink.ndim != a.sink.ndim || a.dsink.shape != a.sink.shape)
+    if (a.dsink.ndim != a.sink.ndim ||
+        !std::equal(a.dsink.shape.begin(), a.dsink.shape.begin() + a.dsink.ndim, a.sink.shape.begin()))
       throw InvalidArgument("dsink: expected the shape of sink " + shape_string(a.sink) + ", got " +
                             shape_string(a.dsink));
     require_defined(a.dsink, "dsink");
@@ -226,14 +243,11 @@ void backward(const Mask& mask, const BackwardArgs& a, const AttentionOptions& o
   } else if (a.dsink.ndim != 0) {
     throw InvalidArgument("dsink given but options.sink_layout is none (allowed: sh, ssh)");
   }
-  if (a.accumulate_dq) {
-    if (a.dq.dtype != DType::F32)
-      throw InvalidArgument("dq: accumulate_dq needs an fp32 dq, got " + api::describe(a.dq));
-    for (auto [t, name] : {std::pair{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.out, "out"}, {&a.dout, "dout"},
-                           {&a.lse, "lse"}, {&a.dk, "dk"}, {&a.dv, "dv"}})
-      if (api::overlaps(a.dq, *t))
-        throw InvalidArgument(std::string("dq: accumulate_dq needs a dq that does not overlap ") + name);
-  }
+  if (a.accumulate_dq && a.dq.dtype != DType::F32)
+    throw InvalidArgument("dq: accumulate_dq needs an fp32 dq, got " + api::describe(a.dq));
+  api::require_disjoint({{&a.dq, "dq"}, {&a.dk, "dk"}, {&a.dv, "dv"}, {&a.dsink, "dsink"}},
+                        {{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.out, "out"}, {&a.dout, "dout"}, {&a.lse, "lse"},
+                         {&a.sink, "sink"}});
   const api::Engine& engine = api::engine(backend, a.q.device);
   engine.backward(mask, a, make_call(options, s, dt, backend, engine, stream));
 }

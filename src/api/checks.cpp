@@ -6,8 +6,12 @@ std::string describe(const TensorView& t) { return std::string(to_string(t.dtype
 
 void require_defined(const TensorView& t, const char* name) {
   if (t.ndim == 0) throw InvalidArgument(std::string(name) + " is required but was not given");
-  for (int i = 0; i < t.ndim; ++i)
+  int64_t bytes = static_cast<int64_t>(dtype_size(t.dtype));
+  for (int i = 0; i < t.ndim; ++i) {
     if (t.shape[i] < 0) throw InvalidArgument(std::string(name) + ": negative dimension in " + shape_string(t));
+    if (__builtin_mul_overflow(bytes, t.shape[i], &bytes))
+      throw InvalidArgument(std::string(name) + ": " + shape_string(t) + " holds more bytes than fit in int64");
+  }
   if (t.data == nullptr && t.numel() > 0) throw InvalidArgument(std::string(name) + ": null data pointer");
 }
 
@@ -47,6 +51,19 @@ bool overlaps(const TensorView& a, const TensorView& b) {
   if (a.data == nullptr || b.data == nullptr || a.nbytes() == 0 || b.nbytes() == 0) return false;
   const auto a0 = reinterpret_cast<uintptr_t>(a.data), b0 = reinterpret_cast<uintptr_t>(b.data);
   return a0 < b0 + static_cast<uintptr_t>(b.nbytes()) && b0 < a0 + static_cast<uintptr_t>(a.nbytes());
+}
+
+void require_disjoint(std::initializer_list<Named> outputs, std::initializer_list<Named> inputs) {
+  for (auto a = outputs.begin(); a != outputs.end(); ++a) {
+    for (auto b = a + 1; b != outputs.end(); ++b)
+      if (overlaps(*a->tensor, *b->tensor))
+        throw InvalidArgument(std::string(a->name) + ": overlaps " + b->name +
+                              " (outputs may not share memory with each other or with an input)");
+    for (const Named& in : inputs)
+      if (overlaps(*a->tensor, *in.tensor))
+        throw InvalidArgument(std::string(a->name) + ": overlaps the input " + in.name +
+                              " (outputs may not share memory with each other or with an input)");
+  }
 }
 
 }  // namespace magi::api

@@ -24,5 +24,11 @@ void require_device(const TensorView& t, const char* name, Device device);
 void require_aligned(const TensorView& t, const char* name, size_t bytes, std::string_view who);
 // Whether two tensors' bytes overlap (host or device addresses alike).
 bool overlaps(const TensorView& a, const TensorView& b);
+// Outputs pairwise disjoint and disjoint from every input (tensors not given are skipped).
+struct Named {
+  const TensorView* tensor;
+  const char* name;
+};
+void require_disjoint(std::initializer_list<Named> outputs, std::initializer_list<Named> inputs);
 
 }  // namespace magi::api

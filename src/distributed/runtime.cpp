@@ -16,6 +16,7 @@
 #include <sstream>
 #include <tuple>
 
+#include "api/checks.hpp"
 #include "comm/elements.hpp"
 #include "comm/group_collective.hpp"
 #include "common/lru_cache.hpp"
@@ -254,6 +255,85 @@ gpu::State& DistAttnRuntime::gpu_state() const {
 
 namespace {
 
+using api::require_dtype;
+using api::require_shape;
+
+// The sink of a distributed call: [S, Hq] (sh) or [local rows, S, Hq] (ssh), fp32; none without a layout.
+void check_dist_sink(const TensorView& sink, const char* name, SinkLayout layout, int64_t lq, int32_t hq) {
+  if (layout == SinkLayout::None) {
+    if (sink.ndim != 0)
+      throw InvalidArgument(std::string(name) + " given but the runtime key's sink_layout is none (allowed: sh, ssh)");
+    return;
+  }
+  require_dtype(sink, name, {DType::F32});
+  if (layout == SinkLayout::SH) require_shape(sink, name, {sink.ndim > 0 ? sink.shape[0] : 0, hq}, "[S, Hq] (sh)");
+  else require_shape(sink, name, {lq, sink.ndim > 1 ? sink.shape[1] : 0, hq}, "[local rows, S, Hq] (ssh)");
+  if (sink.shape[sink.ndim == 2 ? 0 : 1] < 1)
+    throw InvalidArgument(std::string(name) + ": the number of sink tokens S must be >= 1");
+}
+
+// Both engines' checks of the caller's tensors against the runtime key (each engine adds its rows and devices):
+// whole shapes and the single-device API's dtypes, the options a distributed call does not take, and outputs that
+// share memory with anything.
+void check_forward_args(const ForwardArgs& a, int64_t lq, int64_t lk, const HeadShape& h, SinkLayout layout) {
+  const DType dt = a.q.dtype;
+  require_shape(a.q, "q", {lq, h.heads_q, h.head_dim}, "[local rows of q, Hq, D] (the runtime key's)");
+  require_shape(a.k, "k", {lk, h.heads_kv, h.head_dim}, "[local rows of k, Hkv, D] (the runtime key's)");
+  require_shape(a.v, "v", {lk, h.heads_kv, h.head_dim}, "[local rows of k, Hkv, D] (the runtime key's)");
+  require_dtype(a.q, "q", {DType::BF16, DType::F16, DType::F32, DType::F64});
+  require_shape(a.out, "out", {lq, h.heads_q, h.head_dim}, "[local rows of q, Hq, D]");
+  require_dtype(a.out, "out", {dt, DType::F32});
+  require_shape(a.lse, "lse", {lq, h.heads_q}, "[local rows of q, Hq]");
+  if (dt == DType::F64) require_dtype(a.lse, "lse", {DType::F32, DType::F64});
+  else require_dtype(a.lse, "lse", {DType::F32});
+  if (a.max_logits.ndim != 0) {
+    require_shape(a.max_logits, "max_logits", {h.heads_q}, "[Hq]");
+    require_dtype(a.max_logits, "max_logits", {DType::F32});
+  }
+  check_dist_sink(a.sink, "sink", layout, lq, h.heads_q);
+  if (a.prev_out.ndim != 0 || a.prev_lse.ndim != 0)
+    throw InvalidArgument("prev_out / prev_lse: a distributed forward merges the key parts itself and takes no partial "
+                          "result (allowed: none)");
+  api::require_disjoint({{&a.out, "out"}, {&a.lse, "lse"}, {&a.max_logits, "max_logits"}},
+                        {{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.sink, "sink"}});
+}
+
+void check_backward_args(const BackwardArgs& a, int64_t lq, int64_t lk, const HeadShape& h, SinkLayout layout) {
+  const DType dt = a.q.dtype;
+  require_shape(a.q, "q", {lq, h.heads_q, h.head_dim}, "[local rows of q, Hq, D] (the runtime key's)");
+  require_shape(a.k, "k", {lk, h.heads_kv, h.head_dim}, "[local rows of k, Hkv, D] (the runtime key's)");
+  require_shape(a.v, "v", {lk, h.heads_kv, h.head_dim}, "[local rows of k, Hkv, D] (the runtime key's)");
+  require_dtype(a.q, "q", {DType::BF16, DType::F16, DType::F32, DType::F64});
+  for (auto [t, name] : {std::pair{&a.out, "out"}, {&a.dout, "dout"}, {&a.dq, "dq"}}) {
+    require_shape(*t, name, {lq, h.heads_q, h.head_dim}, "[local rows of q, Hq, D]");
+    require_dtype(*t, name, {dt, DType::F32});
+  }
+  for (auto [t, name] : {std::pair{&a.dk, "dk"}, {&a.dv, "dv"}}) {
+    require_shape(*t, name, {lk, h.heads_kv, h.head_dim}, "[local rows of k, Hkv, D]");
+    require_dtype(*t, name, {dt, DType::F32});
+  }
+  require_shape(a.lse, "lse", {lq, h.heads_q}, "[local rows of q, Hq]");
+  if (dt == DType::F64) require_dtype(a.lse, "lse", {DType::F32, DType::F64});
+  else require_dtype(a.lse, "lse", {DType::F32});
+  check_dist_sink(a.sink, "sink", layout, lq, h.heads_q);
+  if (layout != SinkLayout::None) {
+    require_dtype(a.dsink, "dsink", {DType::F32});
+    if (a.dsink.ndim != a.sink.ndim ||
+        !std::equal(a.dsink.shape.begin(), a.dsink.shape.begin() + a.dsink.ndim, a.sink.shape.begin()))
+      throw InvalidArgument("dsink: expected the shape of sink " + shape_string(a.sink) + ", got " +
+                            shape_string(a.dsink));
+    api::require_defined(a.dsink, "dsink");
+  } else if (a.dsink.ndim != 0) {
+    throw InvalidArgument("dsink given but the runtime key's sink_layout is none (allowed: sh, ssh)");
+  }
+  if (a.accumulate_dq)
+    throw InvalidArgument("accumulate_dq: a distributed backward adds the key parts itself and overwrites dq "
+                          "(allowed: false)");
+  api::require_disjoint({{&a.dq, "dq"}, {&a.dk, "dk"}, {&a.dv, "dv"}, {&a.dsink, "dsink"}},
+                        {{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.out, "out"}, {&a.dout, "dout"}, {&a.lse, "lse"},
+                         {&a.sink, "sink"}});
+}
+
 bool on_device(const TensorView& q) {
 #if MAGI_ATTN_WITH_NCCL
   return q.device.type == DeviceType::CUDA;
@@ -267,6 +347,7 @@ bool on_device(const TensorView& q) {
 }  // namespace
 
 void DistAttnRuntime::forward(const ForwardArgs& a, [[maybe_unused]] StreamHandle stream) const {
+  check_forward_args(a, dispatch_.q.local_tokens(), dispatch_.k.local_tokens(), heads_, config_.attention.sink_layout);
   if (on_device(a.q)) {
 #if MAGI_ATTN_WITH_NCCL
     gpu::forward(*this, gpu_state(), a, static_cast<cudaStream_t>(stream));
@@ -487,6 +568,7 @@ void DistAttnRuntime::forward(const ForwardArgs& a, [[maybe_unused]] StreamHandl
 }
 
 void DistAttnRuntime::backward(const BackwardArgs& a, [[maybe_unused]] StreamHandle stream) const {
+  check_backward_args(a, dispatch_.q.local_tokens(), dispatch_.k.local_tokens(), heads_, config_.attention.sink_layout);
   if (on_device(a.q)) {
 #if MAGI_ATTN_WITH_NCCL
     gpu::backward(*this, gpu_state(), a, static_cast<cudaStream_t>(stream));
@@ -887,7 +969,9 @@ RuntimeKey runtime_key(const Mask& mask, const HeadShape& heads, std::shared_ptr
     id.fixed_q_owner = fixed->q.owner;
     id.fixed_k_owner = fixed->k.owner;
   }
-  if (config.hierarchical_comm.value_or(env::get_bool("MAGI_ATTENTION_HIERARCHICAL_COMM"))) {
+  if (config.ranks_per_node < 0) {
+    id.ranks_per_node = config.ranks_per_node;  // refused below, after the ranks agree
+  } else if (config.hierarchical_comm.value_or(env::get_bool("MAGI_ATTENTION_HIERARCHICAL_COMM"))) {
     id.ranks_per_node = config.ranks_per_node > 0 ? config.ranks_per_node : comm->ranks_per_node();
   }
   // MAGI_ATTENTION_AUTO_RANGE_MERGE: the global mask is merged before dispatch, except in deterministic mode, where
@@ -901,9 +985,10 @@ RuntimeKey runtime_key(const Mask& mask, const HeadShape& heads, std::shared_ptr
   if (id.ranks_per_node < 0 || (id.ranks_per_node == 0 && config.hierarchical_comm.value_or(
                                                               env::get_bool("MAGI_ATTENTION_HIERARCHICAL_COMM"))) ||
       (id.ranks_per_node > 0 && id.cp % id.ranks_per_node != 0))
-    throw InvalidArgument("hierarchical comm needs nodes of equal size made of consecutive ranks; ranks_per_node " +
-                          std::to_string(id.ranks_per_node) + " does not divide cp " + std::to_string(id.cp) +
-                          " (set DistConfig::ranks_per_node)");
+    throw InvalidArgument("DistConfig::ranks_per_node: hierarchical comm needs nodes of equal size made of "
+                          "consecutive ranks; ranks_per_node " + std::to_string(id.ranks_per_node) +
+                          " does not divide cp " + std::to_string(id.cp) +
+                          " (allowed: 0 = the communicator's, or a positive divisor of cp)");
 
   runtime_cache().set_capacity(static_cast<size_t>(env::get_int("MAGI_ATTENTION_DIST_ATTN_RUNTIME_DICT_SIZE")));
   return RuntimeKey(runtime_cache().get(id, [&] {
@@ -958,6 +1043,7 @@ void dispatch(const RuntimeKey& key, Axis axis, const TensorView& global, const 
   const int64_t row = row_bytes_of(global, "global", p.total);
   if (row_bytes_of(local, "local", p.local_tokens()) != row && p.total > 0)
     throw InvalidArgument("dispatch: global and local rows differ in size");
+  if (api::overlaps(global, local)) throw InvalidArgument("dispatch: local overlaps global (allowed: separate buffers)");
   const auto rows = p.global_rows(key.runtime().rank());
   auto* dst = static_cast<std::byte*>(local.data);
   const auto* src = static_cast<const std::byte*>(global.data);

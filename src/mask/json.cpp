@@ -115,19 +115,31 @@ Mask mask_from_json(std::string_view json_text) {
   // A key given twice would silently keep its last value; name it instead.
   std::set<std::string> keys;
   std::string repeated;
+  // A mask nests three deep ({"q_ranges": [[0, 4]]}); deeper text is refused as it is read, before any recursion
+  // over it (a message's rendering of 100000 nested arrays overflowed the stack).
+  constexpr int kMaxDepth = 3;
   const json::parser_callback_t note_repeats = [&](int depth, json::parse_event_t event, json& parsed) {
+    if (depth > kMaxDepth) fail("nested deeper than a mask's {\"q_ranges\": [[start, end], ...]}");
     if (event == json::parse_event_t::key && depth == 1 && repeated.empty() &&
         !keys.insert(parsed.get<std::string>()).second)
       repeated = parsed.get<std::string>();
     return true;
   };
+  // The JSON reader stops at a NUL byte; whatever follows it would be ignored.
+  if (const auto nul = json_text.find('\0'); nul != std::string_view::npos)
+    fail("malformed JSON at byte " + std::to_string(nul + 1) + ": a NUL byte");
+  // e.what() starts with "[json.exception.<kind>.N] "; keep only the description after it.
+  const auto description = [](const json::exception& e) {
+    std::string what = e.what();
+    if (const auto pos = what.find("] "); pos != std::string::npos) what = what.substr(pos + 2);
+    return what;
+  };
   try {
     doc = json::parse(json_text.begin(), json_text.end(), note_repeats);
   } catch (const json::parse_error& e) {
-    // e.what() starts with "[json.exception.parse_error.N] "; keep only the description after it.
-    std::string what = e.what();
-    if (const auto pos = what.find("] "); pos != std::string::npos) what = what.substr(pos + 2);
-    fail("malformed JSON at byte " + std::to_string(e.byte) + ": " + what);
+    fail("malformed JSON at byte " + std::to_string(e.byte) + ": " + description(e));
+  } catch (const json::exception& e) {  // e.g. a number beyond double's range
+    fail("malformed JSON: " + description(e));
   }
   if (!doc.is_object()) {
     fail("top level must be an object with keys \"q_ranges\", \"k_ranges\", \"attn_type_map\" (optional \"total_q\", "

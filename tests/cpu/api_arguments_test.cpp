@@ -154,6 +154,39 @@ TEST_F(ApiArguments, SinkAndOptions) {
   options_ = config_.options();
   options_.num_threads = -2;
   expect_forward_rejects(forward_args(), "num_threads");
+  options_.num_threads = 100000;  // OpenMP's runtime crashed there
+  expect_forward_rejects(forward_args(), "num_threads: 100000 (allowed: 0 = all cores, 1 .. 1024)");
+  // Enum values outside the enums (a cast from an integer): named, not taken for a neighbour.
+  options_ = config_.options();
+  options_.sink_layout = static_cast<SinkLayout>(7);
+  expect_forward_rejects(forward_args(), "options.sink_layout: unknown value 7 (allowed: none, sh, ssh)");
+  options_ = config_.options();
+  options_.backend = static_cast<Backend>(9);
+  expect_forward_rejects(forward_args(), "options.backend: unknown value 9");
+  options_ = config_.options();
+}
+
+// Outputs that share memory with each other or with an input would be read while written: refused, naming both.
+TEST_F(ApiArguments, OverlappingOutputs) {
+  ForwardArgs a = forward_args();
+  HostTensor big = HostTensor::poisoned(DType::F32, {24, 4, 32});
+  a.out = big.view();
+  a.lse = TensorView(big.view().data, DType::F32, {24, 4});  // lse inside out's memory
+  expect_forward_rejects(a, "out: overlaps lse");
+  a = forward_args();
+  a.out = TensorView(data_.k.view().data, DType::BF16, {24, 4, 32});  // out over k's bytes (and past them)
+  const std::string message = invalid_argument_message([&] { magi::forward(mask_, a, options_); });
+  EXPECT_NE(message.find("out: overlaps the input "), std::string::npos) << message;
+  a = forward_args();
+  a.max_logits = TensorView(lse_.view().data, DType::F32, {4});
+  expect_forward_rejects(a, "lse: overlaps max_logits");
+}
+
+// Sizes whose element count does not fit int64 (numel would wrap) are refused before any pointer is read.
+TEST_F(ApiArguments, ShapesBeyondInt64) {
+  ForwardArgs a = forward_args();
+  a.q = TensorView(data_.q.view().data, DType::BF16, {int64_t{1} << 20, int64_t{1} << 20, int64_t{1} << 24});
+  expect_forward_rejects(a, "q: [1048576, 1048576, 16777216] holds more bytes than fit in int64");
 }
 
 TEST_F(ApiArguments, BackwardGradientsAndDsink) {
@@ -196,6 +229,20 @@ TEST_F(ApiArguments, BackwardGradientsAndDsink) {
   b = backward_args();
   b.dout = dout_f64.view();
   expect_rejects(b, "dout:");
+
+  // Gradients sharing memory: with each other or with an input.
+  HostTensor dkv = HostTensor::poisoned(DType::BF16, {20, 2, 32});
+  b = backward_args();
+  b.dk = b.dv = dkv.view();
+  expect_rejects(b, "dk: overlaps dv");
+  b = backward_args();
+  b.dq = TensorView(data_.dout_tensor.view().data, DType::BF16, {24, 4, 32});
+  const std::string message = invalid_argument_message([&] { magi::backward(mask_, b, options_); });
+  EXPECT_NE(message.find("dq: overlaps the input dout"), std::string::npos) << message;
+  // A dsink whose unused shape entries past its rank hold garbage is still the sink's shape.
+  BackwardArgs odd = backward_args();
+  odd.dsink.shape[2] = 99;
+  EXPECT_NO_THROW(magi::backward(mask_, odd, options_));
 
   EXPECT_NO_THROW(magi::backward(mask_, backward_args(), options_));
   EXPECT_FALSE(all_nan(dsink));

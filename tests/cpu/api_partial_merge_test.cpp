@@ -188,7 +188,7 @@ TEST(AccumulateDq, NonFp32OrOverlappingDqIsRefused) {
   BackwardArgs dq_is_dv = b;  // dq and dv the same fp32 buffer
   dq_is_dv.dv = dv32.view();
   dq_is_dv.dq = dv32.view();
-  expect_refused(dq_is_dv, "overlap dv");
+  expect_refused(dq_is_dv, "dq: overlaps dv");
 }
 
 }  // namespace

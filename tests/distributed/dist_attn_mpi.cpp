@@ -418,6 +418,95 @@ TEST(DistAttn, HierarchicalCommRejectsNodesThatDoNotDivideCp) {
   EXPECT_THROW(make_runtime_key(masks::full(64, 64), {2, 2, 32}, test::world_ptr(), config), InvalidArgument);
 }
 
+TEST(DistAttn, NegativeRanksPerNodeIsRefusedOnEveryRank) {
+  DistConfig config = config_of(Case{"", masks::full(64, 64)});
+  config.ranks_per_node = -1;
+  EXPECT_THROW(make_runtime_key(masks::full(64, 64), {2, 2, 32}, test::world_ptr(), config), InvalidArgument);
+}
+
+// The local tensors of a call against the runtime key, before any work or communication (so every rank throws
+// alike): whole shapes and dtypes of every output, no partial result or accumulate_dq (the runtime merges the key
+// parts itself), outputs sharing memory. Outputs stay as they were.
+TEST(DistAttn, CallArgumentsAreCheckedBeforeAnyWork) {
+  const Mask mask = masks::causal(192, 192);
+  const auto key = make_runtime_key(mask, {4, 2, 32}, test::world_ptr(), config_of(Case{"", mask}));
+  const int64_t lq = key.local_q_tokens(), lk = key.local_k_tokens();
+  HostTensor q = HostTensor::poisoned(DType::F32, {lq, 4, 32}), k = HostTensor::poisoned(DType::F32, {lk, 2, 32}),
+             v = HostTensor::poisoned(DType::F32, {lk, 2, 32});
+  HostTensor out = HostTensor::poisoned(DType::F32, {lq, 4, 32}), lse = HostTensor::poisoned(DType::F32, {lq, 4});
+  HostTensor narrow = HostTensor::poisoned(DType::F32, {lq, 4, 8}), lse1 = HostTensor::poisoned(DType::F32, {lq, 1});
+  HostTensor out16 = HostTensor::poisoned(DType::BF16, {lq, 4, 32}), logits1 = HostTensor::poisoned(DType::F32, {1});
+  auto forward_rejects = [&](ForwardArgs a, const std::string& needle) {
+    std::string message;
+    try {
+      calc_attn(key, a);
+    } catch (const InvalidArgument& e) {
+      message = e.what();
+    }
+    EXPECT_NE(message.find(needle), std::string::npos) << "expected '" << needle << "', got '" << message << "'";
+  };
+  const ForwardArgs good{q.view(), k.view(), v.view(), {}, out.view(), lse.view(), {}, {}, {}};
+  ForwardArgs a = good;
+  a.out = narrow.view();
+  forward_rejects(a, "out: expected shape");
+  a = good;
+  a.lse = lse1.view();
+  forward_rejects(a, "lse: expected shape");
+  a = good;
+  a.out = out16.view();
+  forward_rejects(a, "out: dtype bf16");
+  a = good;
+  a.out = TensorView(nullptr, DType::F32, {lq, 4, 32});
+  forward_rejects(a, "out: null data pointer");
+  a = good;
+  a.max_logits = logits1.view();
+  forward_rejects(a, "max_logits: expected shape");
+  a = good;
+  a.prev_out = out.view();
+  a.prev_lse = lse.view();
+  forward_rejects(a, "prev_out / prev_lse");
+  a = good;
+  a.lse = TensorView(out.view().data, DType::F32, {lq, 4});
+  forward_rejects(a, "out: overlaps lse");
+  const auto all_nan = [](const HostTensor& t) {
+    const std::vector<double> values = t.values();
+    return std::all_of(values.begin(), values.end(), [](double x) { return std::isnan(x); });
+  };
+  EXPECT_TRUE(all_nan(out));
+
+  HostTensor dq = HostTensor::poisoned(DType::F32, {lq, 4, 32}), dk = HostTensor::poisoned(DType::F32, {lk, 2, 32}),
+             dv = HostTensor::poisoned(DType::F32, {lk, 2, 32});
+  auto backward_rejects = [&](BackwardArgs b, const std::string& needle) {
+    std::string message;
+    try {
+      calc_attn_backward(key, b);
+    } catch (const InvalidArgument& e) {
+      message = e.what();
+    }
+    EXPECT_NE(message.find(needle), std::string::npos) << "expected '" << needle << "', got '" << message << "'";
+  };
+  BackwardArgs b;
+  b.q = q.view();
+  b.k = k.view();
+  b.v = v.view();
+  b.out = out.view();
+  b.lse = lse.view();
+  b.dout = out.view();
+  b.dq = dq.view();
+  b.dk = dk.view();
+  b.dv = dv.view();
+  BackwardArgs bad = b;
+  bad.accumulate_dq = true;
+  backward_rejects(bad, "accumulate_dq");
+  bad = b;
+  bad.dv = dk.view();
+  backward_rejects(bad, "dk: overlaps dv");
+  bad = b;
+  bad.dq = narrow.view();
+  backward_rejects(bad, "dq: expected shape");
+  EXPECT_TRUE(all_nan(dq));
+}
+
 TEST(DistAttn, EnvironmentSelectsDsinkOpAndHierarchicalComm) {
   setenv("MAGI_ATTENTION_DSINK_ALL_REDUCE_OP", "sum", 1);
   setenv("MAGI_ATTENTION_HIERARCHICAL_COMM", "1", 1);

@@ -88,6 +88,18 @@ TEST(MaskJsonErrors, TopLevelMustBeAnObjectWithKnownKeys) {
                "key \"total_q\" appears more than once");
 }
 
+// Text no mask has: nested deeper than three (refused while read: 100000 nested arrays overflowed the stack once),
+// a number beyond double's range, bytes after a NUL (the reader stops there).
+TEST(MaskJsonErrors, DeepNumbersAndNul) {
+  const std::string deep = "{\"q_ranges\":" + std::string(100000, '[') + std::string(100000, ']') +
+                           ",\"k_ranges\":[],\"attn_type_map\":[]}";
+  expect_error(deep, "nested deeper than a mask's");
+  expect_error(R"({"q_ranges":[[[0,1]]],"k_ranges":[[0,1]],"attn_type_map":[0]})", "nested deeper");
+  expect_error(R"({"q_ranges":[[0,1e400]],"k_ranges":[[0,1]],"attn_type_map":[0]})", "malformed JSON: number overflow");
+  const std::string nul = std::string(R"({"q_ranges":[[0,1]],"k_ranges":[[0,1]],"attn_type_map":[0]})") + '\0' + "x";
+  expect_error(nul, "malformed JSON at byte 60: a NUL byte");
+}
+
 TEST(MaskJsonErrors, MissingKeys) {
   expect_error(R"({"k_ranges":[[0,1]],"attn_type_map":[0]})", "missing key \"q_ranges\"");
   expect_error(R"({"q_ranges":[[0,1]],"attn_type_map":[0]})", "missing key \"k_ranges\"");
