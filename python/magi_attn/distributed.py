@@ -282,6 +282,7 @@ atexit.register(clear_cache)  # groups (and their threads) end while Python stil
 
 def get_position_ids(key: DistAttnKey, axis: str = "q") -> Tensor:
     """Global token index of each local row (int64, on the key's device; >= the real length for padding)."""
+    _check_key(key)
     ids = key._position_ids.get(axis)
     if ids is None:
         ids = key._position_ids[axis] = torch.tensor(key._runtime.position_ids(axis), dtype=torch.int64,
@@ -296,10 +297,19 @@ def _stream(key: DistAttnKey) -> int:
     return torch.cuda.current_stream(key.device).cuda_stream if key.device.type == "cuda" else 0
 
 
+def _check_key(key) -> None:
+    if not isinstance(key, DistAttnKey):
+        raise TypeError(f"key: expected a DistAttnKey (from magi_attn_flex_key / magi_attn_varlen_key), "
+                        f"got {type(key).__name__}")
+
+
 def _check_tensor(x, name: str, key: DistAttnKey) -> None:
-    """A tensor on the key's device, contiguous (never copied behind the caller's back)."""
+    """A tensor on the key's device, contiguous (never copied behind the caller's back), with a row axis."""
+    _check_key(key)
     if not isinstance(x, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 1:
+        raise ValueError(f"{name}: expected a tensor with a row (token) axis, got a 0-dim tensor")
     if x.device != key.device:
         raise ValueError(f"{name}: on {x.device}, but the key's tensors live on {key.device} (allowed: {key.device})")
     if not x.is_contiguous():

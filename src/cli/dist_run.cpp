@@ -67,7 +67,7 @@ int dist_run(DistWorld& world, std::span<const std::string> args) {
       "mpirun -np CP magi-attn dist-run --mask MASK.json --q q.npy --k k.npy --v v.npy [--do do.npy]\n"
       "                     [--sink sink.npy --sink-layout sh|ssh] [--dtype bf16|fp16|fp32|fp64]\n"
       "                     [--softmax-scale X] [--softcap X] [--backend auto|cpu|reference] [--threads N]\n"
-      "                     [--chunk-size N] [--overlap-degree N] [--dispatch greedy|greedy_swap]\n"
+      "                     [--chunk-size N] [--overlap-degree N] [--dispatch greedy|greedy_swap|locality]\n"
       "                     [--hierarchical [--ranks-per-node N]] [--comm-timeout S] --out-dir DIR",
       std::string("`run` distributed over the ranks of mpirun (context parallelism): rank 0 reads the inputs\n"
                   "and writes the outputs, every rank computes its share. Prints the plan: per-rank mask area\n"

@@ -1,8 +1,10 @@
 // magi-attn: flexible-mask attention from the command line.
+#include <chrono>
 #include <cstdio>
 #include <exception>
 #include <iostream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cli/commands.hpp"
@@ -89,7 +91,10 @@ int main(int argc, char** argv) {
   try {
     return dispatch(std::vector<std::string>(argv + 1, argv + argc));
   } catch (const magi::cli::QuietExit& quiet) {
-    return quiet.exit_code;  // another rank reported the error
+    // Rank 0 reports the error; a launcher (mpirun) that sees this rank exit first may kill rank 0 before it has
+    // printed (1 run in ~30), so this rank leaves a little later.
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+    return quiet.exit_code;
   } catch (const std::exception& e) {
     print_error(e.what());
   } catch (...) {

@@ -55,6 +55,22 @@ void require_rows(const TensorView& t, const char* name, int64_t rows, int32_t n
     throw InvalidArgument(std::string(name) + ": host communicators need host tensors (allowed: CPU)");
 }
 
+// Host exchanges assume that every rank's tensors have the same dtypes and row shapes (and a roll the same shift):
+// where they differ the collective breaks (gloo aborts the process). One small allgather first, so that every rank
+// throws alike.
+void require_same_tensors_on_all_ranks(comm::Communicator& comm, std::initializer_list<const TensorView*> tensors,
+                                       int64_t extra, std::string_view what) {
+  uint64_t h = 1469598103934665603ull;
+  const auto mix = [&](uint64_t v) { h = (h ^ v) * 1099511628211ull; };
+  for (const TensorView* t : tensors) {
+    mix(static_cast<uint64_t>(t->dtype));
+    mix(static_cast<uint64_t>(t->ndim));
+    for (int i = 1; i < t->ndim; ++i) mix(static_cast<uint64_t>(t->shape[i]));
+  }
+  mix(static_cast<uint64_t>(extra));
+  comm::require_same_on_all_ranks(comm, h, what);
+}
+
 void store_all(const std::vector<double>& values, const TensorView& dst) {
   for (int64_t i = 0; i < static_cast<int64_t>(values.size()); ++i) comm::store_element(dst.dtype, dst.data, i, values[i]);
 }
@@ -367,6 +383,8 @@ void DistAttnRuntime::forward(const ForwardArgs& a, [[maybe_unused]] StreamHandl
                           shape_string(a.q) + ", k " + shape_string(a.k));
   if (a.k.dtype != a.q.dtype || a.v.dtype != a.q.dtype)
     throw InvalidArgument("k, v: dtype must equal q's (" + std::string(to_string(a.q.dtype)) + ")");
+  require_same_tensors_on_all_ranks(*comm_, {&a.q, &a.out, &a.lse, &a.max_logits, &a.sink}, 0,
+                                    "calc_attn: the dtypes of q, out, lse (and which of max_logits, sink are given)");
   const DType part = partial_dtype(a.q.dtype);
   // Partial outputs of the q/out route cross the wire at the input precision unless high-precision reduce is on.
   const DType wire = switches_.routes.forward_high_precision ? part : a.q.dtype;
@@ -585,6 +603,8 @@ void DistAttnRuntime::backward(const BackwardArgs& a, [[maybe_unused]] StreamHan
     throw InvalidArgument("q, k: heads and head dim must match the runtime key");
   if (a.k.dtype != a.q.dtype || a.v.dtype != a.q.dtype)
     throw InvalidArgument("k, v: dtype must equal q's (" + std::string(to_string(a.q.dtype)) + ")");
+  require_same_tensors_on_all_ranks(*comm_, {&a.q, &a.out, &a.dout, &a.lse, &a.dq, &a.dk, &a.dv, &a.dsink}, 0,
+                                    "calc_attn_backward: the dtypes of q, out, dout, lse, dq, dk, dv, dsink");
   const DType part = partial_dtype(a.q.dtype);
   // Partial dk/dv (and dq of the q/out route) cross the wire at the input precision unless high-precision reduce
   // is on.
@@ -909,7 +929,17 @@ RuntimeKey make_runtime_key(const Mask& mask, const HeadShape& heads, std::share
                             const DistConfig& config) {
   env::ensure_validated();
   if (!comm) throw InvalidArgument("make_runtime_key: comm is null");
-  if (config.chunk_size < 1) throw InvalidArgument("chunk_size must be >= 1, got " + std::to_string(config.chunk_size));
+  // A chunk longer than the sequence only pads every rank's share with zero rows (2^29 asked for 137 GB), so
+  // chunks are bounded by the longer sequence, or by 16384 for short ones (the default 512 stays valid).
+  const int64_t longest = std::max<int64_t>({mask.total_q, mask.total_k, 16384});
+  if (config.chunk_size < 1 || config.chunk_size > longest)
+    throw InvalidArgument("chunk_size: " + std::to_string(config.chunk_size) + " (allowed: 1 .. " +
+                          std::to_string(longest) + ", the longer of total_q, total_k and 16384)");
+  const AttentionOptions& o = config.attention;
+  if (o.softmax_scale && !std::isfinite(*o.softmax_scale))
+    throw InvalidArgument("softmax_scale must be finite, got " + std::to_string(*o.softmax_scale));
+  if (!std::isfinite(o.softcap) || o.softcap < 0)
+    throw InvalidArgument("softcap must be finite and >= 0 (0 = off), got " + std::to_string(o.softcap));
   if (config.overlap_degree < 0)
     throw InvalidArgument("overlap_degree must be >= 0 (0 = no overlap), got " + std::to_string(config.overlap_degree));
   if (heads.heads_q < 1 || heads.heads_kv < 1 || heads.heads_q % heads.heads_kv != 0 || heads.head_dim < 8 ||
@@ -1066,6 +1096,7 @@ void undispatch(const RuntimeKey& key, Axis axis, const TensorView& local, const
   const int64_t row = row_bytes_of(local, "local", p.local_tokens());
   row_bytes_of(global, "global", p.total);
   comm::Communicator& comm = key.runtime().comm();
+  require_same_tensors_on_all_ranks(comm, {&local}, 0, "undispatch: the dtype and row shape of local");
   std::vector<std::byte> all(static_cast<size_t>(row * p.local_tokens() * comm.size()));
   comm.allgather(local.data, row * p.local_tokens(), all.data());
   auto* dst = static_cast<std::byte*>(global.data);
@@ -1102,6 +1133,7 @@ void roll(const RuntimeKey& key, Axis axis, const TensorView& local, const Tenso
   const int64_t row = row_bytes_of(local, "local", p.local_tokens());
   row_bytes_of(out, "out", p.local_tokens());
   comm::Communicator& comm = key.runtime().comm();
+  require_same_tensors_on_all_ranks(comm, {&local}, shift, "roll: the shift, and the dtype and row shape of local");
   const int32_t cp = comm.size();
   const RollRoutes routes = roll_routes(p, comm.rank(), shift);
   std::vector<int64_t> send_counts(cp), send_displs(cp), recv_counts(cp), recv_displs(cp);

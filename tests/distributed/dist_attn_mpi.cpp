@@ -424,6 +424,35 @@ TEST(DistAttn, NegativeRanksPerNodeIsRefusedOnEveryRank) {
   EXPECT_THROW(make_runtime_key(masks::full(64, 64), {2, 2, 32}, test::world_ptr(), config), InvalidArgument);
 }
 
+// Key options checked when the key is made, on every rank: a chunk far longer than the sequence (it only pads every
+// rank's share: 2^29 asked for 137 GB), a NaN softmax_scale or softcap (else only ranks with work would throw).
+TEST(DistAttn, KeyOptionsAreCheckedWhenTheKeyIsMade) {
+  const Mask mask = masks::full(256, 256);
+  DistConfig config = config_of(Case{"", mask});
+  config.chunk_size = 1 << 29;
+  EXPECT_THROW(make_runtime_key(mask, {2, 2, 32}, test::world_ptr(), config), InvalidArgument);
+  config.chunk_size = 512;  // longer than the sequence, within 16384: still valid
+  EXPECT_NO_THROW(make_runtime_key(mask, {2, 2, 32}, test::world_ptr(), config));
+  config.attention.softmax_scale = std::nan("");
+  EXPECT_THROW(make_runtime_key(mask, {2, 2, 32}, test::world_ptr(), config), InvalidArgument);
+  config.attention.softmax_scale.reset();
+  config.attention.softcap = std::nan("");
+  EXPECT_THROW(make_runtime_key(mask, {2, 2, 32}, test::world_ptr(), config), InvalidArgument);
+}
+
+// Ranks whose tensors or roll shift differ would break the exchange (gloo aborts the process): every rank throws.
+TEST(DistAttn, RanksDisagreeingOnTensorsThrowOnEveryRank) {
+  if (world().size() < 2) GTEST_SKIP() << "needs two ranks";
+  const Mask mask = masks::causal(256, 256);
+  const auto key = make_runtime_key(mask, {2, 2, 32}, test::world_ptr(), config_of(Case{"", mask}));
+  const int64_t width = world().rank() == 0 ? 4 : 8;
+  HostTensor local = HostTensor::poisoned(DType::F32, {key.local_q_tokens(), width});
+  HostTensor global = HostTensor::poisoned(DType::F32, {256, width});
+  EXPECT_THROW(undispatch(key, Axis::Q, local.view(), global.view()), InvalidArgument);
+  HostTensor same = HostTensor::poisoned(DType::F32, {key.local_q_tokens(), 4}), rolled = same;
+  EXPECT_THROW(roll(key, Axis::Q, same.view(), rolled.view(), world().rank() == 0 ? 1 : 2), InvalidArgument);
+}
+
 // The local tensors of a call against the runtime key, before any work or communication (so every rank throws
 // alike): whole shapes and dtypes of every output, no partial result or accumulate_dq (the runtime merges the key
 // parts itself), outputs sharing memory. Outputs stay as they were.

@@ -193,7 +193,13 @@ def bad_inputs(device):
                           (lambda: ma.calc_attn(q[:-1].cpu() if device != "cpu" else q[:-1].double(), kv, kv, key),
                            "" if device != "cpu" else "dtype"),
                           (lambda: ma.magi_attn_flex_key([[0, 8]], [[0, 8]], [0], 8, 8, 2, 1, 32, dispatch="fair"),
-                           "dispatch: unknown algorithm")):
+                           "dispatch: unknown algorithm"),
+                          (lambda: ma.dispatch(torch.tensor(1.0, device=device), key), "0-dim"),
+                          (lambda: ma.dispatch(kv, "key"), "key: expected a DistAttnKey"),
+                          (lambda: ma.magi_attn_flex_key([[0, 8]], [[0, 8]], [0], 8, 8, 2, 1, 32,
+                                                         softmax_scale=float("nan")), "softmax_scale"),
+                          (lambda: ma.magi_attn_flex_key([[0, 256]], [[0, 256]], [1], 256, 256, 2, 1, 32,
+                                                         chunk_size=2**29), "chunk_size")):
         try:
             call()
         except (ValueError, TypeError) as e:
