@@ -52,13 +52,16 @@ __global__ void preprocess_kernel(const PreprocessArgs a) {
   const float lse = a.lse[warp];
   float dot = 0.0f;
   for (int c = lane * 4; c < a.d; c += 128) {
-    const float4 g = load4_as_float<T>(a.dout, base + c, a.dout_fp32);
+    float4 g = load4_as_float<T>(a.dout, base + c, a.dout_fp32);
     const float4 o = load4_as_float<T>(a.out, base + c, a.out_fp32);
-    dot += g.x * o.x + g.y * o.y + g.z * o.z + g.w * o.w;
     if (a.dout16 != nullptr) {
+      // Delta from the dout the kernels' dP = dO V^T reads: against the fp32 dout it would miss dP by dout's
+      // rounding, an error that does not cancel in dS (a row with one key then gets dq != 0).
       T h[4] = {from_float<T>(g.x), from_float<T>(g.y), from_float<T>(g.z), from_float<T>(g.w)};
       *reinterpret_cast<uint2*>(static_cast<T*>(a.dout16) + base + c) = *reinterpret_cast<const uint2*>(h);
+      g = make_float4(to_float(h[0]), to_float(h[1]), to_float(h[2]), to_float(h[3]));
     }
+    dot += g.x * o.x + g.y * o.y + g.z * o.z + g.w * o.w;
     if (a.dq_zero != nullptr) *reinterpret_cast<float4*>(a.dq_zero + base + c) = make_float4(0.f, 0.f, 0.f, 0.f);
   }
 #pragma unroll

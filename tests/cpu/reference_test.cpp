@@ -151,6 +151,32 @@ TEST(ReferenceForward, EmptyRowsGiveZeroOutMinusInfLseZeroGrads) {
   }
 }
 
+// A row with one key: dS = P (dP - Delta) = 0, so dq cancels to 0 while its terms' size does not. Given out (the
+// backward's input) feeds Delta: the exact out gives the same gradients, a perturbed one moves that row's dq.
+TEST(ReferenceBackward, OneKeyRowsCancelAndTheGivenOutFeedsDelta) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  ReferenceProblem p = tiny_problem(rng, Mask{{make_slice(0, 5, 0, 1, MaskType::Full)}, 5, 1}, 2, 1, 16);
+  const ReferenceForward f = reference_forward(p);
+  const std::vector<double> dout = random_normal(rng, f.out.size(), DType::F64);
+  const ReferenceGrads g = reference_backward(p, dout);
+  double dq2 = 0.0, size2 = 0.0;
+  for (std::size_t i = 0; i < g.dq.size(); ++i) {
+    dq2 += g.dq[i] * g.dq[i];
+    size2 += g.dq_magnitude[i] * g.dq_magnitude[i];
+  }
+  EXPECT_LT(std::sqrt(dq2), 1e-12 * std::sqrt(size2)) << "seed " << seed;
+  EXPECT_GT(size2, 0.0) << "seed " << seed;
+
+  const ReferenceGrads same = reference_backward(p, dout, &f.out);
+  for (std::size_t i = 0; i < g.dq.size(); ++i) EXPECT_EQ(same.dq[i], g.dq[i]);
+  std::vector<double> rounded_out = rounded(f.out, DType::BF16);
+  const ReferenceGrads moved = reference_backward(p, dout, &rounded_out);
+  double moved2 = 0.0;
+  for (double x : moved.dq) moved2 += x * x;
+  EXPECT_GT(moved2, 0.0) << "seed " << seed;  // out's rounding alone (v is not bf16 here)
+}
+
 TEST(ReferenceForward, QOverlapSplitEqualsSingleSlice) {
   const uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
@@ -225,6 +251,8 @@ TEST(ReferenceForward, SinkIdentities) {
     }
 
   for (std::size_t i = 0; i < g1.dsink.size(); ++i) EXPECT_GE(g1.dsink_magnitude[i], std::fabs(g1.dsink[i]));
+  for (std::size_t i = 0; i < g1.dq.size(); ++i) EXPECT_GE(g1.dq_magnitude[i], std::fabs(g1.dq[i]) * (1 - 1e-12));
+  for (std::size_t i = 0; i < g1.dk.size(); ++i) EXPECT_GE(g1.dk_magnitude[i], std::fabs(g1.dk[i]) * (1 - 1e-12));
 
   // A sink at -1e4 carries no mass: the result equals no sink, and its gradient vanishes.
   ReferenceProblem dead = sh;
@@ -372,6 +400,16 @@ TEST(Compare, RejectsNaNInfMismatchNonZeroEmptyRowsAndLargeErrors) {
   EXPECT_TRUE(check_close("x", {1.0, -2.0, 0.0, 3.0 + 1e-11}, ref, Quantity::Out, DType::F64, "fp64"));
   EXPECT_TRUE(check_close("x", {1.0, -2.0, 0.0, 3.01}, ref, Quantity::Out, DType::BF16, "bf16"));
   EXPECT_FALSE(check_close("x", {1.0, -2.0, 0.0, 3.2}, ref, Quantity::Out, DType::BF16, "bf16"));
+
+  // dq / dk: relative L2 unless the reference cancelled to below 1% of its terms' size.
+  const std::vector<double> healthy{1.0, -2.0}, terms{3.0, 3.0};
+  EXPECT_TRUE(check_grad_cancelling("dq", {1.01, -2.01}, healthy, terms, DType::BF16, "healthy"));
+  EXPECT_FALSE(check_grad_cancelling("dq", {1.1, -2.1}, healthy, terms, DType::BF16, "healthy, 7% off"));
+  const std::vector<double> cancelled{1e-9, -1e-9};
+  EXPECT_TRUE(check_grad_cancelling("dq", {2e-6, -1e-6}, cancelled, terms, DType::BF16, "rounding of the terms"));
+  EXPECT_FALSE(check_grad_cancelling("dq", {1e-2, 0.0}, cancelled, terms, DType::BF16, "off by 1e-2"));
+  EXPECT_FALSE(check_grad_cancelling("dq", {std::nan(""), 0.0}, cancelled, terms, DType::BF16, "nan"));
+  EXPECT_FALSE(check_grad_cancelling("dq", {1e-9, 1e-12}, cancelled, terms, DType::BF16, "structural zero", {0, 1}));
 
   // dsink is judged against the size of its terms, not of the (possibly cancelled) sum.
   EXPECT_TRUE(check_dsink({1e-3 + 1e-7}, {1e-3}, {1.0}, DType::F32, "cancelled"));

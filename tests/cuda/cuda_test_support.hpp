@@ -34,6 +34,7 @@ class DeviceTensor {
     bytes_ = host.bytes().size();
     MAGI_CUDA_CHECK(cudaMalloc(&data_, bytes_ + 16));
     MAGI_CUDA_CHECK(cudaMemcpy(data_, host.bytes().data(), bytes_, cudaMemcpyHostToDevice));
+    landed();
   }
   DeviceTensor(const DeviceTensor&) = delete;
   DeviceTensor& operator=(const DeviceTensor&) = delete;
@@ -50,6 +51,7 @@ class DeviceTensor {
   // Overwrites the device copy with `host` (same size), e.g. NaN poison before a run.
   void upload(const HostTensor& host) {
     MAGI_CUDA_CHECK(cudaMemcpy(data_, host.bytes().data(), bytes_, cudaMemcpyHostToDevice));
+    landed();
   }
   HostTensor download() const {
     HostTensor host(dtype_, shape_);
@@ -69,6 +71,10 @@ class DeviceTensor {
   bool defined() const { return !shape_.empty(); }
 
  private:
+  // A copy from pageable memory may return before its bytes reach the device; a call on a non-blocking stream
+  // would not wait for them.
+  static void landed() { MAGI_CUDA_CHECK(cudaDeviceSynchronize()); }
+
   void* data_ = nullptr;
   size_t bytes_ = 0;
   DType dtype_ = DType::F32;

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <sstream>
 #include <random>
 #include <string>
 #include <tuple>
@@ -12,7 +13,9 @@
 
 #include "cuda/cuda_test_support.hpp"
 #include "cuda/sm90/tiles.hpp"
+#include "magi/attention.hpp"
 #include "magi/error.hpp"
+#include "magi/mask.hpp"
 #include "reference/key_parts.hpp"
 #include "reference/random_inputs.hpp"
 
@@ -1183,6 +1186,222 @@ TEST(CudaBackend, ConcatenatedHeadsMatchReference) {
     const char* names[] = {"dq", "dk", "dv"};
     for (size_t i = 0; i < now.size(); ++i)
       EXPECT_TRUE(check_bitwise_equal(names[i], first[i], now[i], "seed " + std::to_string(seed)));
+  }
+}
+
+// ---- Random valid calls through the public C++ API (magi::forward / backward on device tensors) ----
+// Every draw is a call the SPEC allows: any grid from one token, masks from random slices, cut slices (exact
+// merges), documents, windows and the other builders, GQA / MQA, every head dim the build runs (multiples of 8),
+// sink, softcap, scale, fp32 / mixed outputs, deterministic mode, a caller workspace, a fresh stream,
+// accumulate_dq. Judged by SPEC section 5; structural zeros must be exactly zero and inputs untouched.
+struct ApiCall {
+  std::string name;
+  Mask mask;
+  CaseConfig config;
+  bool caller_workspace = false, own_stream = false, accumulate_dq = false;
+};
+
+std::vector<int32_t> random_documents(std::mt19937_64& rng, int32_t total) {
+  std::vector<int32_t> cu{0};
+  while (cu.back() < total) {
+    const int32_t left = total - cu.back();
+    cu.push_back(cu.back() + std::uniform_int_distribution<int32_t>(1, std::max(1, std::min(left, 700)))(rng));
+  }
+  return cu;
+}
+
+ApiCall random_api_call(std::mt19937_64& rng) {
+  auto uniform = [&](int32_t lo, int32_t hi) { return std::uniform_int_distribution<int32_t>(lo, hi)(rng); };
+  const int32_t heads[][2] = {{1, 1}, {2, 1}, {2, 2}, {4, 2}, {3, 3}, {6, 2}, {8, 1}, {5, 5}};
+  const auto& h = heads[uniform(0, 7)];
+  const bool large = cuda::head_dim_supported(320) && uniform(0, 4) == 0;
+  int32_t d = 64;
+  for (int draw = 0; draw < 64; ++draw) {
+    const int32_t candidate = large ? 8 * uniform(33, 128) : 8 * uniform(1, 32);
+    if (cuda::head_dim_supported(candidate)) {
+      d = candidate;
+      break;
+    }
+  }
+  ApiCall call;
+  CaseConfig& c = call.config;
+  c = config(uniform(0, 1) ? DType::BF16 : DType::F16, h[0], h[1], d);
+  // The fp64 reference's cost bounds the grid: about 3e8 (cell, head, column) products.
+  const int64_t budget = 300'000'000 / (int64_t{h[0]} * d);
+  const int32_t side = static_cast<int32_t>(std::min<int64_t>(1500, std::sqrt(static_cast<double>(budget))));
+  int32_t tq = uniform(1, side), tk = uniform(1, side);
+  std::string kind;
+  switch (uniform(0, 6)) {
+    case 0:
+      kind = "rectangles";
+      call.mask = random_rectangles(rng, tq, tk, uniform(1, 80));
+      break;
+    case 1: {
+      const int32_t aligns[] = {1, 16, 64, 128};
+      kind = "cut";
+      call.mask = random_cut_rectangles(rng, tq, tk, uniform(1, 12), uniform(1, 3), aligns[uniform(0, 3)]);
+      break;
+    }
+    case 2:
+      kind = "documents";
+      call.mask = uniform(0, 1) ? masks::varlen_causal(random_documents(rng, tq))
+                                : masks::varlen_full(random_documents(rng, tq));
+      break;
+    case 3:
+      kind = "window";
+      call.mask = masks::sliding_window(tq, uniform(-1, tq), uniform(-1, 64));
+      break;
+    case 4:
+      kind = "block_causal";
+      call.mask = uniform(0, 1) ? masks::block_causal(tq, uniform(1, 300))
+                                : masks::varlen_block_causal(random_documents(rng, tq), uniform(1, 300));
+      break;
+    case 5: {
+      kind = "shared_question";
+      std::vector<int32_t> answers;
+      for (int a = uniform(0, 5); a > 0; --a) answers.push_back(uniform(0, side / 8));
+      call.mask = masks::shared_question(uniform(0, side / 2), answers);
+      break;
+    }
+    default: {
+      // One slice of any type over random sub-ranges (causal with Sq > Sk keeps empty rows).
+      kind = "one_slice";
+      const int32_t qs = uniform(0, tq - 1), ks = uniform(0, tk - 1);
+      call.mask.total_q = tq;
+      call.mask.total_k = tk;
+      call.mask.slices.push_back(make_slice(qs, uniform(qs, tq), ks, uniform(ks, tk), static_cast<MaskType>(uniform(0, 3))));
+    }
+  }
+  c.softcap = uniform(0, 3) == 0 ? 0.5 + uniform(0, 60) / 2.0 : 0.0;
+  if (uniform(0, 2) == 0) {
+    c.sink_layout = uniform(0, 1) ? SinkLayout::SH : SinkLayout::SSH;
+    c.sink_len = uniform(1, 8);
+    c.sink_mean = uniform(-3, 4);
+    c.sink_neg_inf = uniform(0, 5) == 0;
+  }
+  const int32_t outputs = uniform(0, 7);
+  c.fp32_outputs = outputs < 2;
+  c.mixed_buffers = outputs == 2;
+    if (uniform(0, 4) == 0) c.softmax_scale = uniform(1, 40) / 100.0;
+  c.max_logits = uniform(0, 1) == 1;
+  if (uniform(0, 2) == 0) c.deterministic = uniform(0, 1) == 1;
+  call.caller_workspace = uniform(0, 3) == 0;
+  call.own_stream = uniform(0, 3) == 0;
+  call.accumulate_dq = c.dq_dtype() == DType::F32 && uniform(0, 2) == 0;
+  call.name = kind + "_" + std::to_string(call.mask.total_q) + "x" + std::to_string(call.mask.total_k) + "_n" +
+              std::to_string(call.mask.slices.size()) + (call.caller_workspace ? "_workspace" : "") +
+              (call.own_stream ? "_stream" : "") + (call.accumulate_dq ? "_accumulate" : "");
+  return call;
+}
+
+// A caller-owned device buffer for args.workspace.
+struct DeviceBytes {
+  void* data = nullptr;
+  explicit DeviceBytes(int64_t bytes) {
+    if (bytes > 0) MAGI_CUDA_CHECK(cudaMalloc(&data, static_cast<size_t>(bytes)));
+  }
+  ~DeviceBytes() { cudaFree(data); }
+};
+
+testing::AssertionResult check_api_call(const ApiCall& call, uint64_t seed) {
+  const CaseConfig& c = call.config;
+  std::ostringstream context_stream;
+  context_stream << "case " << call.name << ", " << c.describe() << ", deterministic "
+                 << (c.deterministic ? (*c.deterministic ? "on" : "off") : "default") << ", seed " << seed;
+  const std::string context = context_stream.str();
+  auto failed = [&](const char* what) { return testing::AssertionFailure() << what << " [" << context << "]"; };
+  try {
+    CaseData d = make_case(call.mask, c, seed);
+    DeviceCase dev(d, c);
+    const AttentionOptions o = c.options();
+    cudaStream_t stream = nullptr;
+    if (call.own_stream) MAGI_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    struct StreamGuard {
+      cudaStream_t s;
+      ~StreamGuard() {
+        if (s) cudaStreamDestroy(s);
+      }
+    } guard{stream};
+
+    ForwardArgs fa = dev.forward_args();
+    DeviceBytes fwd_space(call.caller_workspace ? workspace_bytes(fa, o) : 0);
+    if (call.caller_workspace) fa.workspace = {fwd_space.data, workspace_bytes(fa, o)};
+    forward(call.mask, fa, o, stream);
+    MAGI_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const ReferenceForward ref = reference_forward(d.problem);
+    const StructuralZeros zeros = structural_zeros(call.mask, c.heads_q, c.heads_kv, c.head_dim);
+    if (auto ok = check_close("out", dev.out.download().values(), ref.out, Quantity::Out, c.dtype, context, zeros.q_rows); !ok)
+      return ok;
+    if (auto ok = check_close("lse", dev.lse.download().values(), ref.lse, Quantity::Lse, c.dtype, context); !ok)
+      return ok;
+    if (c.max_logits)
+      if (auto ok = check_close("max_logits", dev.max_logits.download().values(), ref.max_logits, Quantity::MaxLogits,
+                                c.dtype, context);
+          !ok)
+        return ok;
+
+    // accumulate_dq: dq starts from values exact in fp32 (multiples of 2^-10 in [-1, 1]), taken off after.
+    std::vector<double> dq0;
+    if (call.accumulate_dq) {
+      std::mt19937_64 rng(seed + 7);
+      dq0.resize(d.q.values().size());
+      for (double& x : dq0) x = std::uniform_int_distribution<int32_t>(-1024, 1024)(rng) / 1024.0;
+      dev.dq.upload(HostTensor::from_values(dq0, DType::F32, d.q.shape()));
+    }
+    BackwardArgs ba = dev.backward_args();
+    ba.accumulate_dq = call.accumulate_dq;
+    DeviceBytes bwd_space(call.caller_workspace ? workspace_bytes(ba, o) : 0);
+    if (call.caller_workspace) ba.workspace = {bwd_space.data, workspace_bytes(ba, o)};
+    backward(call.mask, ba, o, stream);
+    MAGI_CUDA_CHECK(cudaStreamSynchronize(stream));
+    // Judged on the backward's own inputs: Delta from the out it was given (naive_attention.hpp says why).
+    const std::vector<double> given_out = dev.out.download().values();
+    const ReferenceGrads g = reference_backward(d.problem, d.dout, &given_out);
+    std::vector<double> dq = dev.dq.download().values();
+    for (size_t i = 0; i < dq0.size(); ++i) dq[i] -= dq0[i];
+    // dq / dk of rows whose terms cancel (one key, a sink beside one key) are judged against their terms' size.
+    if (auto ok = check_grad_cancelling("dq", dq, g.dq, g.dq_magnitude, c.dtype, context,
+                                        call.accumulate_dq ? std::vector<uint8_t>{} : zeros.q_rows);
+        !ok)
+      return ok;
+    if (auto ok = check_grad_cancelling("dk", dev.dk.download().values(), g.dk, g.dk_magnitude, c.dtype, context,
+                                        zeros.k_rows);
+        !ok)
+      return ok;
+    if (auto ok = check_close("dv", dev.dv.download().values(), g.dv, Quantity::Grad, c.dtype, context, zeros.k_rows); !ok)
+      return ok;
+    if (d.sink.defined())
+      if (auto ok = check_dsink(dev.dsink.download().values(), g.dsink, g.dsink_magnitude, c.dtype, context); !ok)
+        return ok;
+    const std::pair<const DeviceTensor*, const HostTensor*> inputs[] = {
+        {&dev.q, &d.q}, {&dev.k, &d.k}, {&dev.v, &d.v}, {&dev.sink, &d.sink}, {&dev.dout, &d.dout_tensor}};
+    for (const auto& [now, before] : inputs)
+      if (before->defined() && now->download().bytes() != before->bytes()) return failed("an input was modified");
+
+    // The deterministic mode's promise: the same gradients, bit for bit, on a second run (dq poisoned first).
+    if (c.deterministic.value_or(false) && !call.accumulate_dq) {
+      const auto first = dev.results();
+      dev.dq.upload(HostTensor::poisoned(c.dq_dtype(), d.q.shape()));
+      backward(call.mask, ba, o, stream);
+      MAGI_CUDA_CHECK(cudaStreamSynchronize(stream));
+      const auto again = dev.results();
+      for (size_t i = 0; i < first.size(); ++i)
+        if (auto ok = check_bitwise_equal(first[i].first, first[i].second, again[i].second, context); !ok) return ok;
+    }
+    return testing::AssertionSuccess();
+  } catch (const std::exception& e) {
+    return testing::AssertionFailure() << "threw: " << e.what() << " [" << context << "]";
+  }
+}
+
+// Twelve random calls a run (fresh seeds: `--gtest_repeat=N` draws N x 12 more).
+TEST(CudaFuzz, RandomCallsThroughTheApiMatchReference) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  for (int i = 0; i < 12; ++i) {
+    const ApiCall call = random_api_call(rng);
+    const testing::AssertionResult ok = check_api_call(call, seed + 1000 * (i + 1));
+    EXPECT_TRUE(ok) << (call.mask.slices.size() <= 40 ? "\nmask: " + mask_to_json(call.mask) : std::string());
   }
 }
 

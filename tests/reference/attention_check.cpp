@@ -15,10 +15,7 @@ namespace {
 
 bool is_16bit(DType d) { return d == DType::BF16 || d == DType::F16; }
 
-// Elements that are zero by structure: rows that keep no key (out, dq) and keys no row keeps (dk, dv).
-struct StructuralZeros {
-  std::vector<uint8_t> q_rows, k_rows;  // per element of [Tq, Hq, D] and [Tk, Hkv, D]
-};
+}  // namespace
 
 StructuralZeros structural_zeros(const Mask& mask, int32_t heads_q, int32_t heads_kv, int32_t dim) {
   const std::vector<uint8_t> keep = dense_keep(mask);
@@ -32,8 +29,6 @@ StructuralZeros structural_zeros(const Mask& mask, int32_t heads_q, int32_t head
   for (std::size_t k = 0; k < tk; ++k) z.k_rows.insert(z.k_rows.end(), static_cast<std::size_t>(heads_kv) * dim, key_unread[k]);
   return z;
 }
-
-}  // namespace
 
 DType CaseConfig::out_dtype() const { return (fp32_outputs || mixed_buffers) && is_16bit(dtype) ? DType::F32 : dtype; }
 DType CaseConfig::dout_dtype() const { return mixed_buffers ? dtype : out_dtype(); }

@@ -74,6 +74,12 @@ EngineResult run_forward(CaseData& data, const CaseConfig& config);
 // Poisons the gradients, then calls magi::backward on `result`'s out and lse.
 void run_backward(CaseData& data, const CaseConfig& config, EngineResult& result);
 
+// Elements that are zero by structure: rows that keep no key (out, dq) and keys no row keeps (dk, dv).
+struct StructuralZeros {
+  std::vector<uint8_t> q_rows, k_rows;  // per element of [Tq, Hq, D] and [Tk, Hkv, D]
+};
+StructuralZeros structural_zeros(const Mask& mask, int32_t heads_q, int32_t heads_kv, int32_t dim);
+
 // Forward (and backward when config.backward) against the reference; every tensor judged.
 testing::AssertionResult check_case(const Mask& mask, const CaseConfig& config, uint64_t seed,
                                     std::string_view case_name);

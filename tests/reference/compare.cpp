@@ -162,6 +162,51 @@ testing::AssertionResult check_dsink(const std::vector<double>& got, const std::
   return testing::AssertionSuccess();
 }
 
+testing::AssertionResult check_grad_cancelling(std::string_view name, const std::vector<double>& got,
+                                               const std::vector<double>& ref, const std::vector<double>& magnitude,
+                                               DType dtype, std::string_view context,
+                                               const std::vector<uint8_t>& exact_zero) {
+  if (magnitude.size() != ref.size())
+    return testing::AssertionFailure() << name << ": magnitude size " << magnitude.size() << " != reference size "
+                                       << ref.size() << " [" << context << "]";
+  double ref2 = 0.0, magnitude2 = 0.0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    if (!std::isfinite(ref[i])) continue;
+    ref2 += ref[i] * ref[i];
+    magnitude2 += magnitude[i] * magnitude[i];
+  }
+  constexpr double kFloor = 0.01;
+  if (std::sqrt(ref2) >= kFloor * std::sqrt(magnitude2))
+    return check_close(name, got, ref, Quantity::Grad, dtype, context, exact_zero);
+  std::ostringstream where;
+  where << " [" << name << ", grad (cancelled: ||ref|| " << std::sqrt(ref2) << " < 1% of its terms' "
+        << std::sqrt(magnitude2) << "), inputs " << magi::to_string(dtype) << "; " << context << "]";
+  if (got.size() != ref.size())
+    return testing::AssertionFailure() << "size " << got.size() << " != reference size " << ref.size() << where.str();
+  const ErrorStats e = error_stats(got, ref, exact_zero);
+  if (e.non_finite_mismatch >= 0) {
+    const auto i = static_cast<std::size_t>(e.non_finite_mismatch);
+    return testing::AssertionFailure() << "non-finite mismatch at index " << i << ": got " << got[i] << ", ref "
+                                       << ref[i] << where.str();
+  }
+  if (e.zero_mismatch >= 0) {
+    const auto i = static_cast<std::size_t>(e.zero_mismatch);
+    return testing::AssertionFailure() << "index " << i << " must be exactly 0 (empty row or unread key), got "
+                                       << got[i] << where.str();
+  }
+  double diff2 = 0.0;
+  for (std::size_t i = 0; i < ref.size(); ++i)
+    if (std::isfinite(ref[i])) diff2 += (got[i] - ref[i]) * (got[i] - ref[i]);
+  const double floor = kFloor * std::sqrt(magnitude2);
+  const double error = floor > 0.0 ? std::sqrt(diff2) / floor : std::sqrt(diff2);
+  const double bound = tolerance_for(Quantity::Grad, dtype).bound;
+  if (!(error <= bound))
+    return testing::AssertionFailure() << "||got - ref|| / (1% of ||terms||) = " << error << " > " << bound
+                                       << " (max abs " << e.max_abs << " at index " << e.worst_index << ")"
+                                       << where.str();
+  return testing::AssertionSuccess();
+}
+
 testing::AssertionResult check_bitwise_equal(std::string_view name, const HostTensor& a, const HostTensor& b,
                                              std::string_view context) {
   if (a.dtype() != b.dtype() || a.shape() != b.shape())

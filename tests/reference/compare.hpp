@@ -56,6 +56,15 @@ testing::AssertionResult check_close(std::string_view name, const std::vector<do
 testing::AssertionResult check_dsink(const std::vector<double>& got, const std::vector<double>& ref,
                                      const std::vector<double>& magnitude, DType dtype, std::string_view context);
 
+// dq / dk where their terms may cancel: judged like check_close (Quantity::Grad), except that ||ref||_2 in the
+// relative L2 error is never taken below 1% of ||magnitude||_2 (ReferenceGrads::dq_magnitude / dk_magnitude).
+// A gradient that cancelled to under 1% of its terms (rows of one key, a sink beside one key) is then held to
+// the bound times that floor, instead of to a relative error of rounding noise against a reference near 0.
+testing::AssertionResult check_grad_cancelling(std::string_view name, const std::vector<double>& got,
+                                               const std::vector<double>& ref, const std::vector<double>& magnitude,
+                                               DType dtype, std::string_view context,
+                                               const std::vector<uint8_t>& exact_zero = {});
+
 // Bitwise equality of two buffers (determinism).
 testing::AssertionResult check_bitwise_equal(std::string_view name, const HostTensor& a, const HostTensor& b,
                                              std::string_view context);

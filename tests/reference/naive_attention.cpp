@@ -132,7 +132,8 @@ ReferenceForward reference_forward(const ReferenceProblem& p) {
   return f;
 }
 
-ReferenceGrads reference_backward(const ReferenceProblem& p, const std::vector<double>& dout) {
+ReferenceGrads reference_backward(const ReferenceProblem& p, const std::vector<double>& dout,
+                                  const std::vector<double>* given_out) {
   const Evaluator ev(p);
   const int32_t tq = p.total_q(), hq = p.heads_q, dim = p.head_dim;
   ReferenceGrads g;
@@ -141,6 +142,8 @@ ReferenceGrads reference_backward(const ReferenceProblem& p, const std::vector<d
   g.dv.assign(p.v.size(), 0.0);
   g.dsink.assign(p.sink.size(), 0.0);
   g.dsink_magnitude.assign(p.sink.size(), 0.0);
+  g.dq_magnitude.assign(p.q.size(), 0.0);
+  g.dk_magnitude.assign(p.k.size(), 0.0);
   for (int32_t t = 0; t < tq; ++t) {
     for (int32_t h = 0; h < hq; ++h) {
       const RowState r = ev.row(t, h);
@@ -157,28 +160,36 @@ ReferenceGrads reference_backward(const ReferenceProblem& p, const std::vector<d
         const double* vr = ev.v_row(r.keys[n], hk);
         for (int32_t d = 0; d < dim; ++d) out[d] += prob[n] * vr[d];
       }
+      const double* delta_out = given_out ? &(*given_out)[ev.index3(t, h, hq)] : out.data();
       double delta = 0.0;
-      for (int32_t d = 0; d < dim; ++d) delta += dor[d] * out[d];
+      for (int32_t d = 0; d < dim; ++d) delta += dor[d] * delta_out[d];
 
       double* dqr = &g.dq[ev.index3(t, h, hq)];
+      double* dq_size = &g.dq_magnitude[ev.index3(t, h, hq)];
       for (std::size_t n = 0; n < r.keys.size(); ++n) {
         const int32_t j = r.keys[n];
         const double* kr = ev.k_row(j, hk);
         const double* vr = ev.v_row(j, hk);
         double* dkr = &g.dk[ev.index3(j, hk, p.heads_kv)];
         double* dvr = &g.dv[ev.index3(j, hk, p.heads_kv)];
+        double* dk_size = &g.dk_magnitude[ev.index3(j, hk, p.heads_kv)];
         double dp = 0.0;
         for (int32_t d = 0; d < dim; ++d) dp += dor[d] * vr[d];
         double ds = prob[n] * (dp - delta);  // d loss / d s
+        double ds_size = prob[n] * (std::fabs(dp) + std::fabs(delta));
         if (p.softcap > 0.0) {
           const double th = std::tanh(r.raw[n] / p.softcap);
           ds *= 1.0 - th * th;  // d s / d raw
+          ds_size *= 1.0 - th * th;
         }
         const double dx = ds * ev.scale();  // d loss / d (q . k)
+        const double dx_size = ds_size * std::fabs(ev.scale());
         for (int32_t d = 0; d < dim; ++d) {
           dqr[d] += dx * kr[d];
           dkr[d] += dx * qr[d];
           dvr[d] += prob[n] * dor[d];
+          dq_size[d] += dx_size * std::fabs(kr[d]);
+          dk_size[d] += dx_size * std::fabs(qr[d]);
         }
       }
 

@@ -49,10 +49,18 @@ struct ReferenceGrads {
   // Like dsink, with the absolute values of the per-row terms summed: dsink may cancel to far below
   // the size of its terms, so errors are judged against this.
   std::vector<double> dsink_magnitude;
+  // Like dq and dk, with every term's factor dS = P (dP - Delta) taken as P (|dP| + |Delta|) and the products in
+  // absolute value: the size the gradient has before dP and Delta cancel (a row with one key: dS = 0 exactly,
+  // and any finite-precision dS is rounding of terms this large).
+  std::vector<double> dq_magnitude, dk_magnitude;
 };
 
 ReferenceForward reference_forward(const ReferenceProblem& problem);
-// Gradients of sum(out * dout); recomputes the forward itself. dout is [Tq, Hq, D].
-ReferenceGrads reference_backward(const ReferenceProblem& problem, const std::vector<double>& dout);
+// Gradients of sum(out * dout); recomputes the forward itself. dout is [Tq, Hq, D]. With given_out ([Tq, Hq, D]),
+// Delta = dout . out takes that out (the backward's own input, e.g. a 16-bit forward result) instead of the exact
+// one: where a row's dS cancels (one key beside a sink, a very sharp softmax) out's rounding alone moves dq and
+// dsink by more than the gradient bound, whatever kernel reads it.
+ReferenceGrads reference_backward(const ReferenceProblem& problem, const std::vector<double>& dout,
+                                  const std::vector<double>* given_out = nullptr);
 
 }  // namespace magi::test
