@@ -1,5 +1,6 @@
 // The portable CUDA backend against the fp64 reference (SPEC section 5) on the SPEC section 7 cases, random
-// rectangles, every head-dim tile, GQA, sink / softcap / fp32 outputs; determinism and graph replay.
+// rectangles, every head-dim tile, GQA, sink / softcap / fp32 outputs; determinism and graph replay; random valid calls
+// through the public API (CudaFuzz).
 // Labelled `gpu`: CI (no GPU) skips it with `ctest -LE gpu`.
 #include <gtest/gtest.h>
 
@@ -1201,15 +1202,6 @@ struct ApiCall {
   bool caller_workspace = false, own_stream = false, accumulate_dq = false;
 };
 
-std::vector<int32_t> random_documents(std::mt19937_64& rng, int32_t total) {
-  std::vector<int32_t> cu{0};
-  while (cu.back() < total) {
-    const int32_t left = total - cu.back();
-    cu.push_back(cu.back() + std::uniform_int_distribution<int32_t>(1, std::max(1, std::min(left, 700)))(rng));
-  }
-  return cu;
-}
-
 ApiCall random_api_call(std::mt19937_64& rng) {
   auto uniform = [&](int32_t lo, int32_t hi) { return std::uniform_int_distribution<int32_t>(lo, hi)(rng); };
   const int32_t heads[][2] = {{1, 1}, {2, 1}, {2, 2}, {4, 2}, {3, 3}, {6, 2}, {8, 1}, {5, 5}};
@@ -1229,49 +1221,8 @@ ApiCall random_api_call(std::mt19937_64& rng) {
   // The fp64 reference's cost bounds the grid: about 3e8 (cell, head, column) products.
   const int64_t budget = 300'000'000 / (int64_t{h[0]} * d);
   const int32_t side = static_cast<int32_t>(std::min<int64_t>(1500, std::sqrt(static_cast<double>(budget))));
-  int32_t tq = uniform(1, side), tk = uniform(1, side);
-  std::string kind;
-  switch (uniform(0, 6)) {
-    case 0:
-      kind = "rectangles";
-      call.mask = random_rectangles(rng, tq, tk, uniform(1, 80));
-      break;
-    case 1: {
-      const int32_t aligns[] = {1, 16, 64, 128};
-      kind = "cut";
-      call.mask = random_cut_rectangles(rng, tq, tk, uniform(1, 12), uniform(1, 3), aligns[uniform(0, 3)]);
-      break;
-    }
-    case 2:
-      kind = "documents";
-      call.mask = uniform(0, 1) ? masks::varlen_causal(random_documents(rng, tq))
-                                : masks::varlen_full(random_documents(rng, tq));
-      break;
-    case 3:
-      kind = "window";
-      call.mask = masks::sliding_window(tq, uniform(-1, tq), uniform(-1, 64));
-      break;
-    case 4:
-      kind = "block_causal";
-      call.mask = uniform(0, 1) ? masks::block_causal(tq, uniform(1, 300))
-                                : masks::varlen_block_causal(random_documents(rng, tq), uniform(1, 300));
-      break;
-    case 5: {
-      kind = "shared_question";
-      std::vector<int32_t> answers;
-      for (int a = uniform(0, 5); a > 0; --a) answers.push_back(uniform(0, side / 8));
-      call.mask = masks::shared_question(uniform(0, side / 2), answers);
-      break;
-    }
-    default: {
-      // One slice of any type over random sub-ranges (causal with Sq > Sk keeps empty rows).
-      kind = "one_slice";
-      const int32_t qs = uniform(0, tq - 1), ks = uniform(0, tk - 1);
-      call.mask.total_q = tq;
-      call.mask.total_k = tk;
-      call.mask.slices.push_back(make_slice(qs, uniform(qs, tq), ks, uniform(ks, tk), static_cast<MaskType>(uniform(0, 3))));
-    }
-  }
+  RandomMask drawn = random_mask(rng, uniform(1, side), uniform(1, side));
+  call.mask = std::move(drawn.mask);
   c.softcap = uniform(0, 3) == 0 ? 0.5 + uniform(0, 60) / 2.0 : 0.0;
   if (uniform(0, 2) == 0) {
     c.sink_layout = uniform(0, 1) ? SinkLayout::SH : SinkLayout::SSH;
@@ -1282,13 +1233,13 @@ ApiCall random_api_call(std::mt19937_64& rng) {
   const int32_t outputs = uniform(0, 7);
   c.fp32_outputs = outputs < 2;
   c.mixed_buffers = outputs == 2;
-    if (uniform(0, 4) == 0) c.softmax_scale = uniform(1, 40) / 100.0;
+  if (uniform(0, 4) == 0) c.softmax_scale = uniform(1, 40) / 100.0;
   c.max_logits = uniform(0, 1) == 1;
   if (uniform(0, 2) == 0) c.deterministic = uniform(0, 1) == 1;
   call.caller_workspace = uniform(0, 3) == 0;
   call.own_stream = uniform(0, 3) == 0;
   call.accumulate_dq = c.dq_dtype() == DType::F32 && uniform(0, 2) == 0;
-  call.name = kind + "_" + std::to_string(call.mask.total_q) + "x" + std::to_string(call.mask.total_k) + "_n" +
+  call.name = drawn.kind + "_" + std::to_string(call.mask.total_q) + "x" + std::to_string(call.mask.total_k) + "_n" +
               std::to_string(call.mask.slices.size()) + (call.caller_workspace ? "_workspace" : "") +
               (call.own_stream ? "_stream" : "") + (call.accumulate_dq ? "_accumulate" : "");
   return call;

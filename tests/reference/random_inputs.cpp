@@ -244,6 +244,46 @@ Mask random_cut_rectangles(std::mt19937_64& rng, int32_t total_q, int32_t total_
   return mask;
 }
 
+namespace {
+
+// Prefix sums of random document lengths (1 .. 700) covering `total` tokens.
+std::vector<int32_t> random_documents(std::mt19937_64& rng, int32_t total) {
+  std::vector<int32_t> cu{0};
+  while (cu.back() < total)
+    cu.push_back(cu.back() + std::uniform_int_distribution<int32_t>(1, std::min(total - cu.back(), 700))(rng));
+  return cu;
+}
+
+}  // namespace
+
+RandomMask random_mask(std::mt19937_64& rng, int32_t tq, int32_t tk) {
+  auto uniform = [&](int32_t lo, int32_t hi) { return std::uniform_int_distribution<int32_t>(lo, hi)(rng); };
+  switch (uniform(0, 6)) {
+    case 0: return {"rectangles", random_rectangles(rng, tq, tk, uniform(1, 80))};
+    case 1: {
+      const int32_t aligns[] = {1, 16, 64, 128};
+      return {"cut", random_cut_rectangles(rng, tq, tk, uniform(1, 12), uniform(1, 3), aligns[uniform(0, 3)])};
+    }
+    case 2:
+      return {"documents", uniform(0, 1) ? masks::varlen_causal(random_documents(rng, tq))
+                                         : masks::varlen_full(random_documents(rng, tq))};
+    case 3: return {"window", masks::sliding_window(tq, uniform(-1, tq), uniform(-1, 64))};
+    case 4:
+      return {"block_causal", uniform(0, 1) ? masks::block_causal(tq, uniform(1, 300))
+                                            : masks::varlen_block_causal(random_documents(rng, tq), uniform(1, 300))};
+    case 5: {
+      std::vector<int32_t> answers;
+      for (int a = uniform(0, 5); a > 0; --a) answers.push_back(uniform(0, tq / 8));
+      return {"shared_question", masks::shared_question(uniform(0, tq / 2), answers)};
+    }
+    default: {  // CAUSAL / BI_CAUSAL with Sq > Sk leave empty rows
+      const int32_t qs = uniform(0, tq - 1), ks = uniform(0, tk - 1);
+      return {"one_slice",
+              Mask{{make_slice(qs, uniform(qs, tq), ks, uniform(ks, tk), static_cast<MaskType>(uniform(0, 3)))}, tq, tk}};
+    }
+  }
+}
+
 namespace cases {
 namespace {
 

@@ -58,6 +58,16 @@ void row_bands(const Slice& slice, int32_t step, std::vector<Slice>& pieces);
 Mask random_cut_rectangles(std::mt19937_64& rng, int32_t total_q, int32_t total_k, int32_t slices, int depth,
                            int32_t align);
 
+// A random valid mask of one of several kinds, for fuzzing: random_rectangles, random_cut_rectangles (align 1,
+// 16, 64 or 128), documents (varlen full / causal), a sliding window, (varlen) block-causal, shared question, or
+// one slice of any type over random sub-ranges. The builders' kinds are self-attention over about total_q tokens
+// (total_k unused).
+struct RandomMask {
+  std::string kind;
+  Mask mask;
+};
+RandomMask random_mask(std::mt19937_64& rng, int32_t total_q, int32_t total_k);
+
 // Helpers to write masks by hand.
 Slice make_slice(int32_t qs, int32_t qe, int32_t ks, int32_t ke, MaskType type);
 std::vector<int32_t> cu_seqlens_of(const std::vector<int32_t>& lengths);
