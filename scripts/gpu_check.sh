@@ -19,7 +19,8 @@
 #   BUILD_DIR (default build-gpu), OUT (logs/CSV; default $BUILD_DIR/out), TESTS_REGEX (ctest -R) for the tests; not GTEST_FILTER,
 #   which the build's test discovery would obey too (an empty or narrow one lists no tests); SANITIZE_FAMILIES
 #   (e.g. "ffa_sm90") for the sanitizers' kernel families (default: every family built), SANITIZE_FILTER their
-#   gtest filter.
+#   gtest filter. FUZZ_SECONDS (default 0): after the tests, CudaFuzz (random valid calls through the public API)
+#   repeated in nproc - 2 processes for that long, the families and the concatenated-heads backward in turn.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=${BUILD_DIR:-$ROOT/build-gpu}
@@ -78,6 +79,18 @@ if [ $RUN_TESTS = 1 ]; then
   grep -E "non-finite|must be exactly|\) > [0-9.e+-]+ |= [0-9.e+-]+ > [0-9.e+-]+|threw|differ" "$LOGS/tests.log" | cut -c1-420 | sort -u | head -30
   grep -E "\*\*\*Failed|Timeout" "$LOGS/tests.log" | head -30
   note "gpu tests: $(grep -E 'tests passed' "$LOGS/tests.log" | tail -1) (rc $rc, $(( $(date +%s) - t0 )) s)"
+  if [ "${FUZZ_SECONDS:-0}" -gt 0 ]; then
+    fuzz_families=(ffa_sm80)
+    grep -q "sm_90a kernels with CUTLASS" "$LOGS/configure.log" && fuzz_families+=(ffa_sm90 ffa_sm90:cat)
+    for i in $(seq 1 $(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))); do
+      spec=${fuzz_families[$(( i % ${#fuzz_families[@]} ))]}
+      ( export MAGI_ATTENTION_KERNEL_BACKEND=${spec%%:*}; [ "${spec#*:}" = cat ] && export MAGI_ATTENTION_CATGQA=1
+        timeout "$FUZZ_SECONDS" "$TEST_BIN" --gtest_filter='CudaFuzz.*' --gtest_repeat=-1 > "$LOGS/fuzz_$i.log" 2>&1 ) &
+    done
+    wait
+    grep -h -A4 'Failure$' "$LOGS"/fuzz_*.log | grep -E 'Actual|mask:' | cut -c1-600 | head -20
+    note "CudaFuzz for ${FUZZ_SECONDS} s: $(cat "$LOGS"/fuzz_*.log | grep -c '^\[       OK \] CudaFuzz') runs of 12 calls passed, $(cat "$LOGS"/fuzz_*.log | grep -c '^\[  FAILED  \] CudaFuzz') failed"
+  fi
   # A per-rank timeline of the device runtime (MAGI_ATTENTION_PROFILE_DIR) and its merge by `magi-attn trace`.
   if [ -x "$BUILD/src/cli/magi-attn" ]; then
     rm -rf "$LOGS/trace" && MAGI_ATTENTION_PROFILE_DIR="$LOGS/trace" timeout 120 "$BUILD/src/cli/magi-attn" dist-demo \
