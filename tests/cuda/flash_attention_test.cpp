@@ -227,6 +227,18 @@ TEST(CudaBackend, DqOfChunksWithAndWithoutAddsMatchesReference) {
 }
 
 // Runs forward + backward twice on the same inputs and requires bitwise-identical results.
+// Every row keeps one key, so dq and dk are exactly 0. With an fp32 dout the kernels read it rounded to 16 bits;
+// Delta = dout . out from the unrounded dout left dq of dout's rounding (rel error ~1 before the fix).
+TEST(CudaBackend, Fp32DoutRowsWithOneKeyGiveZeroDq) {
+  const uint64_t seed = fresh_seed();
+  for (DType dtype : {DType::BF16, DType::F16}) {
+    CaseConfig c = config(dtype, 4, 2, 128);
+    c.fp32_outputs = true;
+    EXPECT_TRUE(check_cuda_case(masks::full(300, 1), c, seed, "one key per row, fp32 dout"));
+    EXPECT_TRUE(check_cuda_case(masks::full(300, 1), c, seed + 1, "one key per row, fp32 dout", /*deterministic=*/true));
+  }
+}
+
 TEST(CudaBackend, DeterministicAcrossRuns) {
   const uint64_t seed = fresh_seed();
   const Mask mask = cases::mixed_types_q_overlap();
