@@ -226,7 +226,6 @@ TEST(CudaBackend, DqOfChunksWithAndWithoutAddsMatchesReference) {
   }
 }
 
-// Runs forward + backward twice on the same inputs and requires bitwise-identical results.
 // Every row keeps one key, so dq and dk are exactly 0. With an fp32 dout the kernels read it rounded to 16 bits;
 // Delta = dout . out from the unrounded dout left dq of dout's rounding (rel error ~1 before the fix).
 TEST(CudaBackend, Fp32DoutRowsWithOneKeyGiveZeroDq) {
@@ -239,6 +238,7 @@ TEST(CudaBackend, Fp32DoutRowsWithOneKeyGiveZeroDq) {
   }
 }
 
+// Runs forward + backward twice on the same inputs and requires bitwise-identical results.
 TEST(CudaBackend, DeterministicAcrossRuns) {
   const uint64_t seed = fresh_seed();
   const Mask mask = cases::mixed_types_q_overlap();
@@ -1291,17 +1291,7 @@ testing::AssertionResult check_api_call(const ApiCall& call, uint64_t seed) {
     if (call.caller_workspace) fa.workspace = {fwd_space.data, workspace_bytes(fa, o)};
     forward(call.mask, fa, o, stream);
     MAGI_CUDA_CHECK(cudaStreamSynchronize(stream));
-    const ReferenceForward ref = reference_forward(d.problem);
-    const StructuralZeros zeros = structural_zeros(call.mask, c.heads_q, c.heads_kv, c.head_dim);
-    if (auto ok = check_close("out", dev.out.download().values(), ref.out, Quantity::Out, c.dtype, context, zeros.q_rows); !ok)
-      return ok;
-    if (auto ok = check_close("lse", dev.lse.download().values(), ref.lse, Quantity::Lse, c.dtype, context); !ok)
-      return ok;
-    if (c.max_logits)
-      if (auto ok = check_close("max_logits", dev.max_logits.download().values(), ref.max_logits, Quantity::MaxLogits,
-                                c.dtype, context);
-          !ok)
-        return ok;
+    if (auto ok = judge_forward(d, c, dev.download(), context); !ok) return ok;
 
     // accumulate_dq: dq starts from values exact in fp32 (multiples of 2^-10 in [-1, 1]), taken off after.
     std::vector<double> dq0;
@@ -1317,25 +1307,7 @@ testing::AssertionResult check_api_call(const ApiCall& call, uint64_t seed) {
     if (call.caller_workspace) ba.workspace = {bwd_space.data, workspace_bytes(ba, o)};
     backward(call.mask, ba, o, stream);
     MAGI_CUDA_CHECK(cudaStreamSynchronize(stream));
-    // Judged on the backward's own inputs: Delta from the out it was given (naive_attention.hpp says why).
-    const std::vector<double> given_out = dev.out.download().values();
-    const ReferenceGrads g = reference_backward(d.problem, d.dout, &given_out);
-    std::vector<double> dq = dev.dq.download().values();
-    for (size_t i = 0; i < dq0.size(); ++i) dq[i] -= dq0[i];
-    // dq / dk of rows whose terms cancel (one key, a sink beside one key) are judged against their terms' size.
-    if (auto ok = check_grad_cancelling("dq", dq, g.dq, g.dq_magnitude, c.dtype, context,
-                                        call.accumulate_dq ? std::vector<uint8_t>{} : zeros.q_rows);
-        !ok)
-      return ok;
-    if (auto ok = check_grad_cancelling("dk", dev.dk.download().values(), g.dk, g.dk_magnitude, c.dtype, context,
-                                        zeros.k_rows);
-        !ok)
-      return ok;
-    if (auto ok = check_close("dv", dev.dv.download().values(), g.dv, Quantity::Grad, c.dtype, context, zeros.k_rows); !ok)
-      return ok;
-    if (d.sink.defined())
-      if (auto ok = check_dsink(dev.dsink.download().values(), g.dsink, g.dsink_magnitude, c.dtype, context); !ok)
-        return ok;
+    if (auto ok = judge_backward(d, c, dev.download(), context, dq0); !ok) return ok;
     const std::pair<const DeviceTensor*, const HostTensor*> inputs[] = {
         {&dev.q, &d.q}, {&dev.k, &d.k}, {&dev.v, &d.v}, {&dev.sink, &d.sink}, {&dev.dout, &d.dout_tensor}};
     for (const auto& [now, before] : inputs)

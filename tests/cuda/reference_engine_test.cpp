@@ -28,23 +28,6 @@ ref_engine::Options engine_options(const CaseConfig& c) {
   return {c.softmax_scale.value_or(1.0 / std::sqrt(static_cast<double>(c.head_dim))), c.softcap, c.sink_layout};
 }
 
-// Elements zero by structure: rows keeping no key (out, dq) and keys no row keeps (dk, dv).
-struct StructuralZeros {
-  std::vector<uint8_t> q_rows, k_rows;
-};
-StructuralZeros structural_zeros(const Mask& mask, const CaseConfig& c) {
-  const std::vector<uint8_t> keep = dense_keep(mask);
-  const size_t tq = mask.total_q, tk = mask.total_k;
-  std::vector<uint8_t> row_empty(tq, 1), key_unread(tk, 1);
-  for (size_t t = 0; t < tq; ++t)
-    for (size_t k = 0; k < tk; ++k)
-      if (keep[t * tk + k]) row_empty[t] = key_unread[k] = 0;
-  StructuralZeros z;
-  for (size_t t = 0; t < tq; ++t) z.q_rows.insert(z.q_rows.end(), static_cast<size_t>(c.heads_q) * c.head_dim, row_empty[t]);
-  for (size_t k = 0; k < tk; ++k) z.k_rows.insert(z.k_rows.end(), static_cast<size_t>(c.heads_kv) * c.head_dim, key_unread[k]);
-  return z;
-}
-
 std::string context_of(std::string_view name, const CaseConfig& c, uint64_t seed) {
   std::ostringstream os;
   os << "case " << name << ", " << c.describe() << " (GPU reference engine), seed " << seed;
@@ -60,31 +43,11 @@ testing::AssertionResult check_engine_case(const Mask& mask, const CaseConfig& c
     const ref_engine::Options o = engine_options(c);
     ref_engine::forward(*plan, dev.forward_args(), o, nullptr);
     MAGI_CUDA_CHECK(cudaDeviceSynchronize());
-    const ReferenceForward ref = reference_forward(d.problem);
-    const StructuralZeros zeros = structural_zeros(mask, c);
-    if (auto ok = check_close("out", dev.out.download().values(), ref.out, Quantity::Out, c.dtype, context, zeros.q_rows); !ok)
-      return ok;
-    if (auto ok = check_close("lse", dev.lse.download().values(), ref.lse, Quantity::Lse, c.lse_judged_as(), context); !ok)
-      return ok;
-    if (c.max_logits)
-      if (auto ok = check_close("max_logits", dev.max_logits.download().values(), ref.max_logits, Quantity::MaxLogits,
-                                c.dtype, context);
-          !ok)
-        return ok;
+    if (auto ok = judge_forward(d, c, dev.download(), context); !ok) return ok;
     if (!c.backward) return testing::AssertionSuccess();
     ref_engine::backward(*plan, dev.backward_args(), o, nullptr);
     MAGI_CUDA_CHECK(cudaDeviceSynchronize());
-    const ReferenceGrads g = reference_backward(d.problem, d.dout);
-    const DType judged = c.lse_judged_as();
-    if (auto ok = check_close("dq", dev.dq.download().values(), g.dq, Quantity::Grad, judged, context, zeros.q_rows); !ok)
-      return ok;
-    if (auto ok = check_close("dk", dev.dk.download().values(), g.dk, Quantity::Grad, judged, context, zeros.k_rows); !ok)
-      return ok;
-    if (auto ok = check_close("dv", dev.dv.download().values(), g.dv, Quantity::Grad, judged, context, zeros.k_rows); !ok)
-      return ok;
-    if (d.sink.defined())
-      if (auto ok = check_dsink(dev.dsink.download().values(), g.dsink, g.dsink_magnitude, judged, context); !ok)
-        return ok;
+    if (auto ok = judge_backward(d, c, dev.download(), context); !ok) return ok;
     return testing::AssertionSuccess();
   } catch (const std::exception& e) {
     return testing::AssertionFailure() << "threw: " << e.what() << " [" << context << "]";

@@ -155,6 +155,39 @@ void run_backward(CaseData& d, const CaseConfig& c, EngineResult& r) {
   magi::backward(d.mask, args, c.options());
 }
 
+testing::AssertionResult judge_forward(const CaseData& d, const CaseConfig& c, const EngineResult& r,
+                                       std::string_view context) {
+  const ReferenceForward ref = reference_forward(d.problem);
+  const StructuralZeros zeros = structural_zeros(d.mask, c.heads_q, c.heads_kv, c.head_dim);
+  if (auto ok = check_close("out", r.out.values(), ref.out, Quantity::Out, c.dtype, context, zeros.q_rows); !ok)
+    return ok;
+  if (auto ok = check_close("lse", r.lse.values(), ref.lse, Quantity::Lse, c.lse_judged_as(), context); !ok) return ok;
+  if (c.max_logits)
+    return check_close("max_logits", r.max_logits.values(), ref.max_logits, Quantity::MaxLogits, c.dtype, context);
+  return testing::AssertionSuccess();
+}
+
+testing::AssertionResult judge_backward(const CaseData& d, const CaseConfig& c, const EngineResult& r,
+                                        std::string_view context, const std::vector<double>& dq_start) {
+  const std::vector<double> given_out = r.out.values();
+  const ReferenceGrads g = reference_backward(d.problem, d.dout, &given_out);
+  const StructuralZeros zeros = structural_zeros(d.mask, c.heads_q, c.heads_kv, c.head_dim);
+  const DType judged = c.lse_judged_as();
+  std::vector<double> dq = r.dq.values();
+  if (!dq_start.empty()) {
+    if (dq_start.size() != dq.size())
+      return testing::AssertionFailure() << "dq_start has " << dq_start.size() << " values, dq " << dq.size();
+    for (std::size_t i = 0; i < dq.size(); ++i) dq[i] -= dq_start[i];
+  }
+  if (auto ok = check_grad_cancelling("dq", dq, g.dq, g.dq_magnitude, judged, context, zeros.q_rows); !ok) return ok;
+  if (auto ok = check_grad_cancelling("dk", r.dk.values(), g.dk, g.dk_magnitude, judged, context, zeros.k_rows); !ok)
+    return ok;
+  if (auto ok = check_close("dv", r.dv.values(), g.dv, Quantity::Grad, judged, context, zeros.k_rows); !ok) return ok;
+  if (d.sink.defined())
+    return check_dsink(r.dsink.values(), g.dsink, g.dsink_magnitude, judged, context);
+  return testing::AssertionSuccess();
+}
+
 testing::AssertionResult check_case(const Mask& mask, const CaseConfig& c, uint64_t seed, std::string_view name) {
   std::ostringstream context_stream;
   context_stream << "case " << name << ", " << c.describe() << ", seed " << seed;
@@ -177,15 +210,7 @@ testing::AssertionResult check_case(const Mask& mask, const CaseConfig& c, uint6
   } catch (const std::exception& e) {
     return testing::AssertionFailure() << "forward threw: " << e.what() << " [" << context << "]";
   }
-  const ReferenceForward ref = reference_forward(d.problem);
-  const StructuralZeros zeros = structural_zeros(mask, c.heads_q, c.heads_kv, c.head_dim);
-  if (auto ok = check_close("out", r.out.values(), ref.out, Quantity::Out, c.dtype, context, zeros.q_rows); !ok)
-    return ok;
-  if (auto ok = check_close("lse", r.lse.values(), ref.lse, Quantity::Lse, c.lse_judged_as(), context); !ok) return ok;
-  if (c.max_logits) {
-    if (auto ok = check_close("max_logits", r.max_logits.values(), ref.max_logits, Quantity::MaxLogits, c.dtype, context); !ok)
-      return ok;
-  }
+  if (auto ok = judge_forward(d, c, r, context); !ok) return ok;
   if (auto ok = inputs_untouched(); !ok) return ok;
   if (!c.backward) return testing::AssertionSuccess();
 
@@ -195,23 +220,10 @@ testing::AssertionResult check_case(const Mask& mask, const CaseConfig& c, uint6
   } catch (const std::exception& e) {
     return testing::AssertionFailure() << "backward threw: " << e.what() << " [" << context << "]";
   }
-  // On the backward's own inputs: Delta from the out it was given (naive_attention.hpp says why), dq / dk that
-  // cancel judged against their terms' size.
-  const std::vector<double> given_out = r.out.values();
-  const ReferenceGrads g = reference_backward(d.problem, d.dout, &given_out);
-  if (auto ok = check_grad_cancelling("dq", r.dq.values(), g.dq, g.dq_magnitude, c.lse_judged_as(), context, zeros.q_rows);
-      !ok)
-    return ok;
-  if (auto ok = check_grad_cancelling("dk", r.dk.values(), g.dk, g.dk_magnitude, c.lse_judged_as(), context, zeros.k_rows);
-      !ok)
-    return ok;
-  if (auto ok = check_close("dv", r.dv.values(), g.dv, Quantity::Grad, c.lse_judged_as(), context, zeros.k_rows); !ok) return ok;
+  if (auto ok = judge_backward(d, c, r, context); !ok) return ok;
   if (auto ok = inputs_untouched(); !ok) return ok;
   if (r.out.bytes() != out_before.bytes() || r.lse.bytes() != lse_before.bytes())
     return testing::AssertionFailure() << "backward modified its inputs out/lse [" << context << "]";
-  if (d.sink.defined()) {
-    if (auto ok = check_dsink(r.dsink.values(), g.dsink, g.dsink_magnitude, c.lse_judged_as(), context); !ok) return ok;
-  }
   return testing::AssertionSuccess();
 }
 

@@ -80,6 +80,17 @@ struct StructuralZeros {
 };
 StructuralZeros structural_zeros(const Mask& mask, int32_t heads_q, int32_t heads_kv, int32_t dim);
 
+// SPEC section 5 on a case's forward outputs (out, lse, and max_logits when the config asks for it); rows that
+// keep no key must be exactly 0.
+testing::AssertionResult judge_forward(const CaseData& data, const CaseConfig& config, const EngineResult& result,
+                                       std::string_view context);
+// ... and on its gradients, on the backward's own inputs: Delta from result.out (the out it was given; see
+// naive_attention.hpp), dq / dk whose terms cancel judged against their size (check_grad_cancelling), dsink
+// against its terms; rows and keys that are zero by structure exactly 0. `dq_start`: what dq held before an
+// accumulating backward (accumulate_dq), taken off before judging.
+testing::AssertionResult judge_backward(const CaseData& data, const CaseConfig& config, const EngineResult& result,
+                                        std::string_view context, const std::vector<double>& dq_start = {});
+
 // Forward (and backward when config.backward) against the reference; every tensor judged.
 testing::AssertionResult check_case(const Mask& mask, const CaseConfig& config, uint64_t seed,
                                     std::string_view case_name);
