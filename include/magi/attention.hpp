@@ -37,7 +37,9 @@ struct AttentionOptions {
   double softcap = 0.0;                 // > 0 enables s = softcap * tanh(s / softcap)
   SinkLayout sink_layout = SinkLayout::None;
   Backend backend = Backend::Auto;
-  std::optional<bool> deterministic;    // default: MAGI_ATTENTION_DETERMINISTIC_MODE
+  // default: MAGI_ATTENTION_DETERMINISTIC_MODE. Bitwise-equal results for equal calls; asking for max_logits (or
+  // not) is part of the call: the GPU forward then tracks exact row maxima, which moves out's last bits.
+  std::optional<bool> deterministic;
   int32_t num_threads = 0;              // CPU engine: 0 = all cores
 };
 

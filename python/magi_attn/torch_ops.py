@@ -217,7 +217,8 @@ def flex_flash_attn_func(q: Tensor, k: Tensor, v: Tensor, q_ranges: Tensor, k_ra
     k_ranges[i] ([n, 2] int32 tensors, half-open) under attn_type_map[i] (int32: 0 full, 1 causal, 2
     inv_causal, 3 bi_causal; None = all full). sink: fp32 [S, Hq] ('sh') or [Tq, S, Hq] ('ssh'). out in q's
     dtype or out_type=torch.float32; lse fp32 [Tq, Hq]; max_logits fp32 [Hq]. deterministic=True (or
-    MAGI_ATTENTION_DETERMINISTIC_MODE=1) makes the backward bitwise reproducible.
+    MAGI_ATTENTION_DETERMINISTIC_MODE=1) makes the backward bitwise reproducible: the same call (return_max_logits
+    included, since the GPU forward then tracks exact row maxima) gives the same bits.
 
     Range tensors may live on the GPU: they are read once and the plan is cached by the tensor (keep passing
     the same tensors; an in-place torch operation on them is noticed, a write through `.data` is not: pass a new
