@@ -32,6 +32,9 @@ enum class Backend : int32_t {
 std::string_view to_string(Backend backend);
 Backend parse_backend(std::string_view text, std::string_view what = "backend");
 
+// The CPU engine's thread limit: OpenMP's runtime crashed at 100000 threads.
+inline constexpr int32_t kMaxThreads = 1024;
+
 struct AttentionOptions {
   std::optional<double> softmax_scale;  // default D^-0.5
   double softcap = 0.0;                 // > 0 enables s = softcap * tanh(s / softcap)
@@ -40,7 +43,7 @@ struct AttentionOptions {
   // default: MAGI_ATTENTION_DETERMINISTIC_MODE. Bitwise-equal results for equal calls; asking for max_logits (or
   // not) is part of the call: the GPU forward then tracks exact row maxima, which moves out's last bits.
   std::optional<bool> deterministic;
-  int32_t num_threads = 0;              // CPU engine: 0 = all cores
+  int32_t num_threads = 0;              // CPU engine: 0 = all cores (at most kMaxThreads)
 };
 
 // Opaque stream handle (cudaStream_t for the CUDA backend; ignored on the CPU).

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numbers
 
+import numpy as np
+
 from . import _C
 from ._arrays import dtype_name, framework_of
 from ._mask import Mask
@@ -17,17 +19,35 @@ def _check_mask(mask) -> None:
                         "or magi_attn.masks)")
 
 
+def _number(value, name: str, optional: bool = False):
+    """A float option: a real number (not a bool) that fits a double; None where optional."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a number{' or None' if optional else ''}, got {type(value).__name__}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name}: too large for a double (allowed: finite numbers)") from None
+
+
+def _flag(value, name: str, optional: bool = False):
+    """A bool option (numpy's bool too); None where optional."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool{' or None' if optional else ''}, got {type(value).__name__}")
+    return bool(value)
+
+
 def _check_options(softmax_scale, softcap, sink_layout, backend, deterministic) -> None:
-    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)):
-        raise TypeError(f"softmax_scale: expected a number or None, got {type(softmax_scale).__name__}")
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap: expected a number, got {type(softcap).__name__}")
+    _number(softmax_scale, "softmax_scale", optional=True)
+    _number(softcap, "softcap")
     if sink_layout not in ("sh", "ssh"):
         raise ValueError(f"sink_layout: unknown layout {sink_layout!r} (allowed: 'sh', 'ssh')")
     if backend not in BACKENDS:
         raise ValueError(f"backend: unknown backend {backend!r} (allowed: {', '.join(BACKENDS)})")
-    if deterministic is not None and not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic: expected a bool or None, got {type(deterministic).__name__}")
+    _flag(deterministic, "deterministic", optional=True)
 
 
 def _lse_dtype(qdt: str) -> str:
@@ -46,6 +66,8 @@ def forward(mask: Mask, q, k, v, softmax_scale=None, softcap=0.0, sink=None, sin
     """
     _check_mask(mask)
     _check_options(softmax_scale, softcap, sink_layout, backend, deterministic)
+    deterministic = _flag(deterministic, "deterministic", optional=True)
+    return_max_logits = _flag(return_max_logits, "return_max_logits")
     fw = framework_of(q, "q")
     framework_of(k, "k"), framework_of(v, "v")
     if sink is not None:
@@ -80,6 +102,7 @@ def backward(mask: Mask, q, k, v, out, lse, do, softmax_scale=None, softcap=0.0,
     """
     _check_mask(mask)
     _check_options(softmax_scale, softcap, sink_layout, backend, deterministic)
+    deterministic = _flag(deterministic, "deterministic", optional=True)
     fw = framework_of(q, "q")
     for name, x in (("k", k), ("v", v), ("out", out), ("lse", lse), ("do", do)):
         framework_of(x, name)

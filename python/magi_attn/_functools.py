@@ -8,7 +8,7 @@ from ._mask import Mask, _cu, _size, masks
 
 def _window(window_size, causal: bool) -> tuple:
     try:
-        left, right = (int(w) for w in window_size)
+        left, right = (_size(w, "window_size") for w in window_size)
     except (TypeError, ValueError):
         raise TypeError(f"window_size: expected (left, right) ints, got {window_size!r}") from None
     if causal and right > 0:
@@ -47,13 +47,17 @@ def infer_attn_mask_from_sliding_window(q_range, k_range, window_size):
     """The slices of a sliding window over one block: q_range [qs, qe) and k_range [ks, ke) of equal length,
     query i keeping keys i - left .. i + right of the block (-1 = unbounded). Returns (q_ranges, k_ranges,
     attn_type_map) as numpy int32 arrays: at most three slices (causal, full / bi_causal, inv_causal pieces)."""
-    qs, qe = (_size(x, "q_range") for x in q_range)
-    ks, ke = (_size(x, "k_range") for x in k_range)
+    try:
+        (qs, qe), (ks, ke) = ((_size(x, name) for x in r) for r, name in ((q_range, "q_range"), (k_range, "k_range")))
+    except (TypeError, ValueError):
+        raise TypeError(f"q_range, k_range: expected two (start, end) int pairs, got {q_range!r}, {k_range!r}") from None
     if qe - qs != ke - ks or qe < qs:
         raise ValueError(f"q_range, k_range: need two ranges of equal length, got [{qs}, {qe}) and [{ks}, {ke})")
     left, right = _window(window_size, False)
     local = masks.sliding_window(qe - qs, left, right)
-    return (local.q_ranges + np.int32(qs), local.k_ranges + np.int32(ks), local.attn_type_map)
+    # Shifted in int64 and checked as a mask (ranges within [0, 2^31)), then handed back as int32.
+    block = Mask(local.q_ranges.astype(np.int64) + qs, local.k_ranges.astype(np.int64) + ks, local.attn_type_map)
+    return block.q_ranges, block.k_ranges, block.attn_type_map
 
 
 def compute_pad_size(total_seqlen_q: int, cp_size: int, chunk_size: int) -> int:
@@ -67,6 +71,8 @@ def compute_pad_size(total_seqlen_q: int, cp_size: int, chunk_size: int) -> int:
 
 def squash_batch_dim(x):
     """[batch, seq, ...] -> [batch * seq, ...] (the packed layout every call here takes)."""
+    if not hasattr(x, "shape") or not hasattr(x, "reshape"):
+        raise TypeError(f"x: expected an array or tensor, got {type(x).__name__}")
     if len(x.shape) < 2:
         raise ValueError(f"x: expected at least 2 dims [batch, seq, ...], got shape {list(x.shape)}")
     return x.reshape(-1, *x.shape[2:])

@@ -1,6 +1,8 @@
 """Masks as lists of slices (q_range, k_range, type): the Python face of include/magi/mask.hpp."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from . import _C
@@ -109,7 +111,12 @@ class Mask:
 
     def to_png(self, path) -> None:
         """A picture: white = kept, black = masked, grey = partly kept where downsampled (<= 1024 px a side)."""
-        self._c.to_png(str(path))
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path: expected a str or os.PathLike, got {type(path).__name__}")
+        path = os.fspath(path)
+        if not isinstance(path, str) or "\0" in path:
+            raise ValueError(f"path: {path!r} is not a file name (allowed: text without NUL characters)")
+        self._c.to_png(path)
 
     @property
     def total_q(self) -> int:

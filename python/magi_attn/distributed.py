@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import math
 import os
 from typing import Optional
 
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _C, _build
+from ._attention import _flag, _number
 from ._functools import infer_attn_mask_from_cu_seqlens
 from ._mask import Mask
 
@@ -36,6 +38,13 @@ def _launcher_value(names) -> Optional[int]:
             except ValueError:
                 raise ValueError(f"{name}={text!r}: not an integer") from None
     return None
+
+
+def _timeout(seconds) -> float:
+    value = _number(seconds, "timeout_seconds")
+    if not 0 < value <= 86400 * 365:
+        raise ValueError(f"timeout_seconds: {seconds} (allowed: 0 < seconds <= one year)")
+    return value
 
 
 def init_distributed(backend: Optional[str] = None, timeout_seconds: float = 300.0):
@@ -64,7 +73,7 @@ def init_distributed(backend: Optional[str] = None, timeout_seconds: float = 300
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     dist.init_process_group(backend, rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=timeout_seconds))
+                            timeout=datetime.timedelta(seconds=_timeout(timeout_seconds)))
     return rank, size, local
 
 
@@ -209,13 +218,15 @@ def magi_attn_flex_key(q_ranges, k_ranges, attn_type_map, total_seqlen_q: int, t
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
     mask = Mask(q_ranges, k_ranges, attn_type_map, total_seqlen_q, total_seqlen_k)
+    timeout = _timeout(timeout_seconds)
     key_device = _key_device(group, device)
-    comm = _communicator(group, key_device, timeout_seconds)
+    comm = _communicator(group, key_device, timeout)
     config = dict(heads_q=num_heads_q, heads_kv=num_heads_kv, head_dim=head_dim, chunk_size=chunk_size,
                   overlap_degree=overlap_degree, dispatch=dispatch,
-                  softmax_scale=None if softmax_scale is None else float(softmax_scale), softcap=float(softcap),
-                  sink_layout=sink_layout or "none", backend="auto", deterministic=deterministic,
-                  timeout=float(timeout_seconds))
+                  softmax_scale=_number(softmax_scale, "softmax_scale", optional=True),
+                  softcap=_number(softcap, "softcap"), sink_layout=sink_layout or "none", backend="auto",
+                  deterministic=_flag(deterministic, "deterministic", optional=True),
+                  timeout=timeout)
     runtime = _C.make_runtime_key(mask._c, comm=comm, **config)
     key = DistAttnKey(runtime, mask, group, key_device, comm, config)
     _recent[group] = key
@@ -378,17 +389,20 @@ _FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 def _moved_as_floats(move, x: Tensor) -> Tensor:
-    """move(x) for a tensor of any dtype: dispatch moves whole rows of bytes, so other dtypes travel as rows of
-    a float type of the same width (1-byte types widened to int16 and back)."""
+    """move(x) for a tensor of any dtype: dispatch moves whole rows of a float type, so other dtypes travel as their
+    bytes (bit for bit: float8, bool, complex too), a row's bytes padded to an even count."""
     if x.dtype in _FLOATS:
         return move(x)
-    narrow = x.element_size() == 1
-    wide = x.to(torch.int16) if narrow else x
-    rows = wide.contiguous().view(wide.shape[0], -1).view(torch.uint8)
-    width = 8 if rows.shape[1] % 8 == 0 else 4 if rows.shape[1] % 4 == 0 else 2
-    moved = move(rows.view({8: torch.float64, 4: torch.float32, 2: torch.float16}[width]))
-    out = moved.view(torch.uint8).view(wide.dtype).view(moved.shape[0], *x.shape[1:])
-    return out.to(x.dtype) if narrow else out
+    rows = x.contiguous().view(x.shape[0], math.prod(x.shape[1:]))
+    width = rows.shape[1] * x.element_size()
+    rows = rows.view(torch.uint8) if width else torch.zeros(x.shape[0], 0, dtype=torch.uint8, device=x.device)
+    if width % 2 or not width:
+        rows = torch.cat([rows, rows.new_zeros(rows.shape[0], 2 - width % 2)], 1)
+    unit = 8 if rows.shape[1] % 8 == 0 else 4 if rows.shape[1] % 4 == 0 else 2
+    moved = move(rows.view({8: torch.float64, 4: torch.float32, 2: torch.float16}[unit])).view(torch.uint8)
+    if not width:  # rows of no elements: only their count moved
+        return x.new_empty((moved.shape[0], *x.shape[1:]))
+    return moved[:, :width].contiguous().view(x.dtype).view(moved.shape[0], *x.shape[1:])
 
 
 def dispatch(x: Tensor, key: DistAttnKey, axis: str = "q") -> Tensor:
@@ -468,7 +482,7 @@ def calc_attn(q: Tensor, k: Tensor, v: Tensor, key: DistAttnKey, sink: Optional[
         layout = "none"
     elif layout not in ("sh", "ssh"):
         raise ValueError(f"sink_layout: unknown layout {layout!r} (allowed: 'sh', 'ssh')")
-    scale = key._config["softmax_scale"] if softmax_scale is None else float(softmax_scale)
-    cap = key._config["softcap"] if softcap is None else float(softcap)
+    scale = key._config["softmax_scale"] if softmax_scale is None else _number(softmax_scale, "softmax_scale")
+    cap = key._config["softcap"] if softcap is None else _number(softcap, "softcap")
     runtime = key._runtime_for(scale, cap, layout)
-    return _CalcAttn.apply(q, k, v, sink, runtime, key, bool(return_max_logits))
+    return _CalcAttn.apply(q, k, v, sink, runtime, key, _flag(return_max_logits, "return_max_logits"))

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from . import _C
-from ._attention import _check_options
+from ._attention import _check_options, _flag, _number
 from ._mask import Mask
 
 # ---- masks from range tensors, cached by tensor identity and version (no host sync after the first call) ----
@@ -225,27 +225,32 @@ def flex_flash_attn_func(q: Tensor, k: Tensor, v: Tensor, q_ranges: Tensor, k_ra
     tensor then). Later calls do no host sync and allocate only through torch, so a CUDA graph can capture them.
     CPU range tensors are read on every call (their contents key the cache).
     """
-    for name, x in (("q", q), ("k", k), ("v", v), ("q_ranges", q_ranges), ("k_ranges", k_ranges)):
+    for name, x, optional in (("q", q, False), ("k", k, False), ("v", v, False), ("q_ranges", q_ranges, False),
+                              ("k_ranges", k_ranges, False), ("attn_type_map", attn_type_map, True),
+                              ("sink", sink, True)):
+        if x is None and optional:
+            continue
         if not isinstance(x, Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+            raise TypeError(f"{name}: expected a torch.Tensor{' or None' if optional else ''}, got {type(x).__name__}")
         if x.device.type not in ("cpu", "cuda"):
             raise ValueError(f"{name}: tensors on {x.device.type} are not supported (allowed devices: cpu, cuda)")
-    if q.dim() != 3:
-        raise ValueError(f"q: expected shape [Tq, Hq, D], got {list(q.shape)}")
+    for name, x, shape in (("q", q, "[Tq, Hq, D]"), ("k", k, "[Tk, Hkv, D]"), ("v", v, "[Tk, Hkv, D]"),
+                           ("q_ranges", q_ranges, "[n, 2]")):
+        if x.dim() != len(shape.split(",")):
+            raise ValueError(f"{name}: expected shape {shape}, got {list(x.shape)}")
     if q.dtype not in _DTYPES:
         raise ValueError(f"q: dtype {q.dtype} is not supported (allowed: bfloat16, float16, float32, float64)")
     if attn_type_map is None:
         attn_type_map = _all_full(q_ranges.shape[0], q_ranges.device)
-    if sink is not None and not isinstance(sink, Tensor):
-        raise TypeError(f"sink: expected a torch.Tensor or None, got {type(sink).__name__}")
     _check_options(softmax_scale, softcap, sink_layout, "auto", None)
     if out_type is not None and out_type not in (q.dtype, torch.float32):
         raise ValueError(f"out_type: {out_type} is not allowed (allowed: None, q's dtype {q.dtype}, torch.float32)")
-    if deterministic is not True and deterministic is not False:
-        raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    args = (q, k, v, q_ranges, k_ranges, attn_type_map, sink, scale, float(softcap), sink_layout,
-            True if deterministic else None, out_type == torch.float32, bool(return_max_logits))
+    deterministic = _flag(deterministic, "deterministic")
+    return_max_logits = _flag(return_max_logits, "return_max_logits")
+    # D = 0 is refused by the C++ API with the allowed values; the default scale must not divide by it first.
+    scale = max(q.shape[-1], 1) ** -0.5 if softmax_scale is None else _number(softmax_scale, "softmax_scale")
+    args = (q, k, v, q_ranges, k_ranges, attn_type_map, sink, scale, _number(softcap, "softcap"), sink_layout,
+            True if deterministic else None, out_type == torch.float32, return_max_logits)
     if torch.compiler.is_compiling():
         results = flex_fwd(*args)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad

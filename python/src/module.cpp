@@ -22,11 +22,24 @@ void bind_distributed(nb::module_& m);
 
 namespace {
 
+// Text from the library, which may quote bytes that are not UTF-8 (an environment value, a cut JSON fragment):
+// invalid bytes shown as \xNN rather than a UnicodeDecodeError in place of the real message.
+nb::str lenient_str(const std::string& text) {
+  return nb::steal<nb::str>(PyUnicode_DecodeUTF8(text.data(), static_cast<Py_ssize_t>(text.size()), "backslashreplace"));
+}
+
+void set_error(PyObject* type, const char* what) {
+  const nb::str message = lenient_str(what);
+  PyErr_SetObject(type, message.ptr());
+}
+
 void bind_env(nb::module_& m) {
-  m.def("env_table", &env::table_with_values, "Every MAGI_ATTENTION_* variable with its value (magi-attn env).");
+  m.def("env_table", [] { return lenient_str(env::table_with_values()); },
+        "Every MAGI_ATTENTION_* variable with its value (magi-attn env).");
   m.def("env_validate", &env::ensure_validated, "Checks the environment now (raises ValueError on a bad value).");
   m.def("env_reset", &env::reset_for_testing, "Re-reads the environment on the next call (tests).");
-  m.def("env_get", &env::get_string, nb::arg("name"), "A registered variable's value as text.");
+  m.def("env_get", [](const std::string& name) { return lenient_str(env::get_string(name)); }, nb::arg("name"),
+        "A registered variable's value as text.");
 }
 
 }  // namespace
@@ -44,9 +57,9 @@ NB_MODULE(_C, m) {
     try {
       std::rethrow_exception(p);
     } catch (const magi::InvalidArgument& e) {
-      PyErr_SetString(PyExc_ValueError, e.what());
+      set_error(PyExc_ValueError, e.what());
     } catch (const magi::NotAvailable& e) {
-      PyErr_SetString(PyExc_NotImplementedError, e.what());
+      set_error(PyExc_NotImplementedError, e.what());
     }
   });
 #if MAGI_ATTN_CUDA_BACKEND

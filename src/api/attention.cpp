@@ -158,16 +158,10 @@ void check_prev(const ForwardArgs& a, const Shapes& s) {
     throw InvalidArgument("max_logits: overlaps prev_out or prev_lse");
 }
 
-// OpenMP's runtime crashed at 100000 threads.
-constexpr int32_t kMaxThreads = 1024;
-
 // The options of one call, defaults and environment applied.
 api::Call make_call(const AttentionOptions& o, const Shapes& s, DType dtype, Backend backend,
                     const api::Engine& engine, StreamHandle stream) {
-  if (o.softmax_scale && !std::isfinite(*o.softmax_scale))
-    throw InvalidArgument("softmax_scale must be finite, got " + std::to_string(*o.softmax_scale));
-  if (!std::isfinite(o.softcap) || o.softcap < 0)
-    throw InvalidArgument("softcap must be finite and >= 0 (0 = off), got " + std::to_string(o.softcap));
+  api::require_valid_scalars(o);
   if (o.num_threads < 0 || o.num_threads > kMaxThreads)
     throw InvalidArgument("num_threads: " + std::to_string(o.num_threads) + " (allowed: 0 = all cores, 1 .. " +
                           std::to_string(kMaxThreads) + ")");

@@ -1,5 +1,8 @@
 #include "api/checks.hpp"
 
+#include <cmath>
+#include <limits>
+
 namespace magi::api {
 
 std::string describe(const TensorView& t) { return std::string(to_string(t.dtype)) + " " + shape_string(t); }
@@ -64,6 +67,14 @@ void require_disjoint(std::initializer_list<Named> outputs, std::initializer_lis
         throw InvalidArgument(std::string(a->name) + ": overlaps the input " + in.name +
                               " (outputs may not share memory with each other or with an input)");
   }
+}
+
+void require_valid_scalars(const AttentionOptions& o) {
+  if (o.softmax_scale && !std::isfinite(*o.softmax_scale))
+    throw InvalidArgument("softmax_scale must be finite, got " + std::to_string(*o.softmax_scale));
+  if (!std::isfinite(o.softcap) || o.softcap < 0 || o.softcap > std::numeric_limits<float>::max())
+    throw InvalidArgument("softcap must be finite and >= 0 (0 = off, at most 3.4e38: fp32's largest), got " +
+                          std::to_string(o.softcap));
 }
 
 }  // namespace magi::api

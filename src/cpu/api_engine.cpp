@@ -58,7 +58,7 @@ class CpuEngine final : public Engine {
     scratch.prev_out = scratch.prev_lse = TensorView();
     cpu::forward(plan, scratch, eo);
     const int d = static_cast<int>(s.d);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(cpu::resolve_threads(eo.num_threads))
     for (int64_t rh = 0; rh < rows; ++rh) {
       std::vector<double> mine(static_cast<size_t>(d)), prev(static_cast<size_t>(d));
       double lse_mine = 0, lse_prev = 0;
@@ -84,7 +84,7 @@ class CpuEngine final : public Engine {
     scratch.accumulate_dq = false;
     cpu::backward(plan, scratch, eo);
     float* dq = static_cast<float*>(a.dq.data);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(cpu::resolve_threads(eo.num_threads))
     for (int64_t i = 0; i < n; ++i) dq[i] = static_cast<float>(double{dq[i]} + part[static_cast<size_t>(i)]);
   }
 

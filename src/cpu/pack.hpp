@@ -4,6 +4,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -180,6 +181,9 @@ inline T sink_lse(const TensorView& sink, SinkLayout layout, int64_t q, int64_t 
   return hi + std::log(sum);
 }
 
-inline int resolve_threads(int32_t requested) { return requested > 0 ? requested : omp_get_max_threads(); }
+// "All cores" is OpenMP's default team, capped: OMP_NUM_THREADS=100000 crashed its runtime.
+inline int resolve_threads(int32_t requested) {
+  return requested > 0 ? requested : std::min(omp_get_max_threads(), static_cast<int>(kMaxThreads));
+}
 
 }  // namespace magi::cpu

@@ -936,10 +936,7 @@ RuntimeKey make_runtime_key(const Mask& mask, const HeadShape& heads, std::share
     throw InvalidArgument("chunk_size: " + std::to_string(config.chunk_size) + " (allowed: 1 .. " +
                           std::to_string(longest) + ", the longer of total_q, total_k and 16384)");
   const AttentionOptions& o = config.attention;
-  if (o.softmax_scale && !std::isfinite(*o.softmax_scale))
-    throw InvalidArgument("softmax_scale must be finite, got " + std::to_string(*o.softmax_scale));
-  if (!std::isfinite(o.softcap) || o.softcap < 0)
-    throw InvalidArgument("softcap must be finite and >= 0 (0 = off), got " + std::to_string(o.softcap));
+  api::require_valid_scalars(o);
   if (config.overlap_degree < 0)
     throw InvalidArgument("overlap_degree must be >= 0 (0 = no overlap), got " + std::to_string(config.overlap_degree));
   if (heads.heads_q < 1 || heads.heads_kv < 1 || heads.heads_q % heads.heads_kv != 0 || heads.head_dim < 8 ||

@@ -148,6 +148,8 @@ TEST_F(ApiArguments, SinkAndOptions) {
   options_ = config_.options();
   options_.softcap = -1.0;
   expect_forward_rejects(forward_args(), "softcap");
+  options_.softcap = 4e38;  // past fp32's largest: the kernels' s / softcap would be 0 and out NaN
+  expect_forward_rejects(forward_args(), "softcap must be finite and >= 0 (0 = off, at most 3.4e38");
   options_ = config_.options();
   options_.softmax_scale = std::numeric_limits<double>::quiet_NaN();
   expect_forward_rejects(forward_args(), "softmax_scale");

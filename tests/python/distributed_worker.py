@@ -171,6 +171,10 @@ def roll(device):
     ids = (torch.arange(333, dtype=torch.int64) * 3 + 1).to(device)
     local_ids = ma.dispatch(ids, key)
     assert torch.equal(ma.undispatch(ma.roll(local_ids, -1, key), key), torch.roll(ids, -1, 0))
+    for x in (torch.tensor([0.5, 1.75, -2.5, 3.0] * 84)[:333, None].to(torch.float8_e4m3fn),  # bits, not values
+              (torch.arange(333 * 3) % 3 == 0).view(333, 3), torch.arange(333 * 3, dtype=torch.int8).view(333, 3)):
+        back = ma.undispatch(ma.dispatch(x.to(device), key), key)
+        assert back.dtype == x.dtype and torch.equal(back.view(torch.uint8).cpu(), x.view(torch.uint8)), x.dtype
     half = torch.arange(333, dtype=torch.bfloat16).to(device)  # 2-byte rows
     assert torch.equal(ma.undispatch(ma.roll(ma.dispatch(half, key), 5, key), key), torch.roll(half, 5, 0))
     x = torch.randn(333, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).to(device)

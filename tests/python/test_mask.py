@@ -78,6 +78,10 @@ def test_describe_and_png(tmp_path):
     with pytest.raises(ValueError, match="cannot create"):
         mask.to_png(tmp_path / "missing" / "mask.png")
     assert not (tmp_path / "missing").exists()
+    for path, error in ((None, TypeError), (b"mask.png", TypeError), (str(tmp_path / "a\0b.png"), ValueError)):
+        with pytest.raises(error, match="path"):
+            mask.to_png(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mask.png"], "a refused path wrote a file"
 
 
 BAD = [
@@ -139,6 +143,14 @@ def test_infer_attn_mask_from_sliding_window_and_padding_helpers():
     assert (keep == ((j <= i) & (j >= i - 10))).all()
     with pytest.raises(ValueError, match="equal length"):
         ma.infer_attn_mask_from_sliding_window([0, 10], [0, 12], (2, 2))
+    with pytest.raises(ValueError, match="negative"):  # shifted ranges are checked as a mask's
+        ma.infer_attn_mask_from_sliding_window([-4, 0], [-4, 0], (1, 1))
+    with pytest.raises(ValueError, match="int32"):
+        ma.infer_attn_mask_from_sliding_window([2**31 - 3, 2**31 + 1], [2**31 - 3, 2**31 + 1], (1, 1))
+    with pytest.raises(TypeError, match="window_size"):
+        ma.infer_attn_mask_from_sliding_window([0, 8], [0, 8], (1.7, 0))
+    with pytest.raises(TypeError, match="x: expected an array"):
+        ma.squash_batch_dim(None)
     assert ma.compute_pad_size(1000, 4, 64) == 24 and ma.compute_pad_size(1024, 4, 64) == 0
     with pytest.raises(ValueError, match="cp_size >= 1"):
         ma.compute_pad_size(10, 0, 4)

@@ -254,3 +254,15 @@ def test_bad_input_raises_naming_the_argument(rng, case):
     with pytest.raises(error) as info:
         call(q, k, v, mask)
     assert message in str(info.value), str(info.value)
+
+
+def test_omp_num_threads_past_the_limit_is_capped():
+    """OMP_NUM_THREADS=100000 crashed OpenMP's runtime; the CPU engine's default team is capped at 1024."""
+    import os
+    import subprocess
+    import sys
+    code = ("import numpy as np, magi_attn as ma; x = np.ones((16, 1, 8), np.float32); "
+            "print(float(ma.forward(ma.masks.causal(16), x, x, x)[0].sum()))")
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, OMP_NUM_THREADS="100000"),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "128.0", done.stdout + done.stderr

@@ -233,6 +233,22 @@ BAD = [
      "softmax_scale: expected a number or None"),
     ("meta device", lambda q, k, v, r: ma.flex_flash_attn_func(q.to("meta"), k.to("meta"), v.to("meta"), *r),
      ValueError, "q: tensors on meta are not supported"),
+    ("meta sink", lambda q, k, v, r: ma.flex_flash_attn_func(q, k, v, *r, sink=torch.zeros(1, 2, device="meta")),
+     ValueError, "sink: tensors on meta are not supported"),
+    ("meta types", lambda q, k, v, r: ma.flex_flash_attn_func(q, k, v, r[0], r[1], r[2].to("meta")), ValueError,
+     "attn_type_map: tensors on meta are not supported"),
+    ("0-d k", lambda q, k, v, r: ma.flex_flash_attn_func(q, k[0, 0, 0], v, *r), ValueError,
+     "k: expected shape [Tk, Hkv, D]"),
+    ("0-d ranges", lambda q, k, v, r: ma.flex_flash_attn_func(q, k, v, r[0][0, 0], r[1]), ValueError,
+     "q_ranges: expected shape [n, 2]"),
+    ("head dim 0", lambda q, k, v, r: ma.flex_flash_attn_func(q[..., :0], k[..., :0], v[..., :0], *r), ValueError,
+     "head dim D must be a positive multiple of 8"),
+    ("softcap past fp32", lambda q, k, v, r: ma.flex_flash_attn_func(q, k, v, *r, softcap=4e38), ValueError,
+     "softcap must be finite"),
+    ("scale past double", lambda q, k, v, r: ma.flex_flash_attn_func(q, k, v, *r, softmax_scale=10**400), ValueError,
+     "softmax_scale: too large"),
+    ("max_logits text", lambda q, k, v, r: ma.flex_flash_attn_func(q, k, v, *r, return_max_logits="no"), TypeError,
+     "return_max_logits: expected a bool"),
 ]
 
 
