@@ -70,7 +70,7 @@ def _optional_size(value, name: str):
         return None
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name}: expected an int or None, got {type(value).__name__}")
-    return int(value)
+    return _int64(int(value), name)
 
 
 class Mask:
@@ -173,7 +173,14 @@ def _cu(x, name: str) -> list:
 def _size(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    return int(value)
+    return _int64(int(value), name)
+
+
+def _int64(value: int, name: str) -> int:
+    """The C++ side takes int64 and checks its own bounds, naming the argument; past int64 it could not."""
+    if not -2**63 <= value < 2**63:
+        raise ValueError(f"{name}: {value} does not fit int64 (allowed: -2^63 .. 2^63-1)")
+    return value
 
 
 class masks:  # noqa: N801 (a namespace, as in C++)

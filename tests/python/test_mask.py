@@ -104,6 +104,8 @@ BAD = [
     (lambda: ma.masks.varlen_block_causal([0, 8], -3), ValueError, "(allowed: 1 .. 2^31-1)"),
     (lambda: ma.masks.full(-1), ValueError, "total_q"),
     (lambda: ma.masks.varlen_full([0, 2**33]), ValueError, "cu_seqlens_q: values must fit int32"),
+    (lambda: ma.masks.full(2**63), ValueError, "total_q: 9223372036854775808 does not fit int64"),
+    (lambda: ma.Mask([[0, 4]], [[0, 4]], total_k=-2**64), ValueError, "total_k"),
 ]
 
 
