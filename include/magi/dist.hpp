@@ -8,6 +8,7 @@
 // Local tensors use the thd layout of magi/attention.hpp with local_q_tokens / local_k_tokens rows.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -32,6 +33,12 @@ enum class DispatchAlgorithm : int32_t {
 std::string_view to_string(DispatchAlgorithm algorithm);
 
 enum class DsinkReduceOp : int32_t { None, Sum, Avg };  // MAGI_ATTENTION_DSINK_ALL_REDUCE_OP
+
+// The largest chunk_size make_runtime_key takes: a chunk longer than the sequence only pads every rank's share
+// with zero rows (2^29 asked for 137 GB), so chunks are bounded by the longer sequence, or 16384 for short ones.
+inline int64_t max_chunk_size(int64_t total_q, int64_t total_k) {
+  return std::max({total_q, total_k, int64_t{16384}});
+}
 
 struct DistConfig {
   int32_t chunk_size = 512;

@@ -114,7 +114,7 @@ int demo_command(std::span<const std::string> args) {
                                             : std::random_device{}() & 0xffffffffu;
   AttentionOptions attention;
   if (auto text = options.get("backend")) attention.backend = parse_backend(*text, "--backend");
-  attention.num_threads = static_cast<int32_t>(options.get_int("threads", 0, 0, 4096));
+  attention.num_threads = get_threads(options);
   const bool gpu = runs_on_gpu(attention.backend);  // --backend cuda without a GPU fails here
   const DType dtype = options.has("dtype") ? parse_dtype(*options.get("dtype"), "--dtype")
                       : gpu && attention.backend != Backend::Reference ? DType::BF16

@@ -172,7 +172,7 @@ Settings read_settings(const Options& options) {
     throw InvalidArgument("--head-dim " + std::to_string(s.head_dim) + ": must be a multiple of 8 (allowed: 8, 16, .., 1024)");
   s.block = static_cast<int32_t>(options.get_int("block", 128, 1, 1 << 26));
   s.runs = static_cast<int32_t>(options.get_int("runs", 3, 1, 1000));
-  s.threads = static_cast<int32_t>(options.get_int("threads", 0, 0, 4096));
+  s.threads = get_threads(options);
   if (s.heads_q % s.heads_kv != 0)
     throw InvalidArgument("--heads-kv " + std::to_string(s.heads_kv) + " must divide --heads-q " +
                           std::to_string(s.heads_q));
@@ -191,6 +191,7 @@ Settings read_settings(const Options& options) {
                           "reference; or --device cuda)");
   s.config = parse_dist_config(options, attention);
   if (!options.has("chunk-size")) s.config.chunk_size = 256;
+  check_chunk_size(s.config, s.tokens, s.tokens);
   if (options.has("seed")) s.seed = static_cast<uint64_t>(options.get_int("seed", 0, 0, INT64_MAX));
   if (gpu) check_gpu_ranks();
   return s;

@@ -114,7 +114,10 @@ int dist_run(DistWorld& world, std::span<const std::string> args) {
   const DType wide = wide_dtype(p.dtype);
 
   dist::RuntimeKey key;
-  world.agree([&] { key = dist::make_runtime_key(p.mask, p.heads, world.comm_ptr(), config); });
+  world.agree([&] {
+    check_chunk_size(config, tq, tk);
+    key = dist::make_runtime_key(p.mask, p.heads, world.comm_ptr(), config);
+  });
 
   // ---- every rank computes its share ----
   const bool root = world.root();

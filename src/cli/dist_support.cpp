@@ -269,6 +269,13 @@ dist::DistConfig parse_dist_config(const Options& options, const AttentionOption
   return c;
 }
 
+void check_chunk_size(const dist::DistConfig& config, int64_t total_q, int64_t total_k) {
+  const int64_t longest = dist::max_chunk_size(total_q, total_k);
+  if (config.chunk_size > longest)
+    throw InvalidArgument("--chunk-size: " + std::to_string(config.chunk_size) + " (allowed: 1 .. " +
+                          std::to_string(longest) + ", the longer of the q tokens, the k tokens and 16384)");
+}
+
 std::string plan_text(const dist::PlanSummary& plan, DType dtype) {
   int64_t fetched = 0;
   for (int64_t rows : plan.fetched_kv_rows) fetched += rows;

@@ -87,6 +87,10 @@ std::vector<OptionSpec> dist_option_specs();
 // over ranks, so every rank ends with the global dsink.
 dist::DistConfig parse_dist_config(const Options& options, const AttentionOptions& attention);
 
+// The library's bound on --chunk-size (dist::max_chunk_size), checked by the commands up front: the error comes
+// before any progress output, the same on every rank, and names the option.
+void check_chunk_size(const dist::DistConfig& config, int64_t total_q, int64_t total_k);
+
 // PlanSummary::to_text plus the kv bytes moved against ring attention's, at the dtype's size.
 std::string plan_text(const dist::PlanSummary& plan, DType dtype);
 

@@ -9,6 +9,7 @@
 #include "cli/commands.hpp"
 #include "cli/documents.hpp"
 #include "cli/mask_file.hpp"
+#include "cli/npy.hpp"
 #include "cli/options.hpp"
 #include "mask/png.hpp"
 #include "magi/error.hpp"
@@ -180,7 +181,13 @@ int mask_command(std::span<const std::string> args) {
   if (options.has("json")) text << mask_to_json(mask) << "\n";
   else text << describe(mask);
   if (auto png = options.get("png")) {
-    picture::write_mask_png(mask, *png);
+    if (auto input = options.get("mask"); input && same_file(*input, *png))
+      throw InvalidArgument("--png " + *png + ": is the --mask input (choose another file)");
+    try {
+      replace_file(*png, [&](const std::string& temporary) { picture::write_mask_png(mask, temporary); });
+    } catch (const Error& e) {
+      throw InvalidArgument(std::string("--png ") + e.what());
+    }
     if (!options.has("json")) text << "wrote " << *png << "\n";
   }
   std::cout << text.str();

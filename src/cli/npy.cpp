@@ -9,6 +9,8 @@
 #include <optional>
 #include <sstream>
 
+#include <unistd.h>
+
 #include "magi/error.hpp"
 
 namespace magi::cli {
@@ -161,6 +163,16 @@ int64_t product(std::span<const int64_t> shape) {
   return n;
 }
 
+// The element count of a header's shape, or nothing when it overflows int64 (each extent alone may be 2^50).
+std::optional<int64_t> checked_product(std::span<const int64_t> shape) {
+  for (int64_t d : shape)
+    if (d == 0) return 0;
+  int64_t n = 1;
+  for (int64_t d : shape)
+    if (__builtin_mul_overflow(n, d, &n)) return std::nullopt;
+  return n;
+}
+
 }  // namespace
 
 int64_t NpyArray::numel() const { return product(shape); }
@@ -196,10 +208,15 @@ NpyArray parse_npy(std::span<const unsigned char> bytes, const std::string& path
   if (header.fortran_order) fail(path, "fortran_order True is not supported (save a C-order array)");
   array.shape = header.shape;
 
-  const int64_t numel = array.numel();
   const size_t item = array.dtype == DType::F32 ? 4 : 8;
-  const size_t expected = static_cast<size_t>(numel) * item;
   const size_t available = bytes.size() - data_start;
+  const std::optional<int64_t> count = checked_product(array.shape);
+  int64_t expected_bytes = 0;
+  if (!count || __builtin_mul_overflow(*count, static_cast<int64_t>(item), &expected_bytes))
+    fail(path, "shape " + array.shape_string() + " has more elements than fit in 64 bits (the file has " +
+                   std::to_string(available) + " data bytes)");
+  const int64_t numel = *count;
+  const size_t expected = static_cast<size_t>(expected_bytes);
   if (available < expected)
     fail(path, "truncated data: shape " + array.shape_string() + " needs " + std::to_string(expected) +
                    " bytes, the file has " + std::to_string(available));
@@ -255,6 +272,46 @@ void write_file(const std::string& path, std::span<const unsigned char> bytes) {
   out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
   out.close();
   if (!out) fail(path, "write error");
+}
+
+std::filesystem::path temporary_beside(const std::filesystem::path& path) {
+  return path.parent_path() / ("." + path.filename().string() + ".tmp." + std::to_string(::getpid()));
+}
+
+bool same_file(const std::filesystem::path& a, const std::filesystem::path& b) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::exists(a, ec) && fs::exists(b, ec)) {
+    const bool same = fs::equivalent(a, b, ec);
+    if (!ec) return same;
+  }
+  const fs::path ca = fs::weakly_canonical(a, ec);
+  if (ec) return false;
+  const fs::path cb = fs::weakly_canonical(b, ec);
+  return !ec && ca == cb;
+}
+
+void replace_file(const std::string& path, const std::function<void(const std::string& temporary)>& write) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) fail(path, "cannot write: is a directory");
+  const std::string temporary = temporary_beside(path).string();
+  try {
+    write(temporary);
+    fs::rename(temporary, path, ec);
+    if (ec) fail(path, "cannot write: " + ec.message());
+  } catch (const std::exception& e) {
+    fs::remove(temporary, ec);
+    // The writer names the temporary; the user knows the target.
+    std::string message = e.what();
+    for (size_t at = message.find(temporary); at != std::string::npos; at = message.find(temporary, at + path.size()))
+      message.replace(at, temporary.size(), path);
+    throw InvalidArgument(message);
+  }
+}
+
+void replace_file(const std::string& path, std::span<const unsigned char> bytes) {
+  replace_file(path, [&](const std::string& temporary) { write_file(temporary, bytes); });
 }
 
 }  // namespace magi::cli

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -30,5 +32,15 @@ std::vector<unsigned char> encode_npy(DType dtype, std::span<const int64_t> shap
 std::vector<unsigned char> encode_npy(std::span<const int64_t> shape, std::span<const float> values);  // '<f4'
 // Writes `bytes` to `path` (throws InvalidArgument naming the path on failure).
 void write_file(const std::string& path, std::span<const unsigned char> bytes);
+
+// Output files that never leave a partial file behind and never clobber an existing one on failure: `write` fills
+// a temporary beside `path` (same folder, so the rename is atomic), which is renamed over `path` only on success
+// and removed otherwise. Errors are InvalidArgument naming `path`.
+void replace_file(const std::string& path, const std::function<void(const std::string& temporary)>& write);
+void replace_file(const std::string& path, std::span<const unsigned char> bytes);
+// A temporary name beside `path`: ".NAME.tmp.PID" in its folder.
+std::filesystem::path temporary_beside(const std::filesystem::path& path);
+// Whether `a` and `b` are the same file: equivalent when both exist, else equal weakly canonical paths.
+bool same_file(const std::filesystem::path& a, const std::filesystem::path& b);
 
 }  // namespace magi::cli

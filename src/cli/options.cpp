@@ -4,6 +4,7 @@
 #include <cmath>
 #include <sstream>
 
+#include "magi/attention.hpp"
 #include "magi/error.hpp"
 
 namespace magi::cli {
@@ -133,6 +134,15 @@ std::optional<std::vector<int64_t>> Options::get_int_list(std::string_view name)
 void Options::reject_unless_used(std::span<const std::string> names, std::string_view context) const {
   for (const std::string& name : names)
     if (has(name)) throw InvalidArgument(command_ + ": --" + name + " is not used by " + std::string(context));
+}
+
+int32_t get_threads(const Options& options) {
+  auto text = options.get("threads");
+  if (!text) return 0;
+  const int64_t value = parse_int(*text, "--threads");
+  if (value < 0 || value > kMaxThreads)
+    throw InvalidArgument("--threads: " + *text + " (allowed: 0 = all cores, 1 .. " + std::to_string(kMaxThreads) + ")");
+  return static_cast<int32_t>(value);
 }
 
 int64_t parse_int(std::string_view text, std::string_view what) {

@@ -56,6 +56,10 @@ class Options {
   bool help_requested_ = false;
 };
 
+// --threads N, checked against the library's limit before any work starts (the library checks only at the
+// first attention call, after progress output or on one rank only). 0 = all cores when absent.
+int32_t get_threads(const Options& options);
+
 // Strict number parsing (the whole text must be consumed); `what` names the value in errors.
 int64_t parse_int(std::string_view text, std::string_view what);
 double parse_double(std::string_view text, std::string_view what);

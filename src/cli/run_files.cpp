@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <cstdint>
+
 #include "cli/mask_file.hpp"
 #include "cli/npy.hpp"
 #include "magi/error.hpp"
@@ -75,6 +77,16 @@ RunSettings parse_run_settings(const Options& options) {
     if (layout != "sh" && layout != "ssh") throw InvalidArgument("--sink-layout: '" + layout + "' (allowed: sh, ssh)");
     attention.sink_layout = parse_sink_layout(layout, "--sink-layout");
   }
+  // An output must not replace an input: which outputs are written depends on --do and --sink.
+  std::vector<std::string> outputs = {"out.npy", "lse.npy"};
+  if (options.has("do")) outputs.insert(outputs.end(), {"dq.npy", "dk.npy", "dv.npy"});
+  if (options.has("do") && has_sink) outputs.push_back("dsink.npy");
+  for (const char* input : {"mask", "q", "k", "v", "do", "sink"})
+    if (auto path = options.get(input))
+      for (const std::string& name : outputs)
+        if (same_file(*path, s.out_dir / name))
+          throw InvalidArgument("--out-dir " + s.out_dir.string() + ": its " + name + " is the --" + input +
+                                " input " + *path + " (outputs must not overwrite inputs; choose another --out-dir)");
   if (auto text = options.get("dtype")) s.dtype = parse_dtype(*text, "--dtype");
   attention.softmax_scale = options.get_double("softmax-scale");
   if (attention.softmax_scale && *attention.softmax_scale <= 0.0)
@@ -82,7 +94,7 @@ RunSettings parse_run_settings(const Options& options) {
   attention.softcap = options.get_double("softcap").value_or(0.0);
   if (attention.softcap < 0.0) throw InvalidArgument("--softcap: must be >= 0, got " + *options.get("softcap"));
   if (auto text = options.get("backend")) attention.backend = parse_backend(*text, "--backend");
-  attention.num_threads = static_cast<int32_t>(options.get_int("threads", 0, 0, 4096));
+  attention.num_threads = get_threads(options);
   return s;
 }
 
@@ -95,8 +107,12 @@ RunInputs load_run_inputs(const Options& options, const RunSettings& settings) {
   const int64_t tq = q.shape[0], hq = q.shape[1], d = q.shape[2], tk = k.shape[0], hkv = k.shape[1];
   expect_shape(k, {tk, hkv, d}, "k", *options.get("k"), "[Tk, Hkv, D] with D = " + std::to_string(d) + " from q");
   expect_shape(v, {tk, hkv, d}, "v", *options.get("v"), "like k");
-  constexpr int64_t kMaxTokens = 0x7fffffff;
-  if (tq > kMaxTokens || tk > kMaxTokens) throw InvalidArgument("--q/--k: token counts must fit in int32");
+  // Tokens, heads and head size are int32 in the library (and in dist-run's header).
+  for (const auto& [a, name] : {std::pair{&q, "q"}, std::pair{&k, "k"}})
+    for (const int64_t extent : a->shape)
+      if (extent > INT32_MAX)
+        throw InvalidArgument(std::string("--") + name + " " + *options.get(name) + ": shape " + a->shape_string() +
+                              ": each extent must be at most " + std::to_string(INT32_MAX));
   std::optional<NpyArray> dout, sink;
   if (options.has("do")) {
     dout = read_input(options, "do");
@@ -108,9 +124,11 @@ RunInputs load_run_inputs(const Options& options, const RunSettings& settings) {
     const std::string path = *options.get("sink");
     if (layout == SinkLayout::SH) {
       expect_rank(*sink, 2, "sink", path, "[S, Hq] for layout sh");
+      if (sink->shape[0] > INT32_MAX) throw InvalidArgument("--sink " + path + ": S above " + std::to_string(INT32_MAX));
       expect_shape(*sink, {sink->shape[0], hq}, "sink", path, "[S, Hq] for layout sh, Hq = " + std::to_string(hq));
     } else {
       expect_rank(*sink, 3, "sink", path, "[Tq, S, Hq] for layout ssh");
+      if (sink->shape[1] > INT32_MAX) throw InvalidArgument("--sink " + path + ": S above " + std::to_string(INT32_MAX));
       expect_shape(*sink, {tq, sink->shape[1], hq}, "sink", path,
                    "[Tq, S, Hq] for layout ssh, Tq = " + std::to_string(tq) + ", Hq = " + std::to_string(hq));
     }
@@ -146,6 +164,11 @@ std::vector<unsigned char> as_fp32_npy(const HostTensor& t) {
 void write_outputs(const fs::path& dir, const OutputFiles& files) {
   std::error_code ec;
   const bool existed = fs::exists(dir, ec);
+  // A rename that must fail (a folder in the way) fails here, before the first rename could leave a partial set.
+  for (const auto& [name, bytes] : files)
+    if (fs::is_directory(dir / name, ec))
+      throw InvalidArgument("--out-dir " + dir.string() + ": cannot write " + name + ": " + (dir / name).string() +
+                            " is a directory");
   if (!existed && !fs::create_directories(dir, ec) && ec)
     throw InvalidArgument("--out-dir " + dir.string() + ": cannot create: " + ec.message());
   std::vector<fs::path> temporaries;

@@ -929,9 +929,7 @@ RuntimeKey make_runtime_key(const Mask& mask, const HeadShape& heads, std::share
                             const DistConfig& config) {
   env::ensure_validated();
   if (!comm) throw InvalidArgument("make_runtime_key: comm is null");
-  // A chunk longer than the sequence only pads every rank's share with zero rows (2^29 asked for 137 GB), so
-  // chunks are bounded by the longer sequence, or by 16384 for short ones (the default 512 stays valid).
-  const int64_t longest = std::max<int64_t>({mask.total_q, mask.total_k, 16384});
+  const int64_t longest = max_chunk_size(mask.total_q, mask.total_k);
   if (config.chunk_size < 1 || config.chunk_size > longest)
     throw InvalidArgument("chunk_size: " + std::to_string(config.chunk_size) + " (allowed: 1 .. " +
                           std::to_string(longest) + ", the longer of total_q, total_k and 16384)");

@@ -7,6 +7,7 @@
 #include "cli/documents.hpp"
 #include "cli/npy.hpp"
 #include "cli/options.hpp"
+#include "magi/attention.hpp"
 #include "magi/error.hpp"
 #include "reference/naive_attention.hpp"
 #include "reference/random_inputs.hpp"
@@ -121,6 +122,21 @@ TEST(Npy, RejectsWhatTheContractDoesNotCover) {
             std::string::npos);
 }
 
+// (256, 2^53 + 2, 8) wraps around int64 to 4096 elements, which 16384 data bytes would have matched.
+TEST(Npy, ShapeWhoseElementCountOverflowsIsRejected) {
+  const std::string data(16384, '\0');
+  EXPECT_NE(expect_npy_error(handmade_npy("{'descr': '<f4', 'fortran_order': False, 'shape': (256, 9007199254740994, 8), }",
+                                          1, data))
+                .find("more elements than fit in 64 bits"),
+            std::string::npos);
+  // A zero extent makes the product 0 wherever it stands.
+  const NpyArray empty =
+      parse_npy(handmade_npy("{'descr': '<f4', 'fortran_order': False, 'shape': (1125899906842624, 1125899906842624, 0), }",
+                             1, ""),
+                "empty.npy");
+  EXPECT_EQ(empty.values.size(), 0u);
+}
+
 TEST(Npy, MissingFileNamesThePath) {
   try {
     read_npy("/nonexistent/dir/q.npy");
@@ -182,6 +198,29 @@ TEST(Options, ErrorsNameTheOption) {
   EXPECT_NE(parse_error({"--docs", "1,,2"}, docs).find("--docs: '' is not an integer"), std::string::npos);
   auto need = [](const Options& o) { o.require("size"); };
   EXPECT_NE(parse_error({}, need).find("missing required option --size"), std::string::npos);
+}
+
+TEST(Options, ThreadsFollowTheLibraryLimit) {
+  const auto threads = [](const std::string& value) {
+    Options options("run", "run", "", {{"threads", "N", "threads"}});
+    const std::vector<std::string> args = {"--threads", value};
+    options.parse(args);
+    return get_threads(options);
+  };
+  EXPECT_EQ(threads("0"), 0);
+  EXPECT_EQ(threads(std::to_string(kMaxThreads)), kMaxThreads);
+  for (const std::string bad : {std::to_string(kMaxThreads + 1), std::string("-1"), std::string("4096")}) {
+    try {
+      threads(bad);
+      ADD_FAILURE() << "no error for --threads " << bad;
+    } catch (const InvalidArgument& e) {
+      const std::string message = e.what();
+      EXPECT_NE(message.find("--threads"), std::string::npos) << message;
+      EXPECT_NE(message.find("1 .. " + std::to_string(kMaxThreads)), std::string::npos) << message;
+    }
+  }
+  Options none("run", "run", "", {{"threads", "N", "threads"}});
+  EXPECT_EQ(get_threads(none), 0);
 }
 
 TEST(Options, HelpAnywhereWins) {

@@ -301,6 +301,19 @@ TEST_P(DistRunErrors, CudaBackendIsRefusedOnEveryRank) {
   expect_error(args, {"cuda"});
 }
 
+// Before, only rank 0's first attention call refused it, in the middle of a collective (MPI abort).
+TEST_P(DistRunErrors, ThreadsAboveTheLibraryLimitStopEveryRank) {
+  auto args = valid_args();
+  args.insert(args.end(), {"--threads", std::to_string(kMaxThreads + 1)});
+  expect_error(args, {"--threads", "1 .. " + std::to_string(kMaxThreads)});
+}
+
+TEST_P(DistRunErrors, ChunkSizeAboveTheLibraryLimitNamesTheOption) {
+  auto args = valid_args();
+  args.back() = "20000";  // --chunk-size
+  expect_error(args, {"--chunk-size", "20000", "1 .. 16384"});
+}
+
 INSTANTIATE_TEST_SUITE_P(Cp, DistRunErrors, ::testing::Values(1, 2, 3, 4),
                          [](const ::testing::TestParamInfo<int>& info) { return "cp" + std::to_string(info.param); });
 
