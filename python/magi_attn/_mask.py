@@ -57,8 +57,12 @@ def _types(types, n: int, name: str) -> np.ndarray:
         return np.zeros(n, dtype=np.int64)
     if isinstance(types, (str, int, np.integer)):
         return np.full(n, type_id(types, name), dtype=np.int64)
+    if isinstance(types, (dict, set, frozenset)):  # no order to pair with the slices
+        raise TypeError(f"{name}: expected one type per slice in order (a list or array), got {type(types).__name__}")
     if hasattr(types, "__array__") or hasattr(types, "__dlpack__") or type(types).__module__.startswith("torch"):
-        a = _integers(types, name).reshape(-1)
+        a = _integers(types, name)
+        if a.ndim != 1:
+            raise ValueError(f"{name}: expected shape [n] (one type per slice), got {list(a.shape)}")
         for i, t in enumerate(a.tolist()):
             type_id(t, f"{name}[{i}]")
         return np.ascontiguousarray(a)
@@ -164,7 +168,9 @@ class Mask:
 
 
 def _cu(x, name: str) -> list:
-    a = _integers(x, name).reshape(-1)
+    a = _integers(x, name)
+    if a.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D sequence of ints, got shape {list(a.shape)}")
     if a.size and (a.min() < -2**31 or a.max() >= 2**31):
         raise ValueError(f"{name}: values must fit int32")
     return a.tolist()

@@ -105,6 +105,10 @@ BAD = [
     (lambda: ma.masks.full(-1), ValueError, "total_q"),
     (lambda: ma.masks.varlen_full([0, 2**33]), ValueError, "cu_seqlens_q: values must fit int32"),
     (lambda: ma.masks.full(2**63), ValueError, "total_q: 9223372036854775808 does not fit int64"),
+    (lambda: ma.Mask([[0, 4]], [[0, 4]], {"full": 0}), TypeError, "types: expected one type per slice in order"),
+    (lambda: ma.Mask([[0, 4], [4, 8]], [[0, 4], [4, 8]], np.array([[0, 1]])), ValueError, "types: expected shape [n]"),
+    (lambda: ma.masks.varlen_causal(np.array([[0, 4], [4, 8]])), ValueError, "cu_seqlens_q: expected a 1-D sequence"),
+    (lambda: ma.masks.shared_question(4, 4), ValueError, "answers: expected a 1-D sequence"),
     (lambda: ma.Mask([[0, 4]], [[0, 4]], total_k=-2**64), ValueError, "total_k"),
 ]
 
