@@ -22,7 +22,7 @@
 //   many as q heads); --cat-gqa: the backward with concatenated q heads (MAGI_ATTENTION_CATGQA;
 //   PlanTuning::backward_cat_gqa). --stages: after each case's timing, one more forward and backward in profile mode
 //   (MAGI_ATTENTION_PROFILE_MODE's per-kernel times on stderr: the backward's preprocess, dk/dv kernel and dq
-//   conversion apart).
+//   conversion apart; with --deterministic, the deterministic backward's too).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -326,6 +326,10 @@ int main(int argc, char** argv) {
         timed.profile = true;
         magi::cuda::forward(*plan, fa, timed, stream);
         if (!forward_only) magi::cuda::backward(*plan, ba, timed, stream);
+        if (!forward_only && deterministic_too) {
+          timed.deterministic = true;
+          magi::cuda::backward(*plan, ba, timed, stream);
+        }
       }
       std::fflush(stdout);
     }

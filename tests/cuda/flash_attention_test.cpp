@@ -226,6 +226,34 @@ TEST(CudaBackend, DqOfChunksWithAndWithoutAddsMatchesReference) {
   }
 }
 
+// The backward in two kernels at D 256 (the dk/dv kernel without dQ, then the dq kernel: the deterministic mode; the
+// Hopper family's own dq kernel, 128-row tiles of 32-key items): rows without keys between and after busy ones, a
+// partial last tile, q-overlap, GQA / MQA, a head dim padded to the tile, sink, softcap, 16-bit and fp32 gradients.
+// Outputs start poisoned, so a row nobody writes fails.
+TEST(CudaBackend, TwoKernelBackwardAtD256MatchesReference) {
+  if (!cuda::head_dim_supported(256)) return;  // a build without tile 256 (MAGI_ATTN_CUDA_HEAD_DIMS)
+  Mask gaps;
+  gaps.total_q = 457;
+  gaps.total_k = 390;
+  gaps.slices = {make_slice(0, 70, 0, 300, MaskType::Full), make_slice(200, 260, 100, 390, MaskType::Causal),
+                 make_slice(300, 330, 0, 50, MaskType::InvCausal), make_slice(430, 457, 250, 390, MaskType::Full)};
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  const Mask rectangles = random_rectangles(rng, 600, 520, 30);
+  const Mask overlap = cases::mixed_types_q_overlap();
+  CaseConfig gqa = config(DType::BF16, 4, 2, 256);
+  CaseConfig mqa = config(DType::F16, 3, 1, 200);
+  mqa.sink_layout = SinkLayout::SSH;
+  mqa.sink_len = 3;
+  CaseConfig capped = config(DType::BF16, 2, 2, 256);
+  capped.softcap = 15.0;
+  capped.fp32_outputs = true;
+  int index = 0;
+  for (const Mask* mask : std::initializer_list<const Mask*>{&gaps, &rectangles, &overlap})
+    for (const CaseConfig* c : std::initializer_list<const CaseConfig*>{&gqa, &mqa, &capped})
+      EXPECT_TRUE(check_cuda_case(*mask, *c, seed + index++, "two-kernel backward at D 256, " + c->describe(), true));
+}
+
 // Every row keeps one key, so dq and dk are exactly 0. With an fp32 dout the kernels read it rounded to 16 bits;
 // Delta = dout . out from the unrounded dout left dq of dout's rounding (rel error ~1 before the fix).
 TEST(CudaBackend, Fp32DoutRowsWithOneKeyGiveZeroDq) {
@@ -674,9 +702,11 @@ TEST(CudaBackend, AccumulatedDqOfTwoKeyPartsMatchesTheWholeMask) {
   const uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
   int index = 0;
+  // D 256 in the deterministic mode: the Hopper family's dq kernel adds into dq itself.
+  const int32_t wide = cuda::head_dim_supported(256) ? 256 : 128;
   for (bool deterministic : {false, true}) {
     for (bool aligned : {true, false}) {
-      const int32_t d = index % 2 ? 64 : 128;
+      const int32_t d = index % 2 ? 64 : deterministic ? wide : 128;
       CaseConfig c = config(index % 2 ? DType::F16 : DType::BF16, 4, 2, d);
       c.fp32_outputs = true;
       c.max_logits = false;

@@ -177,6 +177,22 @@ HostList convert(const Mask& mask, const tiling::TileLists& lists, bool q_major)
 
 
 
+// Heads per pass of a q-major list whose Hopper kernel streams K and V per item: where its works stream 2048 keys or
+// more on average, about 32 blocks per head at a time (the largest divisor of the heads up to SMs / 32), so that the
+// blocks running together share each head's K and V in L2; else one pass. (The forward's measurements: below.)
+int32_t streaming_heads_per_pass(const HostList& list, int32_t tile_k, int32_t heads, int32_t sms) {
+  int64_t keys = 0, busy_tiles = 0;
+  for (const detail::TileInfo& t : list.tiles) {
+    keys += int64_t{t.count} * tile_k;
+    busy_tiles += t.count > 0;
+  }
+  int32_t per_pass = heads;
+  if (keys >= 2048 * busy_tiles)
+    for (int32_t h = 1; h <= std::max(1, sms / 32); ++h)
+      if (heads % h == 0) per_pass = h;
+  return per_pass;
+}
+
 // Passes for a list's blocks (work_coords): as many heads per pass as fit their `head_bytes` each in half the
 // L2 (a divisor of `heads`), or `per_pass` where given; heavy tiles first, those that could end after everything
 // else if they started in the last pass (more items than a pass gives each of the `slots` resident blocks), moved
@@ -419,18 +435,8 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   // (H100, 16 heads): 4 gained 2-5% on the full, causal, shared-question and varlen-full masks at D 128 / 256;
   // 16 x 1k causal lost 4-7% in any pass, and the portable forward 2-5% (causal, sliding window, shared question):
   // those keep one.
-  int64_t fwd_keys = 0, fwd_busy_tiles = 0;
-  for (const detail::TileInfo& t : fwd.tiles) {
-    fwd_keys += int64_t{t.count} * fwd_k;
-    fwd_busy_tiles += t.count > 0;
-  }
   int32_t fwd_per_pass = tuning.forward_heads_per_pass;
-  if (fwd_per_pass == 0) {
-    fwd_per_pass = heads_q;
-    if (sm90 && fwd_keys >= 2048 * fwd_busy_tiles)
-      for (int32_t h = 1; h <= std::max(1, sms / 32); ++h)
-        if (heads_q % h == 0) fwd_per_pass = h;
-  }
+  if (fwd_per_pass == 0) fwd_per_pass = sm90 ? streaming_heads_per_pass(fwd, fwd_k, heads_q, sms) : heads_q;
   // Resident works: one per SM, one per cluster of the Hopper kernels' clusters.
   const int fwd_slots = sm90 ? sms / sm90::forward_cluster_size(plan->padded_d) : sms;
   const PassOrder fwd_passes = fwd_per_pass == heads_q
@@ -467,6 +473,15 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   HostList dq_own;
   if (!dq_shared) dq_own = convert(mask, tiling::by_q_tile(mask, dq_q, dq_k), true);
   const HostList& dq = dq_shared ? fwd : dq_own;
+  // The Hopper dq kernel's own tiles (the portable list stays for calls whose addresses the Hopper kernels cannot load).
+  // It streams K and V per item as the Hopper forward does: in passes of heads by the forward's rule.
+  HostList dq_sm90;
+  PassOrder dq_sm90_passes{plan->hq, 0};
+  if (plan->bwd_family == KernelFamily::Sm90 && sm90::sm90_dq_kernel(plan->padded_d)) {
+    dq_sm90 = convert(mask, tiling::by_q_tile(mask, sm90::dq_tile_q(), sm90::dq_tile_k()), true);
+    const int32_t per_pass = streaming_heads_per_pass(dq_sm90, sm90::dq_tile_k(), plan->hq, sms);
+    if (per_pass != plan->hq) dq_sm90_passes = order_in_passes(dq_sm90, plan->hq, 0.0, l2_bytes, sms, per_pass);
+  }
 
   // One upload: [lists...].
   std::vector<unsigned char> staging;
@@ -487,6 +502,7 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   const Offsets o_dkdv = append_list(dkdv);
   const Offsets o_dq = dq_shared ? o_fwd : append_list(dq_own);
   const Offsets o_dkdv_cat = append_list(dkdv_cat);
+  const Offsets o_dq_sm90 = append_list(dq_sm90);
   const size_t total = std::max<size_t>(staging.size(), 1);
 
   check(cudaMalloc(&plan->arena, total), "cudaMalloc (plan)");
@@ -508,6 +524,8 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   plan->dkdv = make_list(dkdv, o_dkdv, dkdv_passes);
   plan->dq = make_list(dq, o_dq, {plan->hq, 0});
   if (plan->bwd_cat_group > 1) plan->dkdv_cat = make_list(dkdv_cat, o_dkdv_cat, dkdv_cat_passes);
+  plan->dq_sm90 = make_list(dq_sm90, o_dq_sm90, dq_sm90_passes);
+  plan->dq_sm90_items = static_cast<int64_t>(dq_sm90.items.size());
   plan->fwd_items = static_cast<int64_t>(fwd.items.size());
   plan->dkdv_items = static_cast<int64_t>(dkdv.items.size());
   plan->dq_items = static_cast<int64_t>(dq.items.size());

@@ -16,8 +16,9 @@ struct Plan {
   int32_t fwd_tile_q = 0;  // rows per forward block (the fwd list's major tile)
   int32_t fwd_tile_k = 0;
   KernelFamily fwd_family = KernelFamily::Sm80;
-  // The backward's family: Sm90 runs src/cuda/sm90/backward_kernel.cuh on the dkdv
-  // list (with dQ by TMA reduce-adds; in the deterministic mode without, beside the portable dq kernel).
+  // The backward's family: Sm90 runs src/cuda/sm90/backward_kernel.cuh on the dkdv list (with dQ by TMA reduce-adds
+  // or vector reductions; where it runs without dQ, beside the Hopper dq kernel on dq_sm90 where the tile has one,
+  // else the portable dq kernel).
   KernelFamily bwd_family = KernelFamily::Sm80;
   int32_t fwd_variant = -1;  // large head dims: the D-split forward's LargeFwdVariant (sm80/tiles.hpp); else -1
   int32_t bwd_variant = -1;  // large head dims: the D-split dk/dv kernel's LargeBwdVariant; else -1
@@ -30,6 +31,9 @@ struct Plan {
   // tokens, used when that kernel adds dQ itself (else the dkdv list); group 1: none.
   int32_t bwd_cat_group = 1;
   detail::DeviceList dkdv_cat;
+  // The Hopper dq kernel's q-major list (sm90::sm90_dq_kernel tiles on the Hopper backward; else empty).
+  detail::DeviceList dq_sm90;
+  int64_t dq_sm90_items = 0;
   void* arena = nullptr;  // the lists, read-only after upload
   size_t arena_bytes = 0;
 

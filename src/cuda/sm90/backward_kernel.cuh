@@ -13,7 +13,9 @@
 // 256 would need 256 registers a thread) and the consumers split the work by role: one computes S^T, P^T and
 // dV += P^T dO for all 256 columns, the other dP^T, dS^T and dK += dS^T Q; P^T (times the dS factor) crosses in
 // fp32 through shared memory, dS^T in 16 bits for dQ = dS K, whose columns the two split; dQ goes out by vector
-// reductions from registers (its fp32 tile does not fit beside two stages of Q and dO).
+// reductions from registers (its fp32 tile does not fit beside two stages of Q and dO). At tile 256 itself the
+// backward runs this kernel without dQ, beside the Hopper dq kernel (dq_kernel.cuh), in both modes: faster on every
+// mask; the reductions remain for a plan without keys there and for the clusters.
 // Tiles above 256 run as clusters of two to four blocks of the D 256 layout, each holding its part of D (tiles.hpp):
 // each role adds to its S^T or dP^T over the block's part what the same role of every other block computed over
 // theirs, which those blocks store into this one's shared memory (st.async, counted by an mbarrier); every block sums
@@ -22,7 +24,7 @@
 // token x group + head, walked once (TMA boxes of 64 / group tokens x every head of the group; docs/cuda_notes.md).
 // Deterministic mode: dK / dV are reproducible as they are (a block sums its chunks in a fixed order); up to D 128
 // the dQ reduce-adds take turns in a fixed order (OrderedDqAdds), from D 256 on the kernel runs without dQ (kDq)
-// beside the portable dq kernel.
+// beside a dq kernel (the Hopper one at tile 256, the portable one above).
 // The grid is persistent (WorkRing). dK / dV stay in registers for the whole tile and are stored at its end.
 #pragma once
 

@@ -116,4 +116,12 @@ constexpr int backward_tile_k(int padded_head_dim) {
   return backward_block_head_dim(padded_head_dim) <= 128 ? 128 : 64;
 }
 
+// The Hopper dq kernel (dq_kernel.cuh: q-major, dQ = dS K recomputing S and dP, no reductions): at D 256, where the
+// dk/dv kernel's dQ by vector reductions left the tensor cores idle (docs/cuda_notes.md, "The D 256 backward in two
+// kernels"). 128-row q tiles (64 a consumer), 32-key items: Q and dO (64 KB each) and three stages of K and V fit.
+constexpr bool sm90_dq_kernel(int padded_head_dim) { return padded_head_dim == 256; }
+constexpr int dq_tile_q() { return 128; }
+constexpr int dq_tile_k() { return 32; }
+constexpr int dq_stages() { return 3; }
+
 }  // namespace magi::cuda::sm90

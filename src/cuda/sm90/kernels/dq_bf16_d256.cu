@@ -1,0 +1,11 @@
+// Hopper dq kernel, bf16, head-dim tile 256.
+#include "cuda/small_kernels.hpp"
+#include "cuda/sm90/dq_kernel.cuh"
+#include "cuda/sm90/launch_backward.hpp"
+
+namespace magi::cuda::sm90 {
+template <>
+void launch_dq<detail::kBf16, 256>(const detail::BwdParams& params, int sm_margin, cudaStream_t stream) {
+  launch_dq_kernel<__nv_bfloat16, 256>(params, sm_margin, stream);
+}
+}  // namespace magi::cuda::sm90
