@@ -473,7 +473,7 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   HostList dq_own;
   if (!dq_shared) dq_own = convert(mask, tiling::by_q_tile(mask, dq_q, dq_k), true);
   const HostList& dq = dq_shared ? fwd : dq_own;
-  // The Hopper dq kernel's own tiles (the portable list stays for calls whose addresses the Hopper kernels cannot load).
+  // The Hopper dq kernel's own tiles (the portable list stays for calls whose addresses the Hopper kernels can't load).
   // It streams K and V per item as the Hopper forward does: in passes of heads by the forward's rule.
   HostList dq_sm90;
   PassOrder dq_sm90_passes{plan->hq, 0};

@@ -290,7 +290,8 @@ struct DqKernel {
 };
 
 template <class Kernel>
-__global__ void __launch_bounds__(Kernel::kThreads, 1) dq_kernel(const __grid_constant__ typename Kernel::Params params) {
+__global__ void __launch_bounds__(Kernel::kThreads, 1)
+    dq_kernel(const __grid_constant__ typename Kernel::Params params) {
   extern __shared__ __align__(1024) unsigned char smem[];
   auto& shared = *reinterpret_cast<typename Kernel::SharedStorage*>(smem);
   const int warp_group = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
