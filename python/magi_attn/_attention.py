@@ -121,9 +121,15 @@ def backward(mask: Mask, q, k, v, out, lse, do, softmax_scale=None, softcap=0.0,
     dsink = fw.empty(framework_of(sink, "sink").shape(sink), "fp32", device) if sink is not None else None
     stream = fw.stream(device)
     ext = fw.for_extension
-    _C.backward(mask._c, ext(q), ext(k), ext(v), ext(out), ext(lse), ext(do), dq, dk, dv,
-                None if sink is None else ext(sink), dsink, None if softmax_scale is None else float(softmax_scale),
-                float(softcap), sink_layout, backend, deterministic, False, None, stream)
+    try:
+        _C.backward(mask._c, ext(q), ext(k), ext(v), ext(out), ext(lse), ext(do), dq, dk, dv,
+                    None if sink is None else ext(sink), dsink, None if softmax_scale is None else float(softmax_scale),
+                    float(softcap), sink_layout, backend, deterministic, False, None, stream)
+    except ValueError as error:  # the C++ API calls out's gradient `dout`; here it is `do`
+        message = str(error)
+        if not message.startswith("dout:"):
+            raise
+        raise ValueError("do:" + message[len("dout:"):]) from None
     fw.finish(device, stream)
     grads = (fw.wrap(dq), fw.wrap(dk), fw.wrap(dv))
     return grads + (fw.wrap(dsink),) if sink is not None else grads

@@ -242,7 +242,9 @@ BAD = [
     ("out dtype", lambda q, k, v, m: ma.forward(m, q, k, v, out_dtype="fp16"), ValueError, "out_dtype"),
     ("deterministic type", lambda q, k, v, m: ma.forward(m, q, k, v, deterministic=1), TypeError, "deterministic"),
     ("backward do shape", lambda q, k, v, m: ma.backward(m, q, k, v, q, np.zeros(q.shape[:2]), q[:-1].copy()),
-     ValueError, "dout: expected shape"),
+     ValueError, "do: expected shape [Tq, Hq, D]"),
+    ("backward do dtype", lambda q, k, v, m: ma.backward(m, q, k, v, q, np.zeros(q.shape[:2]), q.astype(np.float16)),
+     ValueError, "do: dtype fp16 is not allowed here"),
 ]
 
 
