@@ -12,6 +12,9 @@ gpu=0
 command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && gpu=1 && exclude=()
 ctest --test-dir "$build" --output-on-failure -j "${MAX_JOBS:-$(nproc)}" "${exclude[@]}"
 
+# torch's CUDA wheels alone unpack to ~6 GB: keep no second copy in pip's cache, and say what was free if it fails.
+export PIP_NO_CACHE_DIR=1
+echo "disk free before the Python step: $(df -h --output=avail "$build" | tail -1 | tr -d ' ')"
 venv=$build/venv
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
