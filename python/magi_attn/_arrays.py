@@ -107,12 +107,11 @@ _FRAMEWORKS: dict = {}
 def framework_of(x, name: str) -> Framework:
     """The framework of array `x`; TypeError naming `name` for anything that is not an array."""
     top = type(x).__module__.split(".")[0]
-    kind = {"torch": "torch", "numpy": "numpy", "cupy": "cupy", "jax": "jax", "jaxlib": "jax"}.get(top)
-    if kind is None:
-        if not (hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__")):
-            raise TypeError(f"{name}: expected an array (numpy, torch, JAX, CuPy or any DLPack producer), got "
-                            f"{type(x).__name__}")
-        kind = top
+    # Not every object of an array module is an array (numpy scalars, torch.Size, JAX tracers).
+    if not (hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__") and hasattr(x, "shape")):
+        got = type(x).__name__ if top == "builtins" else f"{type(x).__module__}.{type(x).__name__}"
+        raise TypeError(f"{name}: expected an array (numpy, torch, JAX, CuPy or any DLPack producer), got {got}")
+    kind = {"torch": "torch", "numpy": "numpy", "cupy": "cupy", "jax": "jax", "jaxlib": "jax"}.get(top, top)
     fw = _FRAMEWORKS.get(kind)
     if fw is None:
         fw = _FRAMEWORKS[kind] = Framework(kind, sys.modules.get(kind) or importlib.import_module(kind))

@@ -25,6 +25,8 @@ def _integers(x, name: str) -> np.ndarray:
     a = _host_array(x, name)
     if a.size and a.dtype.kind not in "iu":
         raise TypeError(f"{name}: expected integers, got dtype {a.dtype}")
+    if a.size and a.dtype.kind == "u" and int(a.max()) >= 2**63:  # would wrap to a negative int64
+        raise ValueError(f"{name}: {int(a.max())} does not fit int64 (allowed: -2^63 .. 2^63-1)")
     return a.astype(np.int64, copy=False)
 
 

@@ -25,11 +25,14 @@ namespace {
 using IndexPairs = nb::ndarray<const int64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 using Indices = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
-int32_t to_index(int64_t value, const char* what, size_t row) {
+int32_t to_index(int64_t value, const std::string& name) {
   if (value < INT32_MIN || value > INT32_MAX)
-    throw InvalidArgument(std::string(what) + "[" + std::to_string(row) + "]: " + std::to_string(value) +
-                          " does not fit int32");
+    throw InvalidArgument(name + ": " + std::to_string(value) + " does not fit int32 (masks index tokens with int32)");
   return static_cast<int32_t>(value);
+}
+
+int32_t to_index(int64_t value, const char* ranges, size_t row) {
+  return to_index(value, std::string(ranges) + "[" + std::to_string(row) + "]");
 }
 
 // q_ranges / k_ranges [n, 2], types [n] (ids 0..3), checked and validated (SPEC section 2). Totals default to
@@ -57,8 +60,8 @@ Mask from_arrays(const IndexPairs& q, const IndexPairs& k, const Indices& types,
     max_q = std::max<int64_t>(max_q, s.q.end);
     max_k = std::max<int64_t>(max_k, s.k.end);
   }
-  mask.total_q = to_index(total_q.value_or(max_q), "total_q", 0);
-  mask.total_k = to_index(total_k.value_or(max_k), "total_k", 0);
+  mask.total_q = to_index(total_q.value_or(max_q), "total_q");
+  mask.total_k = to_index(total_k.value_or(max_k), "total_k");
   validate(mask);
   return mask;
 }

@@ -1,5 +1,6 @@
 #include "api/checks.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -31,8 +32,9 @@ void require_shape(const TensorView& t, const char* name, std::initializer_list<
 void require_dtype(const TensorView& t, const char* name, std::initializer_list<DType> allowed) {
   for (DType d : allowed)
     if (t.dtype == d) return;
-  std::string list;
-  for (DType d : allowed) list += (list.empty() ? "" : ", ") + std::string(to_string(d));
+  std::string list;  // {q's dtype, F32} names F32 once where q is fp32
+  for (auto d = allowed.begin(); d != allowed.end(); ++d)
+    if (std::find(allowed.begin(), d, *d) == d) list += (list.empty() ? "" : ", ") + std::string(to_string(*d));
   throw InvalidArgument(std::string(name) + ": dtype " + std::string(to_string(t.dtype)) +
                         " is not allowed here (allowed: " + list + ")");
 }

@@ -110,6 +110,9 @@ BAD = [
     (lambda: ma.masks.varlen_causal(np.array([[0, 4], [4, 8]])), ValueError, "cu_seqlens_q: expected a 1-D sequence"),
     (lambda: ma.masks.shared_question(4, 4), ValueError, "answers: expected a 1-D sequence"),
     (lambda: ma.Mask([[0, 4]], [[0, 4]], total_k=-2**64), ValueError, "total_k"),
+    (lambda: ma.Mask([[0, 4]], [[0, 4]], total_q=2**40), ValueError, "total_q: 1099511627776 does not fit int32"),
+    (lambda: ma.Mask(np.array([[0, 2**63]], np.uint64), [[0, 4]]), ValueError,
+     "q_ranges: 9223372036854775808 does not fit int64"),
 ]
 
 

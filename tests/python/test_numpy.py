@@ -211,6 +211,8 @@ def test_read_only_inputs_are_accepted(rng):
 
 BAD = [
     ("q is a list", lambda q, k, v, m: ma.forward(m, q.tolist(), k, v), TypeError, "q: expected an array"),
+    ("v is a numpy scalar", lambda q, k, v, m: ma.forward(m, q, k, v[0, 0, 0]), TypeError,
+     "v: expected an array (numpy, torch, JAX, CuPy or any DLPack producer), got numpy.float64"),
     ("mask is not a Mask", lambda q, k, v, m: ma.forward("causal", q, k, v), TypeError, "mask: expected a magi_attn.Mask"),
     ("int dtype", lambda q, k, v, m: ma.forward(m, q.astype(np.int32), k, v), ValueError, "q: unknown dtype"),
     ("mixed dtypes", lambda q, k, v, m: ma.forward(m, q, k.astype(np.float32), v), ValueError, "dtype must equal q's"),
@@ -245,6 +247,9 @@ BAD = [
      ValueError, "do: expected shape [Tq, Hq, D]"),
     ("backward do dtype", lambda q, k, v, m: ma.backward(m, q, k, v, q, np.zeros(q.shape[:2]), q.astype(np.float16)),
      ValueError, "do: dtype fp16 is not allowed here"),
+    ("backward do dtype, fp32 q", lambda q, k, v, m: ma.backward(m, *(x.astype(np.float32) for x in (q, k, v, q)),
+                                                                   np.zeros(q.shape[:2], np.float32), q),
+     ValueError, "do: dtype fp64 is not allowed here (allowed: fp32)"),
 ]
 
 
