@@ -1,6 +1,7 @@
 // Small helper kernels of the portable backend: fills, backward preprocessing, dsink reduction.
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "cuda/check.hpp"
 #include "cuda/elementwise.hpp"
@@ -19,53 +20,75 @@ __global__ void fill_kernel(float* data, int64_t n, float value) {
   if (i < n) data[i] = value;
 }
 
-// Four consecutive elements as floats (16-bit: one 8-byte load; fp32: one 16-byte load).
+// Eight consecutive elements as floats (16-bit: one 16-byte load; fp32: two), through the read-only path: out and
+// dout are inputs, so the loads of a lane's next piece need not wait for its stores of the piece before.
 template <class T>
-__device__ __forceinline__ float4 load4_as_float(const void* base, int64_t i, bool fp32) {
-  if (fp32) return *reinterpret_cast<const float4*>(static_cast<const float*>(base) + i);
-  const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const T*>(base) + i);
+__device__ __forceinline__ void load8_as_float(const void* base, int64_t i, bool fp32, float (&x)[8]) {
+  if (fp32) {
+    const float4* at = reinterpret_cast<const float4*>(static_cast<const float*>(base) + i);
+    const float4 a = __ldg(at), b = __ldg(at + 1);
+    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+    return;
+  }
+  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(base) + i));
   const T* h = reinterpret_cast<const T*>(&raw);
-  return make_float4(to_float(h[0]), to_float(h[1]), to_float(h[2]), to_float(h[3]));
+#pragma unroll
+  for (int e = 0; e < 8; ++e) x[e] = to_float(h[e]);
 }
 
-// One warp per (row, head), four columns per lane and step (D is a multiple of 8; the API asks 16-byte aligned
-// tensors): Delta = dout . out (fp32), optional dout conversion, optional zeroing of the row's dq accumulator
-// (the atomics' target; one pass over the rows instead of a memset of its own), ssh dsink. The warps past
-// tq * hq zero the padding rows [tq, tq_pad) of Delta and lse2: the kernels read whole 64-row chunks, and the
-// scratch may come fresh from the caller's allocator.
-template <class T>
+// Delta = dout . out (fp32) per (row, head), optional dout conversion, optional zeroing of the row's dq accumulator
+// (the atomics' target; one pass over the rows instead of a memset of its own), ssh dsink. A row takes a group of
+// kGroup lanes, each two or more 16-byte pieces of it (D is a multiple of 8; the API asks 16-byte aligned tensors),
+// so a warp holds 32 / kGroup rows at once: with a row a warp and 8-byte pieces, half the lanes idled at D 64 and
+// the pass ran at ~2 TB/s for want of bytes in flight. The groups past tq * hq zero the padding rows [tq, tq_pad)
+// of Delta and lse2: the kernels read whole 64-row chunks, and the scratch may come fresh from the caller's
+// allocator.
+template <class T, int kGroup>
 __global__ void preprocess_kernel(const PreprocessArgs a) {
-  const int warp = static_cast<int>((int64_t{blockIdx.x} * blockDim.x + threadIdx.x) / 32);
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  if (warp >= a.tq * a.hq) {
-    const int pad = warp - a.tq * a.hq;
-    if (pad >= (a.tq_pad - a.tq) * a.hq || lane != 0) return;
-    const int64_t hm = stats_index(pad % a.hq, a.tq + pad / a.hq, a.tq_pad, a.cat_group);
+  const int64_t row_head = (int64_t{blockIdx.x} * blockDim.x + threadIdx.x) / kGroup;
+  const int lane = static_cast<int>(threadIdx.x % kGroup);
+  if (row_head >= int64_t{a.tq} * a.hq) {
+    const int64_t pad = row_head - int64_t{a.tq} * a.hq;
+    if (pad >= int64_t{a.tq_pad - a.tq} * a.hq || lane != 0) return;
+    const int64_t hm = stats_index(static_cast<int>(pad % a.hq), a.tq + static_cast<int>(pad / a.hq), a.tq_pad,
+                                   a.cat_group);
     a.delta[hm] = 0.0f;
     a.lse2[hm] = 0.0f;
     return;
   }
-  const int row = warp / a.hq, head = warp % a.hq;
-  const int64_t base = int64_t{warp} * a.d;  // [Tq, Hq, D] contiguous: (row * hq + head) * d
-  // Read beside dout and out: after the stores below the compiler keeps it there (they may alias), a second
-  // memory round trip per warp (SASS, sm_90a).
-  const float lse = a.lse[warp];
+  const int row = static_cast<int>(row_head / a.hq), head = static_cast<int>(row_head % a.hq);
+  const int64_t base = row_head * a.d;  // [Tq, Hq, D] contiguous: (row * hq + head) * d
+  const float lse = __ldg(a.lse + row_head);
   float dot = 0.0f;
-  for (int c = lane * 4; c < a.d; c += 128) {
-    float4 g = load4_as_float<T>(a.dout, base + c, a.dout_fp32);
-    const float4 o = load4_as_float<T>(a.out, base + c, a.out_fp32);
+#pragma unroll 2
+  for (int c = lane * 8; c < a.d; c += kGroup * 8) {
+    float g[8], o[8];
+    load8_as_float<T>(a.dout, base + c, a.dout_fp32, g);
+    load8_as_float<T>(a.out, base + c, a.out_fp32, o);
     if (a.dout16 != nullptr) {
       // Delta from the dout the kernels' dP = dO V^T reads: against the fp32 dout it would miss dP by dout's
       // rounding, an error that does not cancel in dS (a row with one key then gets dq != 0).
-      T h[4] = {from_float<T>(g.x), from_float<T>(g.y), from_float<T>(g.z), from_float<T>(g.w)};
-      *reinterpret_cast<uint2*>(static_cast<T*>(a.dout16) + base + c) = *reinterpret_cast<const uint2*>(h);
-      g = make_float4(to_float(h[0]), to_float(h[1]), to_float(h[2]), to_float(h[3]));
-    }
-    dot += g.x * o.x + g.y * o.y + g.z * o.z + g.w * o.w;
-    if (a.dq_zero != nullptr) *reinterpret_cast<float4*>(a.dq_zero + base + c) = make_float4(0.f, 0.f, 0.f, 0.f);
-  }
+      T h[8];
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+      for (int e = 0; e < 8; ++e) {
+        h[e] = from_float<T>(g[e]);
+        g[e] = to_float(h[e]);
+      }
+      *reinterpret_cast<uint4*>(static_cast<T*>(a.dout16) + base + c) = *reinterpret_cast<const uint4*>(h);
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) dot += g[e] * o[e];
+    if (a.dq_zero != nullptr) {
+      float4* const zero = reinterpret_cast<float4*>(a.dq_zero + base + c);
+      zero[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+      zero[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+  // A group's lanes take the same path; the other groups of the warp may have left (padding rows).
+  const unsigned group_mask =
+      kGroup == 32 ? 0xffffffffu : ((1u << kGroup) - 1) << (threadIdx.x % 32 / kGroup * kGroup);
+#pragma unroll
+  for (int offset = kGroup / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(group_mask, dot, offset, kGroup);
   if (lse == -INFINITY) dot = 0.0f;
   if (lane == 0) {
     const int64_t hm = stats_index(head, row, a.tq_pad, a.cat_group);
@@ -73,7 +96,7 @@ __global__ void preprocess_kernel(const PreprocessArgs a) {
     a.lse2[hm] = lse == -INFINITY ? 0.0f : lse * kLog2e;
   }
   if (a.sink_kind == kSinkSSH) {
-    for (int s = lane; s < a.sink_len; s += 32) {
+    for (int s = lane; s < a.sink_len; s += kGroup) {
       const int64_t index = (int64_t{row} * a.sink_len + s) * a.hq + head;
       a.dsink[index] = lse == -INFINITY ? 0.0f : -expf(a.sink[index] - lse) * dot;
     }
@@ -159,11 +182,22 @@ void launch_fill(float* data, int64_t n, float value, cudaStream_t stream) {
 }
 
 void launch_preprocess(int dtype, const PreprocessArgs& args, cudaStream_t stream) {
-  const int64_t warps = int64_t{args.tq_pad} * args.hq;  // the rows and the padding rows
-  if (warps == 0) return;
-  const unsigned blocks = static_cast<unsigned>((warps + 7) / 8);
-  if (dtype == kBf16) preprocess_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(args);
-  else preprocess_kernel<__half><<<blocks, 256, 0, stream>>>(args);
+  const int64_t rows = int64_t{args.tq_pad} * args.hq;  // the rows and the padding rows
+  if (rows == 0) return;
+  // Lanes per row: half of its D / 8 pieces, at most a warp.
+  auto launch = [&](auto group) {
+    constexpr int kGroup = decltype(group)::value;
+    const unsigned blocks = static_cast<unsigned>((rows * kGroup + 255) / 256);
+    if (dtype == kBf16) preprocess_kernel<__nv_bfloat16, kGroup><<<blocks, 256, 0, stream>>>(args);
+    else preprocess_kernel<__half, kGroup><<<blocks, 256, 0, stream>>>(args);
+  };
+  const int pieces = args.d / 16;
+  if (pieces >= 32) launch(std::integral_constant<int, 32>{});
+  else if (pieces >= 16) launch(std::integral_constant<int, 16>{});
+  else if (pieces >= 8) launch(std::integral_constant<int, 8>{});
+  else if (pieces >= 4) launch(std::integral_constant<int, 4>{});
+  else if (pieces >= 2) launch(std::integral_constant<int, 2>{});
+  else launch(std::integral_constant<int, 1>{});
   check_launch("preprocess_kernel");
 }
 
