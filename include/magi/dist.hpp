@@ -46,7 +46,9 @@ struct DistConfig {
   DispatchAlgorithm algorithm = DispatchAlgorithm::Locality;
   AttentionOptions attention;  // per-stage kernel options (scale, softcap, sink layout, backend, threads)
   // Unset = environment (MAGI_ATTENTION_BACKWARD_HIGH_PRECISION_REDUCE, MAGI_ATTENTION_DSINK_ALL_REDUCE_OP).
-  std::optional<bool> backward_high_precision_reduce;  // fp32 partial dk/dv on the wire instead of the input dtype
+  // fp32 partial dk/dv on the wire instead of the input dtype (always so where dq, dk or dv is fp32 and the inputs
+  // 16-bit: the distributed error then stays within twice the single device's, SPEC section 5).
+  std::optional<bool> backward_high_precision_reduce;
   std::optional<DsinkReduceOp> dsink_reduce_op;        // across ranks, for the shared (sh) sink only
   double comm_timeout_seconds = 300.0;  // set on the communicator: a collective taking longer throws comm::CommError
   // Hierarchical comm (unset = MAGI_ATTENTION_HIERARCHICAL_COMM): the cp group as nodes x ranks_per_node
@@ -62,7 +64,8 @@ struct DistConfig {
   // Unset = MAGI_ATTENTION_FLATTEN_HEAD_GROUPS: routes are chosen per (rank pair, kv head group), and head-group
   // units of the busiest rank's work move to the kv owner while that lowers the busiest rank's compute.
   std::optional<bool> flatten_head_groups;
-  // Unset = MAGI_ATTENTION_FORWARD_HIGH_PRECISION_REDUCE: the q/out route's partial out in fp32 on the wire.
+  // Unset = MAGI_ATTENTION_FORWARD_HIGH_PRECISION_REDUCE: the q/out route's partial out in fp32 on the wire (always
+  // so where out is fp32 and the inputs 16-bit).
   std::optional<bool> forward_high_precision_reduce;
 };
 

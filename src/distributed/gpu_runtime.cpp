@@ -205,7 +205,7 @@ struct State {
 
   // Staging buffers for one input dtype.
   bool allocated = false;
-  DType dtype = DType::BF16, wire = DType::BF16;
+  DType dtype = DType::BF16, wire = DType::BF16, fwd_wire = DType::BF16;
   DeviceMemory acc_out, acc_lse, acc_max, part_max, acc_dq, acc_dk, acc_dv;
   DeviceMemory host_dk, host_dv;  // MAGI_ATTENTION_BWD_HIDE_TAIL_REDUCE: the local stage's dk/dv, added last
   // MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT=0 only: one remote stage's out / lse (fp32), reused by every
@@ -349,14 +349,15 @@ class Tracer {
 };
 
 
-void ensure_buffers(const DistAttnRuntime& rt, State& st, DType dtype, DType wire) {
-  if (st.allocated && st.dtype == dtype && st.wire == wire) return;
+// wire / fwd_wire: partial_wire_dtype of the backward / the forward. A call passes its own and the other's as last
+// allocated (or the input's), so that alternating forward and backward calls do not reallocate.
+void ensure_buffers(const DistAttnRuntime& rt, State& st, DType dtype, DType wire, DType fwd_wire) {
+  if (st.allocated && st.dtype == dtype && st.wire == wire && st.fwd_wire == fwd_wire) return;
   const double start = Timeline::now_us();
   const HeadShape& h = rt.heads();
   const int64_t lq = rt.dispatch().q.local_tokens(), lk = rt.dispatch().k.local_tokens();
   const int64_t d = h.head_dim, q_elems = lq * h.heads_q * d, kv_elems = lk * h.heads_kv * d;
   const auto bytes = [](int64_t n, DType t) { return static_cast<size_t>(n * dtype_size(t)); };
-  const DType fwd_wire = rt.route_options().forward_high_precision ? DType::F32 : dtype;
   st.allocated = false;
   for (auto& cp : st.classes) {
     HeadClassState& c = *cp;
@@ -421,6 +422,7 @@ void ensure_buffers(const DistAttnRuntime& rt, State& st, DType dtype, DType wir
   st.acc_dv = DeviceMemory(bytes(kv_elems, DType::F32));
   st.dtype = dtype;
   st.wire = wire;
+  st.fwd_wire = fwd_wire;
   st.allocated = true;
   if (Timeline* timeline = Timeline::of(rt.rank()))
     timeline->add("plan (device staging buffers)", "host", start, Timeline::now_us());
@@ -590,11 +592,13 @@ void forward(const DistAttnRuntime& rt, State& st, const ForwardArgs& a, cudaStr
     throw InvalidArgument("out: dtype must be q's or fp32");
   const bool want_max = a.max_logits.ndim != 0;
   const bool with_sink = rt.config().attention.sink_layout != SinkLayout::None;
-  const DType fwd_wire = rt.route_options().forward_high_precision ? DType::F32 : a.q.dtype;
+  const DType fwd_wire = partial_wire_dtype(a.q.dtype, rt.route_options().forward_high_precision, {a.out.dtype});
 
   std::lock_guard lock(st.mutex);
   DeviceGuard scope(dev);
-  ensure_buffers(rt, st, a.q.dtype, rt.backward_high_precision() ? DType::F32 : a.q.dtype);
+  const bool kept = st.allocated && st.dtype == a.q.dtype;
+  ensure_buffers(rt, st, a.q.dtype, kept ? st.wire : partial_wire_dtype(a.q.dtype, rt.backward_high_precision(), {}),
+                 fwd_wire);
   Tracer trace(rt, st, "forward");
   begin(st, caller);
   const cudaStream_t comm = st.nccl->comm_stream(), compute = st.compute;
@@ -762,12 +766,14 @@ void backward(const DistAttnRuntime& rt, State& st, const BackwardArgs& a, cudaS
     if (t->dtype != a.q.dtype && t->dtype != DType::F32)
       throw InvalidArgument(std::string(name) + ": dtype must be q's or fp32");
   const bool with_sink = rt.config().attention.sink_layout != SinkLayout::None;
-  const DType wire = rt.backward_high_precision() ? DType::F32 : a.q.dtype;
+  const DType wire = partial_wire_dtype(a.q.dtype, rt.backward_high_precision(), {a.dq.dtype, a.dk.dtype, a.dv.dtype});
   const int64_t kv_row = int64_t{hkv} * d;
 
   std::lock_guard lock(st.mutex);
   DeviceGuard scope(dev);
-  ensure_buffers(rt, st, a.q.dtype, wire);
+  const bool kept = st.allocated && st.dtype == a.q.dtype;
+  ensure_buffers(rt, st, a.q.dtype, wire,
+                 kept ? st.fwd_wire : partial_wire_dtype(a.q.dtype, rt.route_options().forward_high_precision, {}));
   Tracer trace(rt, st, "backward");
   begin(st, caller);
   const cudaStream_t comm = st.nccl->comm_stream(), compute = st.compute;

@@ -46,6 +46,15 @@ struct Buffer {
 // Partial results are kept at fp32 (fp64 for fp64 inputs): the kernels accumulate at that precision anyway.
 DType partial_dtype(DType input) { return input == DType::F64 ? DType::F64 : DType::F32; }
 
+}  // namespace
+
+DType partial_wire_dtype(DType input, bool high_precision, std::initializer_list<DType> results) {
+  const bool wider = std::any_of(results.begin(), results.end(), [&](DType r) { return dtype_size(r) > dtype_size(input); });
+  return input == DType::F64 || high_precision || wider ? partial_dtype(input) : input;
+}
+
+namespace {
+
 void require_rows(const TensorView& t, const char* name, int64_t rows, int32_t ndim) {
   if (t.ndim != ndim || t.shape[0] != rows)
     throw InvalidArgument(std::string(name) + ": expected " + std::to_string(ndim) + " dims with " +
@@ -386,8 +395,7 @@ void DistAttnRuntime::forward(const ForwardArgs& a, [[maybe_unused]] StreamHandl
   require_same_tensors_on_all_ranks(*comm_, {&a.q, &a.out, &a.lse, &a.max_logits, &a.sink}, 0,
                                     "calc_attn: the dtypes of q, out, lse (and which of max_logits, sink are given)");
   const DType part = partial_dtype(a.q.dtype);
-  // Partial outputs of the q/out route cross the wire at the input precision unless high-precision reduce is on.
-  const DType wire = switches_.routes.forward_high_precision ? part : a.q.dtype;
+  const DType wire = partial_wire_dtype(a.q.dtype, switches_.routes.forward_high_precision, {a.out.dtype});
   const bool want_max = a.max_logits.ndim != 0;
   const bool with_sink = config_.attention.sink_layout != SinkLayout::None;
   const bool in_place = forward_inplace_correct();
@@ -606,9 +614,7 @@ void DistAttnRuntime::backward(const BackwardArgs& a, [[maybe_unused]] StreamHan
   require_same_tensors_on_all_ranks(*comm_, {&a.q, &a.out, &a.dout, &a.lse, &a.dq, &a.dk, &a.dv, &a.dsink}, 0,
                                     "calc_attn_backward: the dtypes of q, out, dout, lse, dq, dk, dv, dsink");
   const DType part = partial_dtype(a.q.dtype);
-  // Partial dk/dv (and dq of the q/out route) cross the wire at the input precision unless high-precision reduce
-  // is on.
-  const DType wire = a.q.dtype == DType::F64 || backward_high_precision() ? part : a.q.dtype;
+  const DType wire = partial_wire_dtype(a.q.dtype, backward_high_precision(), {a.dq.dtype, a.dk.dtype, a.dv.dtype});
   const bool with_sink = config_.attention.sink_layout != SinkLayout::None;
   const int32_t num_stages = plan().num_stages();
   const int32_t group = hq / hkv;

@@ -2,6 +2,8 @@
 // communicator. Immutable once built; cached in the runtime LRU (runtime.cpp).
 #pragma once
 
+#include <initializer_list>
+
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -33,6 +35,12 @@ struct RuntimeSwitches {
   bool forward_inplace_correct = true;   // MAGI_ATTENTION_FFA_FORWARD_INPLACE_CORRECT
   RouteOptions routes;                   // MAGI_ATTENTION_QO_COMM, FLATTEN_HEAD_GROUPS, *_HIGH_PRECISION_REDUCE
 };
+
+// The dtype in which partial results (out of the q/out route; dk, dv, and dq of that route) cross the wire: the
+// input's, as in the reference system, unless high-precision reduce is on or the caller asked for results wider than
+// the inputs (fp32 dk of bf16 inputs): then fp32 (fp64 for fp64 inputs), so that the distributed error stays within
+// twice the single device's (SPEC section 5) instead of rounding every partial to the input's precision.
+DType partial_wire_dtype(DType input, bool high_precision, std::initializer_list<DType> results);
 
 class DistAttnRuntime {
  public:

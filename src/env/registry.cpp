@@ -109,11 +109,13 @@ std::vector<Variable> make_registry() {
       boolean("MAGI_ATTENTION_FORWARD_HIGH_PRECISION_REDUCE", "0", kCorrectness, kImplemented,
               "Send the partial outputs of distributed attention's query/output route (MAGI_ATTENTION_QO_COMM) "
               "back to their owners in fp32 instead of the input dtype (twice those bytes, one rounding fewer); "
-              "k/v-only plans merge partial outputs locally in fp32 anyway."),
+              "k/v-only plans merge partial outputs locally in fp32 anyway. A call asking for an fp32 out of "
+              "16-bit inputs sends fp32 whatever this says."),
       boolean("MAGI_ATTENTION_BACKWARD_HIGH_PRECISION_REDUCE", "0", kCorrectness,
               kImplemented,
               "Reduce partial dk/dv (and dq with query/output communication) across ranks in fp32 "
-              "instead of the input dtype, trading twice the traffic for precision.",
+              "instead of the input dtype, trading twice the traffic for precision. A call asking for fp32 "
+              "gradients of 16-bit inputs reduces in fp32 whatever this says.",
               {"MAGI_ATTENTION_FFA_BACKWARD_HIGH_PRECISION_REDUCE"}),
       choice("MAGI_ATTENTION_DSINK_ALL_REDUCE_OP", "none", {"none", "sum", "avg"}, kCorrectness,
              kImplemented,
