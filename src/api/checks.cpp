@@ -72,8 +72,11 @@ void require_disjoint(std::initializer_list<Named> outputs, std::initializer_lis
 }
 
 void require_valid_scalars(const AttentionOptions& o) {
-  if (o.softmax_scale && !std::isfinite(*o.softmax_scale))
-    throw InvalidArgument("softmax_scale must be finite, got " + std::to_string(*o.softmax_scale));
+  // The kernels apply the scale in fp32: past fp32's largest it would be inf, and out NaN.
+  if (o.softmax_scale &&
+      (!std::isfinite(*o.softmax_scale) || std::abs(*o.softmax_scale) > std::numeric_limits<float>::max()))
+    throw InvalidArgument("softmax_scale must be finite and at most 3.4e38 in magnitude (fp32's largest), got " +
+                          std::to_string(*o.softmax_scale));
   if (!std::isfinite(o.softcap) || o.softcap < 0 || o.softcap > std::numeric_limits<float>::max())
     throw InvalidArgument("softcap must be finite and >= 0 (0 = off, at most 3.4e38: fp32's largest), got " +
                           std::to_string(o.softcap));

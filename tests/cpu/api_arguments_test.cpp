@@ -153,6 +153,8 @@ TEST_F(ApiArguments, SinkAndOptions) {
   options_ = config_.options();
   options_.softmax_scale = std::numeric_limits<double>::quiet_NaN();
   expect_forward_rejects(forward_args(), "softmax_scale");
+  options_.softmax_scale = -1e39;  // past fp32's largest: the kernels' scale would be inf and out NaN
+  expect_forward_rejects(forward_args(), "softmax_scale must be finite and at most 3.4e38 in magnitude");
   options_ = config_.options();
   options_.num_threads = -2;
   expect_forward_rejects(forward_args(), "num_threads");

@@ -238,6 +238,8 @@ BAD = [
     ("softcap", lambda q, k, v, m: ma.forward(m, q, k, v, softcap=-1.0), ValueError, "softcap must be finite and >= 0"),
     ("softcap type", lambda q, k, v, m: ma.forward(m, q, k, v, softcap="big"), TypeError, "softcap"),
     ("scale", lambda q, k, v, m: ma.forward(m, q, k, v, softmax_scale=float("nan")), ValueError, "softmax_scale"),
+    ("scale past fp32", lambda q, k, v, m: ma.forward(m, q, k, v, softmax_scale=1e39), ValueError,
+     "softmax_scale must be finite and at most 3.4e38"),
     ("backend", lambda q, k, v, m: ma.forward(m, q, k, v, backend="fast"), ValueError, "backend"),
     ("cuda backend on host", lambda q, k, v, m: ma.forward(m, q, k, v, backend="cuda"), ValueError,
      "backend cuda needs CUDA device tensors"),
