@@ -39,7 +39,8 @@ std::vector<int32_t> to_int32(const std::vector<int64_t>& values, const std::str
 std::vector<int32_t> preset_documents(const Options& o, std::optional<int32_t> tq) {
   if (auto docs = o.get_int_list("docs")) {
     std::vector<int32_t> cu = to_int32(*docs, "--docs");
-    if (cu.size() < 2 || cu.front() != 0 || !std::is_sorted(cu.begin(), cu.end()))
+    // "0" alone is no documents, as the library's builders take it.
+    if (cu.empty() || cu.front() != 0 || !std::is_sorted(cu.begin(), cu.end()))
       throw InvalidArgument("--docs: expected cu_seqlens starting at 0 and non-decreasing, e.g. 0,100,350");
     if (tq && *tq != cu.back())
       throw InvalidArgument("--docs ends at " + std::to_string(cu.back()) + " but --tq is " + std::to_string(*tq));

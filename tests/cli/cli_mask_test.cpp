@@ -22,6 +22,7 @@ std::vector<PresetCase> preset_cases() {
       {{"--preset", "full", "--tq", "100", "--tk", "70"}, masks::full(100, 70)},
       {{"--preset", "causal", "--tq", "64", "--tk", "100"}, masks::causal(64, 100)},
       {{"--preset", "varlen_full", "--docs", "0,10,30,100"}, masks::varlen_full({0, 10, 30, 100})},
+      {{"--preset", "varlen_full", "--docs", "0"}, masks::varlen_full({0})},  // no documents
       {{"--preset", "varlen_causal", "--docs", "0,50,60,61,200"}, masks::varlen_causal({0, 50, 60, 61, 200})},
       {{"--preset", "sliding_window", "--tq", "300", "--window", "40", "--window-right", "7"},
        masks::sliding_window(300, 40, 7)},
