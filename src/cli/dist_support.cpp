@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "cli/commands.hpp"
+#include "magi/env.hpp"
 #include "magi/error.hpp"
 
 namespace magi::cli {
@@ -242,7 +243,7 @@ std::vector<OptionSpec> dist_option_specs() {
           {"dispatch", "NAME", "dispatch solver greedy|greedy_swap|locality (default locality)"},
           {"hierarchical", "", "hierarchical comm: kv crosses nodes once, then fans out (default: "
                                "MAGI_ATTENTION_HIERARCHICAL_COMM)"},
-          {"ranks-per-node", "N", "with --hierarchical: ranks per node (default: from MPI)"},
+          {"ranks-per-node", "N", "with hierarchical comm: ranks per node (default: from MPI)"},
           {"comm-timeout", "S", "seconds a collective may take before the run fails (default 300)"}};
 }
 
@@ -258,7 +259,8 @@ dist::DistConfig parse_dist_config(const Options& options, const AttentionOption
   }
   if (options.has("hierarchical")) c.hierarchical_comm = true;
   if (options.has("ranks-per-node")) {
-    if (!options.has("hierarchical")) throw InvalidArgument("--ranks-per-node needs --hierarchical");
+    if (!options.has("hierarchical") && !env::get_bool("MAGI_ATTENTION_HIERARCHICAL_COMM"))
+      throw InvalidArgument("--ranks-per-node needs --hierarchical (or MAGI_ATTENTION_HIERARCHICAL_COMM=1)");
     c.ranks_per_node = static_cast<int32_t>(options.get_int("ranks-per-node", 0, 1, 1 << 20));
   }
   c.comm_timeout_seconds = options.get_double("comm-timeout").value_or(300.0);

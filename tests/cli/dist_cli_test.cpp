@@ -265,6 +265,17 @@ TEST_P(DistRunErrors, SummaryShowsTheSlicesLeftByAutoRangeMerge) {
   EXPECT_NE(ranks[0].out.find(", 2 slices (1 after range merge), area "), std::string::npos) << ranks[0].out;
 }
 
+TEST_P(DistRunErrors, RanksPerNodeNeedsHierarchicalCommFromTheFlagOrTheEnvironment) {
+  auto args = valid_args();
+  args.insert(args.end(), {"--ranks-per-node", std::to_string(GetParam())});  // one node
+  setenv("MAGI_ATTENTION_HIERARCHICAL_COMM", "1", 1);
+  const auto ranks = run_ranks(GetParam(), args);
+  unsetenv("MAGI_ATTENTION_HIERARCHICAL_COMM");
+  for (const CliResult& r : ranks) ASSERT_EQ(r.exit_code, 0) << describe_ranks(ranks);
+  fs::remove_all(dir_ / "out");
+  expect_error(args, {"--ranks-per-node needs --hierarchical", "MAGI_ATTENTION_HIERARCHICAL_COMM=1"});
+}
+
 TEST_P(DistRunErrors, MissingInputFile) {
   auto args = valid_args();
   args[6] = dir_ / "nowhere.npy";  // --k
