@@ -32,20 +32,22 @@ void fill_normal(HostTensor& t, NormalSampler& normal) {
   for (int64_t i = 0; i < t.numel(); ++i) t.set(i, normal());
 }
 
-// Repeats `call` (at least once, at most 5 times, while the total stays under ~1 s) and returns the
-// median time; the first call also builds the plan, so repetitions make the figure steadier.
+// Repeats `call` (up to 21 times while the total stays under ~2 s) and returns the median time (the lower one of an
+// even count) and the number of calls it is the median of. The first call also builds the plan: it counts only where
+// it is the only one (a call that takes seconds on the CPU is not run twice for a warm-up).
 template <class Call>
 std::pair<double, int> median_seconds(Call&& call) {
   std::vector<double> times;
   double total = 0.0;
-  while (times.empty() || (times.size() < 5 && total < 1.0)) {
+  while (times.empty() || (times.size() < 21 && total < 2.0)) {
     const auto start = std::chrono::steady_clock::now();
     call();
     times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     total += times.back();
   }
+  if (times.size() > 1) times.erase(times.begin());  // the warm-up
   std::sort(times.begin(), times.end());
-  return {times[times.size() / 2], static_cast<int>(times.size())};
+  return {times[(times.size() - 1) / 2], static_cast<int>(times.size())};
 }
 
 // The rows `rows` of `mask` as a small problem: sub-row i is original row rows[i], with the same kept keys.
@@ -250,7 +252,8 @@ int demo_command(std::span<const std::string> args) {
   os << "  shapes    q [" << tokens << ", " << heads_q << ", " << head_dim << "], k/v [" << tokens << ", " << heads_kv
      << ", " << head_dim << "]\n";
   auto timing = [&](const char* name, double seconds, int runs, double flops) {
-    const std::string runs_text = runs == 1 ? "1 run" : "median of " + std::to_string(runs) + " runs";
+    const std::string runs_text =
+        runs == 1 ? "1 run" : "median of " + std::to_string(runs) + " runs after a warm-up";
     // GPU calls take well under a second: milliseconds keep their digits.
     std::snprintf(line, sizeof line, "  %-9s %8.3f %s  %s  (%s)\n", name, seconds < 1.0 ? seconds * 1e3 : seconds,
                   seconds < 1.0 ? "ms" : "s ", rate_text(flops, seconds).c_str(),
