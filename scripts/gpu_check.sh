@@ -21,6 +21,8 @@
 #   (e.g. "ffa_sm90") for the sanitizers' kernel families (default: every family built), SANITIZE_FILTER their
 #   gtest filter. FUZZ_SECONDS (default 0): after the tests, CudaFuzz (random valid calls through the public API)
 #   repeated in nproc - 2 processes for that long, the families and the concatenated-heads backward in turn.
+#   PAIR_ROUNDS (default 3; 0: none): after the benchmark, full and causal timed again, ours and cuDNN in turn, for
+#   that many rounds (the ratios' medians: a single measurement moves with the power cap).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=${BUILD_DIR:-$ROOT/build-gpu}
@@ -251,6 +253,40 @@ for key in order:
         cells.append(f"{v[0]:6.0f}/{v[1]:<6.0f}" if v else f"{'-':>13s}")
     print(f"{key[0]:26s} {key[1]:4d} " + " ".join(cells))
 PY
+  # The ratios against cuDNN on full and causal, ours and cuDNN in turn for PAIR_ROUNDS rounds: one measurement
+  # moves by up to ~10% with what the power cap's controller saw before it (docs/performance.md, 2026-11-28).
+  if [ $RUN_PEERS = 1 ] && [ "${PAIR_ROUNDS:-3}" -gt 0 ]; then
+    t0=$(date +%s)
+    python3 -c 'import json, sys; s = json.load(open(sys.argv[1])); s["cases"] = [c for c in s["cases"] if c["name"] in ("full", "causal")]; print(json.dumps(s))' \
+      "$LOGS/cases.json" > "$LOGS/cases_pairs.json"
+    rm -f "$LOGS/pairs.csv"
+    PAIR_ARGS=(--only full,causal)
+    [ $QUICK = 1 ] && PAIR_ARGS+=(--quick)
+    for round in $(seq "${PAIR_ROUNDS:-3}"); do
+      "$BUILD/bench/cuda/flash_bench" "${PAIR_ARGS[@]}" 2>> "$LOGS/bench_magi.err" \
+        | grep -v '^impl' >> "$LOGS/pairs.csv"
+      python3 "$ROOT/scripts/bench_peers.py" "$LOGS/cases_pairs.json" --no-flex 2>> "$LOGS/bench_peers.err" \
+        | grep '^sdpa_cudnn' >> "$LOGS/pairs.csv"
+    done
+    python3 - "$LOGS/pairs.csv" <<'PY' | tee -a "$LOGS/table.txt"
+import statistics, sys
+runs = {}
+for line in open(sys.argv[1]):
+    impl, mask, _, d, fwd, bwd = line.strip().split(",")[:6]
+    runs.setdefault((mask, int(d)), {}).setdefault(impl, []).append((float(fwd), float(bwd)))
+print("\nours and cuDNN in turn, median [min-max] over the rounds, TFLOP/s; ratio of the medians")
+print(f"{'mask':8s} {'D':>4s} {'magi fwd':>16s} {'cudnn fwd':>16s} {'ratio':>6s} {'magi bwd':>16s} {'cudnn bwd':>16s} {'ratio':>6s}")
+for (mask, d), by in sorted(runs.items(), key=lambda x: (x[0][1], x[0][0])):
+    if "magi" not in by or "sdpa_cudnn" not in by: continue
+    cell = lambda v: f"{statistics.median(v):4.0f} [{min(v):3.0f}-{max(v):3.0f}]"
+    out = f"{mask:8s} {d:4d}"
+    for k in (0, 1):
+        m, c = [x[k] for x in by["magi"]], [x[k] for x in by["sdpa_cudnn"]]
+        out += f" {cell(m):>16s} {cell(c):>16s} {statistics.median(m) / statistics.median(c):5.2f}x"
+    print(out)
+PY
+    note "paired rounds: ${PAIR_ROUNDS:-3} ($(( $(date +%s) - t0 )) s)"
+  fi
 fi
 if [ $RUN_PROFILE = 1 ]; then
   # One forward launch per mask after flash_bench's warm-up (launches 1-3); clocks left alone.

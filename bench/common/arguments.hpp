@@ -16,4 +16,12 @@ inline std::vector<int32_t> parse_int_list(const std::string& text) {
   return out;
 }
 
+// "full,causal" -> {"full", "causal"}.
+inline std::vector<std::string> parse_name_list(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream in(text);
+  for (std::string item; std::getline(in, item, ',');) out.push_back(item);
+  return out;
+}
+
 }  // namespace magi::bench

@@ -2,12 +2,14 @@
 // around each run, median of `reps` runs after warm-up. Prints CSV rows and writes the masks it used
 // (document lengths etc.) as JSON so that scripts/bench_peers.py measures the peers on the same masks.
 //
-// usage: flash_bench [--cases out.json] [--reps N] [--quick] [--only MASK] [--dims 64,128,256] [--seq 8192]
-//                    [--batch 2] [--deterministic] [--sm-margin N] [--impl NAME] [--fwd-tile-q 64|128|192]
-//                    [--family auto|sm80|sm90] [--bwd-family auto|sm80|sm90] [--large-d] [--fwd-variant 0|1|2|3]
+// usage: flash_bench [--cases out.json] [--reps N] [--warm-ms MS] [--quick] [--only MASK[,MASK]]
+//                    [--dims 64,128,256] [--seq 8192] [--batch 2] [--deterministic] [--sm-margin N] [--impl NAME]
+//                    [--fwd-tile-q 64|128|192] [--family auto|sm80|sm90] [--bwd-family auto|sm80|sm90] [--large-d] [--fwd-variant 0|1|2|3]
 //                    [--bwd-variant 0|1] [--forward-only] [--fwd-heads-per-pass N] [--heads N] [--kv-heads N]
 //                    [--cat-gqa] [--stages]
 //   --family pins both kernels' family, --bwd-family (given after it) the backward's alone.
+//   --warm-ms: back-to-back calls before each measurement (default 300 ms; 0: three calls), so that the clocks
+//   have settled under the power cap (see time_ms).
 //   --batch sequences of --seq tokens (bf16); --quick = D 128 only. The backward runs in the default
 //   mode (dq by atomics); --deterministic also times the deterministic backward (rows `magi_det`); --forward-only
 //   times no backward (its columns print 0).
@@ -34,7 +36,6 @@
 #include <fstream>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "common/arguments.hpp"
@@ -113,22 +114,22 @@ std::vector<uint16_t> random_bf16(size_t n, uint64_t seed) {
   return out;
 }
 
-constexpr int kPauseMs = 300;
-
 double median(std::vector<float> v) {
   std::sort(v.begin(), v.end());
   return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
 }
 
+// Under sustained load the H200 runs at its 700 W cap and lowers its clocks within ~100 ms; the D 128 backward
+// then loses ~10% against its first few calls (558 -> 503 TFLOP/s), cuDNN's ~3% (2026-11-28, docs/performance.md).
+// So every measurement runs warm_ms of back-to-back calls first: all cases, ours and the peers
+// (scripts/bench_peers.py, the same default), are timed at the clocks that training sees, whatever ran before.
 template <class F>
-double time_ms(F&& fn, int reps, cudaStream_t stream) {
-  // An idle pause before each measurement: on the H100 the causal backward timed right after the full mask's
-  // deterministic backward (~0.4 s of heavy load) ran 15-20% slower than with this pause or in a fresh process
-  // (250-260 vs 306 TFLOP/s; the cause was not isolated), which made one case's load slow the next.
-  CHECK(cudaStreamSynchronize(stream));
-  std::this_thread::sleep_for(std::chrono::milliseconds(kPauseMs));
-  for (int i = 0; i < 3; ++i) fn();
-  CHECK(cudaStreamSynchronize(stream));
+double time_ms(F&& fn, int reps, int warm_ms, cudaStream_t stream) {
+  const auto warm_until = std::chrono::steady_clock::now() + std::chrono::milliseconds(warm_ms);
+  for (int i = 0; i < 3 || std::chrono::steady_clock::now() < warm_until; ++i) {
+    fn();
+    CHECK(cudaStreamSynchronize(stream));
+  }
   std::vector<float> times;
   cudaEvent_t start, stop;
   CHECK(cudaEventCreate(&start));
@@ -152,8 +153,10 @@ double time_ms(F&& fn, int reps, cudaStream_t stream) {
 int main(int argc, char** argv) {
   std::string cases_path;
   int reps = 30;
+  int warm_ms = 300;
   bool quick = false;
-  std::string only, dims_arg;
+  std::vector<std::string> only;  // mask names; empty: every case
+  std::string dims_arg;
   int32_t seq = 8192, batch = 2;
   bool deterministic_too = false;
   bool forward_only = false;  // A/B runs of forward kernels: the backward columns stay 0
@@ -166,8 +169,9 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--cases") && i + 1 < argc) cases_path = argv[++i];
     else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--warm-ms") && i + 1 < argc) warm_ms = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
-    else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
+    else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = magi::bench::parse_name_list(argv[++i]);
     else if (!std::strcmp(argv[i], "--dims") && i + 1 < argc) dims_arg = argv[++i];
     else if (!std::strcmp(argv[i], "--seq") && i + 1 < argc) seq = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--batch") && i + 1 < argc) batch = std::atoi(argv[++i]);
@@ -205,6 +209,10 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  if (reps <= 0 || warm_ms < 0) {
+    std::fprintf(stderr, "flash_bench: --reps %d must be positive and --warm-ms %d not negative\n", reps, warm_ms);
+    return 2;
+  }
   if (seq <= 0 || batch <= 0) {
     std::fprintf(stderr, "flash_bench: --seq and --batch must be positive\n");
     return 2;
@@ -219,6 +227,14 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::vector<Case> cases = make_cases(seq, batch, large_d);
+  for (const std::string& name : only) {
+    if (std::none_of(cases.begin(), cases.end(), [&](const Case& c) { return c.name == name; })) {
+      std::string names;
+      for (const Case& c : cases) names += (names.empty() ? "" : ", ") + c.name;
+      std::fprintf(stderr, "flash_bench: --only '%s' is not a case here (allowed: %s)\n", name.c_str(), names.c_str());
+      return 2;
+    }
+  }
   const int32_t total = seq * batch;
   std::vector<int32_t> dims = large_d ? std::vector<int32_t>{320, 512, 1024}
                               : quick ? std::vector<int32_t>{128}
@@ -294,7 +310,7 @@ int main(int argc, char** argv) {
     options.sm_margin = sm_margin;
 
     for (const Case& c : cases) {
-      if (!only.empty() && c.name != only) continue;
+      if (!only.empty() && std::find(only.begin(), only.end(), c.name) == only.end()) continue;
       auto plan = magi::cuda::make_plan(c.mask, heads, kv_heads, d, 0, tuning);
       const magi::cuda::PlanStats ps = magi::cuda::stats(*plan);
       std::fprintf(stderr,
@@ -305,9 +321,10 @@ int main(int argc, char** argv) {
                    ps.backward_family == magi::cuda::KernelFamily::Sm90 ? "sm90" : "sm80", ps.forward_tile_q,
                    ps.forward_tile_k, ps.forward_variant, ps.backward_variant, ps.forward_heads_per_pass, kv_heads,
                    ps.backward_cat_group);
-      const double fwd_ms = time_ms([&] { magi::cuda::forward(*plan, fa, options, stream); }, reps, stream);
+      const double fwd_ms = time_ms([&] { magi::cuda::forward(*plan, fa, options, stream); }, reps, warm_ms, stream);
       const double bwd_ms =
-          forward_only ? 0.0 : time_ms([&] { magi::cuda::backward(*plan, ba, options, stream); }, reps, stream);
+          forward_only ? 0.0
+                       : time_ms([&] { magi::cuda::backward(*plan, ba, options, stream); }, reps, warm_ms, stream);
       const int64_t area = c.mask.area();
       const double fwd_tf = magi::flops_forward(area, heads, d) / (fwd_ms * 1e-3) / 1e12;
       const double bwd_tf = forward_only ? 0.0 : magi::flops_backward(area, heads, d) / (bwd_ms * 1e-3) / 1e12;
@@ -316,7 +333,7 @@ int main(int argc, char** argv) {
       if (deterministic_too && !forward_only) {
         magi::cuda::Options det = options;
         det.deterministic = true;
-        const double det_ms = time_ms([&] { magi::cuda::backward(*plan, ba, det, stream); }, reps, stream);
+        const double det_ms = time_ms([&] { magi::cuda::backward(*plan, ba, det, stream); }, reps, warm_ms, stream);
         const double det_tf = magi::flops_backward(area, heads, d) / (det_ms * 1e-3) / 1e12;
         std::printf("%s_det,%s,%d,%d,%.1f,%.1f,%.3f,%.3f\n", impl.c_str(), c.name.c_str(), total, d, fwd_tf, det_tf,
                     fwd_ms, det_ms);
