@@ -86,22 +86,25 @@ struct BackwardLayout {
   int32_t tq_pad = 0;
   bool fused_dq = false;  // dq by fp32 atomics inside the dk/dv kernel (default mode)
   bool dq_in_place = false;  // ... straight into the caller's fp32, 16-byte aligned dq
+  bool dq_fragments = false;  // ... into the scratch accumulator in fragment order (BwdParams::dq_accum)
   // byte offsets; 0 = unused
   size_t delta = 0, lse2 = 0, counters = 0, dout16 = 0, dq_accum = 0, dq_semaphores = 0, dq_semaphore_bytes = 0,
          total = 0;
 };
 
 // fuse_allowed: the plan's choice of dq path (Plan::bwd_fuse_dq); ordered_dq: deterministic mode on the Hopper
-// dk/dv kernel, which then adds dQ itself in a fixed order (BwdParams::dq_semaphores). workspace_bytes, without a
-// plan, passes true for both: the larger layout.
+// dk/dv kernel, which then adds dQ itself in a fixed order (BwdParams::dq_semaphores); dq_fragments: that kernel
+// adds in fragment order (sm90::backward_dq_in_fragments). workspace_bytes, without a plan, passes true for all
+// three: the larger layout.
 BackwardLayout backward_layout(const BackwardArgs& a, int32_t padded_d, int32_t smem_optin, bool deterministic,
-                               bool fuse_allowed, bool ordered_dq) {
+                               bool fuse_allowed, bool ordered_dq, bool dq_fragments) {
   const auto tq = static_cast<int32_t>(a.q.shape[0]), hq = static_cast<int32_t>(a.q.shape[1]);
   const auto rows_x_d = static_cast<size_t>(a.q.numel());
   BackwardLayout l;
   l.tq_pad = stats_rows(tq);
   l.fused_dq = (!deterministic || ordered_dq) && fuse_allowed && detail::dkdv_smem_bytes(padded_d, true) <= smem_optin;
-  l.dq_in_place = a.dq.dtype == DType::F32 && reinterpret_cast<uintptr_t>(a.dq.data) % 16 == 0;
+  l.dq_fragments = l.fused_dq && dq_fragments;
+  l.dq_in_place = !l.dq_fragments && a.dq.dtype == DType::F32 && reinterpret_cast<uintptr_t>(a.dq.data) % 16 == 0;
   const size_t stats_bytes = align_up(static_cast<size_t>(l.tq_pad) * hq * sizeof(float));
   l.delta = 0;
   l.lse2 = stats_bytes;
@@ -113,7 +116,8 @@ BackwardLayout backward_layout(const BackwardArgs& a, int32_t padded_d, int32_t 
   }
   if (l.fused_dq && !l.dq_in_place) {
     l.dq_accum = at;
-    at += align_up(rows_x_d * 4);
+    at += align_up(l.dq_fragments ? static_cast<size_t>(detail::dq_fragment_floats(tq, hq, padded_d)) * 4
+                                  : rows_x_d * 4);
   }
   if (l.fused_dq && deterministic) {
     l.dq_semaphores = at;
@@ -169,7 +173,7 @@ int64_t workspace_bytes(const ForwardArgs&, const Options&) { return static_cast
 int64_t workspace_bytes(const BackwardArgs& a, const Options& o) {
   const int32_t padded = padded_head_dim(static_cast<int32_t>(a.q.shape[2]));
   return static_cast<int64_t>(
-      backward_layout(a, padded, device_smem_optin(a.q.device.index), o.deterministic, true, true).total);
+      backward_layout(a, padded, device_smem_optin(a.q.device.index), o.deterministic, true, true, true).total);
 }
 
 namespace {
@@ -355,9 +359,10 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
   // to the portable kernel, which needs no K / V to load), dQ leaves the dk/dv kernel in both modes: the two kernels
   // beat the fused vector reductions on every mask (D 256, H200: +21..+34%), and dq is the same bits every run.
   const bool sm90_dq = sm90_dkdv && plan.dq_sm90_items > 0;
-  const BackwardLayout layout = backward_layout(a, plan.padded_d, plan.smem_optin, o.deterministic,
-                                                plan.bwd_fuse_dq && !sm90_dq,
-                                                sm90_dkdv && sm90::sm90_ordered_dq(plan.padded_d));
+  const BackwardLayout layout =
+      backward_layout(a, plan.padded_d, plan.smem_optin, o.deterministic, plan.bwd_fuse_dq && !sm90_dq,
+                      sm90_dkdv && sm90::sm90_ordered_dq(plan.padded_d),
+                      sm90_dkdv && sm90::backward_dq_in_fragments(plan.padded_d, plan.bwd_cat_group));
   unsigned char* scratch = scratch_for(a.workspace, plan.device, stream, layout.total);
   auto* const delta = reinterpret_cast<float*>(scratch + layout.delta);
   auto* const lse2 = reinterpret_cast<float*>(scratch + layout.lse2);
@@ -428,7 +433,11 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
   if (fused_dq) {
     dkdv.dq_accum = dq_in_place ? static_cast<float*>(a.dq.data) : reinterpret_cast<float*>(scratch + layout.dq_accum);
     // The preprocess zeroes the atomics' target, unless they add to the caller's sum in place.
-    if (!(a.accumulate_dq && dq_in_place)) pre.dq_zero = dkdv.dq_accum;
+    if (!(a.accumulate_dq && dq_in_place)) {
+      pre.dq_zero = dkdv.dq_accum;
+      pre.dq_zero_floats = layout.dq_fragments ? detail::dq_fragment_floats(plan.tq, plan.hq, plan.padded_d)
+                                               : static_cast<int64_t>(dq_elements);
+    }
   }
   // The Hopper dk/dv kernel adds dQ itself when fused (in a fixed order in deterministic mode); else the portable
   // dq kernel follows it.
@@ -478,7 +487,10 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
   timer.end();
   if (fused_dq && !dq_in_place) {
     timer.begin("dq conversion");
-    if (a.accumulate_dq)
+    if (layout.dq_fragments)
+      detail::launch_convert_fragments(tag, dq.grad_fp32, a.accumulate_dq, dkdv.dq_accum, a.dq.data, plan.tq, plan.hq,
+                                       plan.d, plan.padded_d, stream);
+    else if (a.accumulate_dq)
       detail::launch_add(static_cast<float*>(a.dq.data), dkdv.dq_accum, static_cast<int64_t>(dq_elements), stream);
     else if (dq.grad_fp32)
       check(cudaMemcpyAsync(a.dq.data, dkdv.dq_accum, dq_elements * 4, cudaMemcpyDeviceToDevice, stream),

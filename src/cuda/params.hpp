@@ -124,6 +124,8 @@ struct BwdParams {
   DeviceList list;  // by_q_tile for dq, by_k_tile for dk/dv
   // Non-deterministic mode: the dk/dv kernel also adds dQ = dS K into this zeroed fp32 [Tq, Hq, D] buffer
   // with atomics (5 GEMMs instead of 7) and the dq kernel is skipped. Null: deterministic two-kernel path.
+  // The Hopper dk/dv kernel at tiles 64 / 128 without concatenated heads adds in fragment order instead
+  // (dq_fragment_index; sm90::backward_dq_in_fragments).
   float* dq_accum;
   // Deterministic mode on the Hopper dk/dv kernel up to D 128: its dQ adds into dq_accum in item rank order,
   // each (consumer, q head, 64-row chunk) counting its finished adds here ([2][Hq][tq_pad / 64], zeroed).
@@ -139,6 +141,21 @@ struct BwdParams {
 constexpr int64_t stats_index(int32_t head, int32_t row, int32_t tq_pad, int32_t cat_group) {
   return cat_group > 1 ? (int64_t{head / cat_group} * tq_pad + row) * cat_group + head % cat_group
                        : int64_t{head} * tq_pad + row;
+}
+
+// dq_accum in fragment order (the Hopper dk/dv kernel at tiles 64 / 128, one head at a time): per (64-row chunk, q
+// head) a block of 64 x tile_d floats, per consumer c (columns [c tile_d / 2, (c + 1) tile_d / 2)) a half of it in the
+// order the consumer's dQ accumulator holds them: [8-column block nb][thread t][4], thread t = 32 w + 4 i + k holding
+// rows 16 w + i + {0, 8} and columns 8 nb + 2 k + {0, 1} ([row half][column] in its 4). Each thread then stores its
+// fragment as 16-byte pieces (conflict-free), the tile leaves by one bulk reduce-add, and the dq conversion puts the
+// rows back (launch_convert_fragments): storing the swizzled [row][column] tile took 16 8-byte stores a thread and
+// cost the D 128 backward ~4% (H200, 2026-11-28).
+constexpr int64_t dq_fragment_floats(int32_t tq, int32_t hq, int32_t tile_d) {
+  return int64_t{(tq + 63) / 64} * hq * 64 * tile_d;
+}
+// The first float of consumer `consumer`'s half of chunk `chunk` of q head `head`.
+constexpr int64_t dq_fragment_base(int32_t chunk, int32_t head, int32_t consumer, int32_t hq, int32_t tile_d) {
+  return (int64_t{chunk} * hq + head) * 64 * tile_d + int64_t{consumer} * 32 * tile_d;
 }
 
 }  // namespace magi::cuda::detail

@@ -36,8 +36,8 @@ __device__ __forceinline__ void load8_as_float(const void* base, int64_t i, bool
   for (int e = 0; e < 8; ++e) x[e] = to_float(h[e]);
 }
 
-// Delta = dout . out (fp32) per (row, head), optional dout conversion, optional zeroing of the row's dq accumulator
-// (the atomics' target; one pass over the rows instead of a memset of its own), ssh dsink. A row takes a group of
+// Delta = dout . out (fp32) per (row, head), optional dout conversion, optional zeroing of the dq accumulator (the
+// atomics' target, spread over the threads; one pass instead of a memset of its own), ssh dsink. A row takes a group of
 // kGroup lanes, each two or more 16-byte pieces of it (D is a multiple of 8; the API asks 16-byte aligned tensors),
 // so a warp holds 32 / kGroup rows at once: with a row a warp and 8-byte pieces, half the lanes idled at D 64 and
 // the pass ran at ~2 TB/s for want of bytes in flight. The groups past tq * hq zero the padding rows [tq, tq_pad)
@@ -45,6 +45,12 @@ __device__ __forceinline__ void load8_as_float(const void* base, int64_t i, bool
 // allocator.
 template <class T, int kGroup>
 __global__ void preprocess_kernel(const PreprocessArgs a) {
+  if (a.dq_zero != nullptr) {  // a few 16-byte stores a thread, before the row's loads (which need not wait for them)
+    float4* const zero = reinterpret_cast<float4*>(a.dq_zero);
+    const int64_t threads = int64_t{gridDim.x} * blockDim.x;
+    for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < a.dq_zero_floats / 4; i += threads)
+      zero[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
   const int64_t row_head = (int64_t{blockIdx.x} * blockDim.x + threadIdx.x) / kGroup;
   const int lane = static_cast<int>(threadIdx.x % kGroup);
   if (row_head >= int64_t{a.tq} * a.hq) {
@@ -78,11 +84,6 @@ __global__ void preprocess_kernel(const PreprocessArgs a) {
     }
 #pragma unroll
     for (int e = 0; e < 8; ++e) dot += g[e] * o[e];
-    if (a.dq_zero != nullptr) {
-      float4* const zero = reinterpret_cast<float4*>(a.dq_zero + base + c);
-      zero[0] = make_float4(0.f, 0.f, 0.f, 0.f);
-      zero[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
   }
   // A group's lanes take the same path; the other groups of the warp may have left (padding rows).
   const unsigned group_mask =
@@ -144,6 +145,72 @@ __global__ void convert_scalar_kernel(const float* src, T* dst, int64_t n) {
   if (i < n) dst[i] = from_float<T>(src[i]);
 }
 
+// dq from dq_accum in fragment order (cuda/params.hpp, dq_fragment_base): a thread takes 8 columns of the rows
+// 16 w + i + {0, 8} of one consumer's half of a chunk, four consecutive threads' 16-byte fragments (64 contiguous
+// bytes); neighbouring threads take neighbouring columns, so the stores of a row are contiguous. 16-bit out, or
+// fp32 out (kAccumulate: added to). aligned16: dq's base is 16-byte aligned (whole 8-column stores).
+template <class T, bool kFp32, bool kAccumulate>
+__global__ void convert_fragments_kernel(const float* frag, void* dq, int tq, int hq, int d, int tile_d,
+                                         bool aligned16) {
+  const int blocks8 = tile_d / 16;  // 8-column blocks of a consumer's half
+  int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (i >= int64_t{(tq + 63) / 64} * hq * 2 * 32 * blocks8) return;
+  const int nb = static_cast<int>(i % blocks8);
+  i /= blocks8;
+  const int row8 = static_cast<int>(i % 8), w = static_cast<int>(i / 8 % 4), consumer = static_cast<int>(i / 32 % 2);
+  i /= 64;
+  const int head = static_cast<int>(i % hq), chunk = static_cast<int>(i / hq);
+  const int col = consumer * (tile_d / 2) + nb * 8;
+  if (col >= d) return;  // the tile's columns past d (d is a multiple of 8)
+  const float4* const src =
+      reinterpret_cast<const float4*>(frag + dq_fragment_base(chunk, head, consumer, hq, tile_d)) + nb * 128 +
+      32 * w + 4 * row8;
+  float4 v[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) v[k] = src[k];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = chunk * 64 + 16 * w + row8 + 8 * r;
+    if (row >= tq) continue;
+    float x[8];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      x[2 * k] = r ? v[k].z : v[k].x;
+      x[2 * k + 1] = r ? v[k].w : v[k].y;
+    }
+    const int64_t at = (int64_t{row} * hq + head) * d + col;
+    if constexpr (kFp32) {
+      float* const out = static_cast<float*>(dq) + at;
+      if (aligned16) {
+        float4* const out4 = reinterpret_cast<float4*>(out);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float4 y = make_float4(x[4 * h], x[4 * h + 1], x[4 * h + 2], x[4 * h + 3]);
+          if constexpr (kAccumulate) {
+            const float4 o = out4[h];
+            y.x += o.x, y.y += o.y, y.z += o.z, y.w += o.w;
+          }
+          out4[h] = y;
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) out[e] = kAccumulate ? out[e] + x[e] : x[e];
+      }
+    } else {
+      uint32_t pairs[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) pairs[e] = pack_pair<T>(x[2 * e], x[2 * e + 1]);
+      auto* const out = reinterpret_cast<uint32_t*>(static_cast<T*>(dq) + at);  // pair-aligned at least
+      if (aligned16) {
+        *reinterpret_cast<uint4*>(out) = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) out[e] = pairs[e];
+      }
+    }
+  }
+}
+
 __global__ void add_kernel(float* dst, const float* src, int64_t n) {
   const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   if (i < n) dst[i] += src[i];
@@ -173,6 +240,24 @@ void launch_convert(int dtype, const float* src, void* dst, int64_t n, cudaStrea
     else convert_scalar_kernel<<<blocks, 256, 0, stream>>>(src, static_cast<__half*>(dst), n);
   }
   check_launch("convert_kernel");
+}
+
+void launch_convert_fragments(int dtype, bool out_fp32, bool accumulate, const float* fragments, void* dq, int tq,
+                              int hq, int d, int tile_d, cudaStream_t stream) {
+  const int64_t threads = int64_t{(tq + 63) / 64} * hq * 64 * (tile_d / 16);
+  if (threads == 0) return;
+  const unsigned blocks = static_cast<unsigned>((threads + 255) / 256);
+  const bool aligned16 = reinterpret_cast<uintptr_t>(dq) % 16 == 0;
+  if (out_fp32 && accumulate)
+    convert_fragments_kernel<float, true, true><<<blocks, 256, 0, stream>>>(fragments, dq, tq, hq, d, tile_d, aligned16);
+  else if (out_fp32)
+    convert_fragments_kernel<float, true, false><<<blocks, 256, 0, stream>>>(fragments, dq, tq, hq, d, tile_d, aligned16);
+  else if (dtype == kBf16)
+    convert_fragments_kernel<__nv_bfloat16, false, false>
+        <<<blocks, 256, 0, stream>>>(fragments, dq, tq, hq, d, tile_d, aligned16);
+  else
+    convert_fragments_kernel<__half, false, false><<<blocks, 256, 0, stream>>>(fragments, dq, tq, hq, d, tile_d, aligned16);
+  check_launch("convert_fragments_kernel");
 }
 
 void launch_fill(float* data, int64_t n, float value, cudaStream_t stream) {

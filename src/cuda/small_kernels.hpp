@@ -17,7 +17,8 @@ struct PreprocessArgs {
   const void* dout;
   int dout_fp32;
   void* dout16;  // null unless dout is fp32
-  float* dq_zero;  // [Tq, Hq, D] fp32 set to 0 (the dq atomics' target), or null
+  float* dq_zero;  // dq_zero_floats fp32 set to 0 (the dq atomics' target), or null; 16-byte aligned
+  int64_t dq_zero_floats;  // a multiple of 4
   const float* lse;  // [Tq, Hq], natural log
   float* delta;      // out: [Hq][tq_pad] (stats_index)
   float* lse2;       // out: [Hq][tq_pad] (stats_index), log2 units, empty rows 0
@@ -32,6 +33,10 @@ void launch_preprocess(int dtype, const PreprocessArgs& args, cudaStream_t strea
 // dst (16-bit, dtype tag) = src (fp32), n elements: 16-byte loads where n and the pointers allow, else one
 // element per thread.
 void launch_convert(int dtype, const float* src, void* dst, int64_t n, cudaStream_t stream);
+// dq (16-bit, dtype tag; or fp32 with out_fp32, added to with accumulate) from the Hopper backward's dq_accum in
+// fragment order (cuda/params.hpp: dq_fragment_base) of a tile_d-column tile; d <= tile_d, a multiple of 8.
+void launch_convert_fragments(int dtype, bool out_fp32, bool accumulate, const float* fragments, void* dq, int tq,
+                              int hq, int d, int tile_d, cudaStream_t stream);
 // dsink for the sh layout: a fixed-order reduction over rows per (s, head).
 void launch_dsink_sh(const float* sink, const float* lse, const float* delta, int tq_pad, int cat_group, float* dsink,
                      int sink_len, int tq, int hq, cudaStream_t stream);

@@ -164,11 +164,9 @@ struct BackwardKernel {
   using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)), GmemLayout{}));
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(LayoutQ{}),
                                       Shape<Int<kM>, Int<kD>>{}, _1{}));
-  // dQ of one consumer (kM rows x kD / 2 columns, fp32, 128-byte swizzle), the source of its TMA reduce-add.
+  // dQ of one consumer (kM rows x kD / 2 columns, fp32), the source of its reduce-add: 128-byte swizzled for the
+  // concatenated heads' TMA unit; one head at a time, its space holds the tile in fragment order.
   using LayoutdQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, Shape<Int<kM>, Int<kD / kConsumers>>{}));
-  using GmemTensorF = decltype(make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)), GmemLayout{}));
-  using TmaDq = decltype(make_tma_copy(SM90_TMA_REDUCE_ADD{}, GmemTensorF{}, LayoutdQ{},
-                                       Shape<Int<kM>, Int<kD / kConsumers>>{}, _1{}));
   using TmaKV =
       decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, LayoutKV{}, Shape<Int<kN>, Int<kD>>{}, _1{}));
   // In a cluster each block's pipeline is its own (the blocks load different columns).
@@ -213,7 +211,6 @@ struct BackwardKernel {
     BwdParams p;
     TmaQ tma_q, tma_do;
     TmaKV tma_k, tma_v;
-    TmaDq tma_dq;
     int num_work;
     TmaDescriptor cat_q, cat_do, cat_dq;  // p.cat_group > 1: make_cat_tensor_map's views of Q, dO and dq_accum
   };
@@ -241,17 +238,11 @@ struct BackwardKernel {
     auto tile = [&](const void* data) {
       return make_tma_copy(SM90_TMA_LOAD{}, tensor(data, p.tk, p.hkv), LayoutKV{}, Shape<Int<kN>, Int<kD>>{}, _1{});
     };
-    // Without kDq the dQ descriptor is never used; it still needs a 16-byte aligned address (Delta's).
-    float* const dq_base = kDq ? p.dq_accum : const_cast<float*>(p.delta);
-    auto dq = make_tensor(make_gmem_ptr(dq_base), make_layout(make_shape(max(p.tq, 1), p.d, p.hq),
-                                                                 make_stride(int64_t{p.hq} * p.d, _1{}, int64_t{p.d})));
-    Params params{p,         chunk(p.q), chunk(p.dout), tile(p.k), tile(p.v),
-                  make_tma_copy(SM90_TMA_REDUCE_ADD{}, dq, LayoutdQ{}, Shape<Int<kM>, Int<kD / kConsumers>>{}, _1{}),
-                  num_work,  {},         {},            {}};
+    Params params{p, chunk(p.q), chunk(p.dout), tile(p.k), tile(p.v), num_work, {}, {}, {}};
     if constexpr (kCat) {
       params.cat_q = make_cat_tensor_map(static_cast<const Element*>(p.q), p.d, p.cat_group, p.tq, p.hkv, 64, kM);
       params.cat_do = make_cat_tensor_map(static_cast<const Element*>(p.dout), p.d, p.cat_group, p.tq, p.hkv, 64, kM);
-      params.cat_dq = make_cat_tensor_map(dq_base, p.d, p.cat_group, p.tq, p.hkv, 32, kM);
+      params.cat_dq = make_cat_tensor_map(p.dq_accum, p.d, p.cat_group, p.tq, p.hkv, 32, kM);
     }
     return params;
   }
@@ -557,22 +548,31 @@ struct BackwardKernel {
         issue_gemm<false, true>(mma_kv, tKVrdS, tKVrQt(_, _, _, stage), tdKrdK);
         warpgroup_wait<1>();  // dQ: the last GEMM that reads K or V
         if (last) shared.kv_empty.arrive();
-        // dQ rows 16 (warp % 4) + lane / 4 + {0, 8}, this consumer's half of the columns.
-        // Into the dQ tile by hand (LayoutdQ: column c of row r at byte (c / 32) 8192 + (r / 8) 1024 +
-        // (r % 8) 128 + 16 ((c % 32 / 4) ^ (r % 8)) + 4 (c % 4); r % 8 = lane / 4 here) once the writer has
-        // read its last one, then handed to it (write_dq). The tiles alternate by chunk, as the dS buffers.
+        // dQ rows 16 (warp % 4) + lane / 4 + {0, 8}, this consumer's half of the columns, into the dQ tile once the
+        // writer has read its last one, then handed to it (write_dq). The tiles alternate by chunk, as the dS
+        // buffers. One head at a time: in fragment order (detail::dq_fragment_base), 16 bytes a store. Concatenated
+        // heads: LayoutdQ for the TMA unit, by hand (column c of row r at byte (c / 32) 8192 + (r / 8) 1024 +
+        // (r % 8) 128 + 16 ((c % 32 / 4) ^ (r % 8)) + 4 (c % 4); r % 8 = lane / 4 here).
         const uint32_t tile = detail::smem_addr(shared.tiles.dq) +
                               (consumer * kDqBuffers + buffer) * uint32_t{cosize_v<LayoutdQ> * 4};
-        const uint32_t at = tile + (warp % 4) * 2048 + (lane / 4) * 128 + (lane % 2) * 8;
-        const uint32_t chunk_x = (((lane % 4) / 2) ^ (lane / 4)) * 16;
         shared.dq_empty[consumer][buffer].wait(((chunks / kDqBuffers) & 1) ^ 1);  // a fresh barrier passes parity 1
+        if constexpr (kCat) {
+          const uint32_t at = tile + (warp % 4) * 2048 + (lane / 4) * 128 + (lane % 2) * 8;
+          const uint32_t chunk_x = (((lane % 4) / 2) ^ (lane / 4)) * 16;
   #pragma unroll
-        for (int nb = 0; nb < kD / 16; ++nb)
+          for (int nb = 0; nb < kD / 16; ++nb)
   #pragma unroll
-          for (int r = 0; r < 2; ++r)
-            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at + (nb / 4) * 8192 + r * 1024 +
-                                                                   (((nb % 4) * 32) ^ chunk_x)),
-                         "f"(dq[nb][2 * r]), "f"(dq[nb][2 * r + 1]));
+            for (int r = 0; r < 2; ++r)
+              asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at + (nb / 4) * 8192 + r * 1024 +
+                                                                     (((nb % 4) * 32) ^ chunk_x)),
+                           "f"(dq[nb][2 * r]), "f"(dq[nb][2 * r + 1]));
+        } else {
+          const uint32_t at = tile + ((warp % 4) * 32 + lane) * 16;
+  #pragma unroll
+          for (int nb = 0; nb < kD / 16; ++nb)
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(at + nb * 128 * 16), "f"(dq[nb][0]),
+                         "f"(dq[nb][1]), "f"(dq[nb][2]), "f"(dq[nb][3]));
+        }
         cutlass::arch::fence_view_async_shared();
         shared.dq_full[consumer][buffer].arrive();
       } else {
@@ -605,7 +605,6 @@ struct BackwardKernel {
     const bool leader = threadIdx.x % 32 == 0;
     const int group = p.hq / p.hkv;
     const int cat = kCat ? p.cat_group : 1, walked = kCat ? 1 : group;
-    Tensor mdQ = params.tma_dq.get_tma_tensor(make_shape(max(p.tq, 1), p.d, p.hq));
     OrderedDqAdds adds;
     int tiles = 0;  // this consumer's dQ tiles so far
     for (int n = 0;; ++n) {
@@ -622,20 +621,19 @@ struct BackwardKernel {
           float* const tile = shared.tiles.dq + (consumer * kDqBuffers + buffer) * cosize_v<LayoutdQ>;
           if (leader) {
             shared.dq_full[consumer][buffer].wait((tiles / kDqBuffers) & 1);
-            Tensor sdQ = make_tensor(make_smem_ptr(tile), LayoutdQ{});
             // Addresses before the turn: in the deterministic mode the adds of a chunk run in a chain.
-            Tensor gdQ =
-                local_tile(mdQ(_, _, head), Shape<Int<kM>, Int<kD / kConsumers>>{}, make_coord(chunk, consumer));
-            auto [tdQg, tdQs] = tma_partition(params.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sdQ),
-                                              group_modes<0, 2>(gdQ));
             const int cat_token0 = chunk * (kM / cat), cat_col0 = consumer * (kD / kConsumers);
+            float* const to = p.dq_accum + detail::dq_fragment_base(chunk, head, consumer, p.hq, kD);
             adds.wait_turn(p, cat, consumer, kCat ? at.head : head, chunk, w.rank);
             if constexpr (kCat) {
               for (int c = 0; c < kD / kConsumers / 32; ++c)
                 SM90_TMA_REDUCE_ADD_4D::copy(&params.cat_dq, tile + c * kM * 32, cat_col0 + c * 32, 0, cat_token0,
                                              at.head);
             } else {
-              copy(params.tma_dq, tdQs, tdQg);
+              asm volatile(
+                  "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(to),
+                  "r"(detail::smem_addr(tile)), "n"(kM * kD / kConsumers * 4)
+                  : "memory");
             }
             tma_store_arrive();
             tma_store_wait<0>();  // the tile is read
@@ -923,7 +921,6 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
     prefetch_tma_descriptor(params.tma_do.get_tma_descriptor());
     prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
-    prefetch_tma_descriptor(params.tma_dq.get_tma_descriptor());
     shared.kv_full.init(1);
     shared.kv_empty.init(Kernel::kConsumers * 128);
     shared.work.init(Kernel::kConsumers * 128 + (Kernel::kDqWriter ? Kernel::kConsumers * 32 : 0),

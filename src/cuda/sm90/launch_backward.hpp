@@ -25,4 +25,11 @@ void launch_dq(const detail::BwdParams& params, int sm_margin, cudaStream_t stre
 // Hopper one at tile 256, the portable one above): dQ goes out by vector reductions there, which cannot take turns.
 constexpr bool sm90_ordered_dq(int padded_head_dim) { return padded_head_dim <= 128; }
 
+// Whether its dQ goes into dq_accum in fragment order (detail::dq_fragment_base: the writer warps' bulk reduce-adds
+// of the consumers' unswizzled tiles): at D 64 and 128 one head at a time. With concatenated heads (cat_group > 1,
+// a 4-D tensor map over the rows) and from D 256 on (vector reductions), dq_accum is [Tq, Hq, D].
+constexpr bool backward_dq_in_fragments(int padded_head_dim, int cat_group) {
+  return padded_head_dim <= 128 && cat_group == 1;
+}
+
 }  // namespace magi::cuda::sm90
