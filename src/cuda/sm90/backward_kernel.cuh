@@ -7,10 +7,11 @@
 //   P^T, dS^T from them (the portable family's bwd_cell: softcap, masks, empty rows)
 //   dV += P^T dO, dK += dS^T Q, dQ = dS K     (dS through shared memory)
 // Up to D 128 a tile is 128 keys and each consumer owns 64 of them: P^T and dS^T stay in its registers as the A
-// operands of dV and dK, each consumer takes half of dQ's D columns, and dQ goes through shared memory to a TMA
-// reduce-add into p.dq_accum that a warp of the producer warpgroup issues (one such writer per consumer), so that
-// the consumer only hands the tile over. At D 256 (kWide) a tile is 64 keys (a consumer's dK and dV of 64 keys x
-// 256 would need 256 registers a thread) and the consumers split the work by role: one computes S^T, P^T and
+// operands of dV and dK, each consumer takes half of dQ's D columns, and dQ goes through shared memory (in fragment
+// order: detail::dq_fragment_base) to a bulk reduce-add into p.dq_accum that a warp of the producer warpgroup issues
+// (one such writer per consumer), so that the consumer only hands the tile over. At D 256 (kWide) a tile is 64
+// keys (a consumer's dK and dV of 64 keys x 256 would need 256 registers a thread) and the consumers split the work
+// by role: one computes S^T, P^T and
 // dV += P^T dO for all 256 columns, the other dP^T, dS^T and dK += dS^T Q; P^T (times the dS factor) crosses in
 // fp32 through shared memory, dS^T in 16 bits for dQ = dS K, whose columns the two split; dQ goes out by vector
 // reductions from registers (its fp32 tile does not fit beside two stages of Q and dO). At tile 256 itself the
