@@ -457,7 +457,7 @@ struct BackwardKernel {
       const WorkItem w = shared.item[stage];
       const int cat = kCat ? p.cat_group : 1;
       const int token0 = w.q0 & -(kM / cat);  // the chunk's first token (its rows: token x cat + head in the group)
-      const int buffer = chunks & 1;
+      [[maybe_unused]] const int buffer = chunks & 1;  // the dS and dQ tiles (with dQ only)
       // The operands' descriptors, rebuilt per chunk from an opaque base: hoisted out of the loops, the ~90
       // of them took registers that the accumulators need (spills).
       Element* const base = launder(shared.k);
