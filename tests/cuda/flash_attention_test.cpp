@@ -593,6 +593,10 @@ TEST(CudaBackend, ForwardPassOrdersMatchReference) {
   EXPECT_EQ(cuda::stats(*test_plan(masks::full(1024, 4096), 16, 4, 128)).forward_heads_per_pass, expected)
       << "seed " << seed;
   EXPECT_EQ(cuda::stats(*test_plan(documents, 16, 4, 128)).forward_heads_per_pass, 16) << "seed " << seed;
+  // Works of 1280 keys: passes at tile 128, one pass at D 64 (sm90/tiles.hpp: forward_pass_min_keys).
+  const Mask long_documents = masks::varlen_full({0, 1280, 2560, 3840});
+  EXPECT_EQ(cuda::stats(*test_plan(long_documents, 16, 4, 128)).forward_heads_per_pass, expected);
+  EXPECT_EQ(cuda::stats(*test_plan(long_documents, 16, 4, 64)).forward_heads_per_pass, 16);
   cuda::PlanTuning pinned;
   pinned.forward_heads_per_pass = 8;
   EXPECT_EQ(cuda::stats(*test_plan(documents, 16, 4, 128, pinned)).forward_heads_per_pass, 8);

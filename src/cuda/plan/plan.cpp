@@ -177,17 +177,18 @@ HostList convert(const Mask& mask, const tiling::TileLists& lists, bool q_major)
 
 
 
-// Heads per pass of a q-major list whose Hopper kernel streams K and V per item: where its works stream 2048 keys or
-// more on average, about 32 blocks per head at a time (the largest divisor of the heads up to SMs / 32), so that the
-// blocks running together share each head's K and V in L2; else one pass. (The forward's measurements: below.)
-int32_t streaming_heads_per_pass(const HostList& list, int32_t tile_k, int32_t heads, int32_t sms) {
+// Heads per pass of a q-major list whose Hopper kernel streams K and V per item: where its works stream min_keys keys
+// or more on average (sm90/tiles.hpp), about 32 blocks per head at a time (the largest divisor of the heads up to
+// SMs / 32), so that the blocks running together share each head's K and V in L2; else one pass. (The forward's
+// measurements: below and in tiles.hpp.)
+int32_t streaming_heads_per_pass(const HostList& list, int32_t tile_k, int32_t heads, int32_t sms, int32_t min_keys) {
   int64_t keys = 0, busy_tiles = 0;
   for (const detail::TileInfo& t : list.tiles) {
     keys += int64_t{t.count} * tile_k;
     busy_tiles += t.count > 0;
   }
   int32_t per_pass = heads;
-  if (keys >= 2048 * busy_tiles)
+  if (keys >= int64_t{min_keys} * busy_tiles)
     for (int32_t h = 1; h <= std::max(1, sms / 32); ++h)
       if (heads % h == 0) per_pass = h;
   return per_pass;
@@ -428,7 +429,7 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
     throw InvalidArgument("cuda plan: forward_heads_per_pass " + std::to_string(tuning.forward_heads_per_pass) +
                           " must divide the " + std::to_string(heads_q) + " q heads (allowed: 0 = the planner's "
                           "choice, or a divisor of the q heads)");
-  // The Hopper forward in passes of q heads where its works stream long key ranges (2048 keys or more on average),
+  // The Hopper forward in passes of q heads where its works stream long key ranges (forward_pass_min_keys),
   // about 32 blocks per head at a time: the blocks running together then share each head's K and V in L2. In one
   // pass every wave of q tiles re-read them from DRAM (ncu, H100, 2 x 8k full mask, D 256: L2 hit rate 67%
   // against cuDNN's 99.97%, the consumers' top stall the wait for K). A/B of 1, 2, 4, 8 and 16 heads per pass
@@ -436,7 +437,9 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   // 16 x 1k causal lost 4-7% in any pass, and the portable forward 2-5% (causal, sliding window, shared question):
   // those keep one.
   int32_t fwd_per_pass = tuning.forward_heads_per_pass;
-  if (fwd_per_pass == 0) fwd_per_pass = sm90 ? streaming_heads_per_pass(fwd, fwd_k, heads_q, sms) : heads_q;
+  if (fwd_per_pass == 0)
+    fwd_per_pass = sm90 ? streaming_heads_per_pass(fwd, fwd_k, heads_q, sms, sm90::forward_pass_min_keys(plan->padded_d))
+                        : heads_q;
   // Resident works: one per SM, one per cluster of the Hopper kernels' clusters.
   const int fwd_slots = sm90 ? sms / sm90::forward_cluster_size(plan->padded_d) : sms;
   const PassOrder fwd_passes = fwd_per_pass == heads_q
@@ -479,7 +482,7 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   PassOrder dq_sm90_passes{plan->hq, 0};
   if (plan->bwd_family == KernelFamily::Sm90 && sm90::sm90_dq_kernel(plan->padded_d)) {
     dq_sm90 = convert(mask, tiling::by_q_tile(mask, sm90::dq_tile_q(), sm90::dq_tile_k()), true);
-    const int32_t per_pass = streaming_heads_per_pass(dq_sm90, sm90::dq_tile_k(), plan->hq, sms);
+    const int32_t per_pass = streaming_heads_per_pass(dq_sm90, sm90::dq_tile_k(), plan->hq, sms, sm90::dq_pass_min_keys());
     if (per_pass != plan->hq) dq_sm90_passes = order_in_passes(dq_sm90, plan->hq, 0.0, l2_bytes, sms, per_pass);
   }
 

@@ -60,6 +60,15 @@ constexpr int forward_k_stages(int padded_head_dim) {
 // Q's stages: two up to D 128, so that the next work's Q loads while this one runs; one above, where shared memory
 // holds no second Q (with one stage at D 128 the consumers' loop spilled: -2..-3%).
 constexpr int forward_q_stages(int padded_head_dim) { return padded_head_dim <= 128 ? 2 : 1; }
+// The forward's works go in passes of about 32 blocks per q head (plan.cpp: streaming_heads_per_pass) where they
+// stream at least this many keys on average, else in one pass. Tiles 128 / 256 from 1024 keys (H200, sustained load,
+// 16 heads, fwd TFLOP/s, three rounds, passes of 4 heads against one): the documents' full mask (~1300 keys a work)
+// 434 -> 438 at D 128, 513 -> 532 at D 256; 16 x 1k full (1024 keys) 509 -> 507, 535 -> 553; sliding window 1024
+// (~1100) -0.5% at both. Below 1024 keys (16 x 1k causal: 576) passes lost up to 4%. D 64's three-consumer tile lost
+// 2% on the documents' full mask in passes, so it and the large tiles (not measured there) keep 2048.
+constexpr int forward_pass_min_keys(int padded_head_dim) {
+  return padded_head_dim == 128 || padded_head_dim == 256 ? 1024 : 2048;
+}
 // At D 64 a consumer issues a work's first Q K^T beside its last P V of the work before, and that work's epilogue
 // runs under the GEMM. A/B (H100, bf16, 2 x 8k / 16 x 1k, against one Q stage and the first Q K^T at the work's
 // start): D 64 full +15% / +4%, causal +7% / +5%, shared question +12% / +11%, window, block-causal and varlen full
@@ -123,5 +132,7 @@ constexpr bool sm90_dq_kernel(int padded_head_dim) { return padded_head_dim == 2
 constexpr int dq_tile_q() { return 128; }
 constexpr int dq_tile_k() { return 32; }
 constexpr int dq_stages() { return 3; }
+// Its works go in passes of heads by the forward's rule from 2048 keys on average (measured at 2048 only).
+constexpr int dq_pass_min_keys() { return 2048; }
 
 }  // namespace magi::cuda::sm90
