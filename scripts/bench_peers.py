@@ -24,26 +24,29 @@ import torch
 
 
 # Back-to-back calls before each measurement, as flash_bench's --warm-ms (its time_ms says why): every case is
-# timed at the clocks the GPU settles at under its power cap, whatever ran before.
+# timed at the clocks the GPU settles at under its power cap, whatever ran before. Two calls stay in flight.
 WARM_MS = 300
 
 
 def median_ms(fn, reps):
+    """Median GPU time of one call: the timed calls queued back to back with an event between each two and one wait
+    at the end (flash_bench's time_ms), so the host's launch latency is hidden wherever the host keeps ahead."""
     warm_until = time.monotonic() + WARM_MS / 1000.0
+    in_flight = [torch.cuda.Event(), torch.cuda.Event()]
     calls = 0
     while calls < 3 or time.monotonic() < warm_until:
+        if calls >= 2:
+            in_flight[calls % 2].synchronize()
         fn()
-        torch.cuda.synchronize()
+        in_flight[calls % 2].record()
         calls += 1
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
+    marks[0].record()
+    for i in range(reps):
         fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    times.sort()
+        marks[i + 1].record()
+    marks[-1].synchronize()
+    times = sorted(marks[i].elapsed_time(marks[i + 1]) for i in range(reps))
     n = len(times)
     return times[n // 2] if n % 2 else 0.5 * (times[n // 2 - 1] + times[n // 2])
 

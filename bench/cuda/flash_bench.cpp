@@ -1,5 +1,5 @@
-// Throughput of the portable CUDA backend (SPEC section 6): TFLOP/s of forward and backward, CUDA events
-// around each run, median of `reps` runs after warm-up. Prints CSV rows and writes the masks it used
+// Throughput of the CUDA backend (SPEC section 6): TFLOP/s of forward and backward, CUDA events between
+// back-to-back calls, median of `reps` calls after warm-up (time_ms). Prints CSV rows and writes the masks it used
 // (document lengths etc.) as JSON so that scripts/bench_peers.py measures the peers on the same masks.
 //
 // usage: flash_bench [--cases out.json] [--reps N] [--warm-ms MS] [--quick] [--only MASK[,MASK]]
@@ -122,29 +122,36 @@ double median(std::vector<float> v) {
 // Under sustained load the H200 runs at its 700 W cap and lowers its clocks within ~100 ms; the D 128 backward
 // then loses ~10% against its first few calls (558 -> 503 TFLOP/s), cuDNN's ~3% (2026-11-28, docs/performance.md).
 // So every measurement runs warm_ms of back-to-back calls first: all cases, ours and the peers
-// (scripts/bench_peers.py, the same default), are timed at the clocks that training sees, whatever ran before.
+// (scripts/bench_peers.py, the same protocol), are timed at the clocks that training sees, whatever ran before.
+// The timed calls are queued back to back too, an event between each two, one wait at the end: a call's time is
+// the GPU's, not the host's launch latency, which training hides by running ahead (a wait after every call put
+// ~10 us of idle GPU into each measurement, 5% of a 200 us call). Two calls stay in flight while warming.
 template <class F>
 double time_ms(F&& fn, int reps, int warm_ms, cudaStream_t stream) {
+  cudaEvent_t in_flight[2];
+  for (cudaEvent_t& e : in_flight) CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   const auto warm_until = std::chrono::steady_clock::now() + std::chrono::milliseconds(warm_ms);
   for (int i = 0; i < 3 || std::chrono::steady_clock::now() < warm_until; ++i) {
+    if (i >= 2) CHECK(cudaEventSynchronize(in_flight[i % 2]));
     fn();
-    CHECK(cudaStreamSynchronize(stream));
+    CHECK(cudaEventRecord(in_flight[i % 2], stream));
   }
-  std::vector<float> times;
-  cudaEvent_t start, stop;
-  CHECK(cudaEventCreate(&start));
-  CHECK(cudaEventCreate(&stop));
+  std::vector<cudaEvent_t> marks(static_cast<size_t>(reps) + 1);
+  for (cudaEvent_t& e : marks) CHECK(cudaEventCreate(&e));
+  CHECK(cudaEventRecord(marks[0], stream));  // behind the warm-up's last calls: the queue is ahead already
   for (int i = 0; i < reps; ++i) {
-    CHECK(cudaEventRecord(start, stream));
     fn();
-    CHECK(cudaEventRecord(stop, stream));
-    CHECK(cudaEventSynchronize(stop));
+    CHECK(cudaEventRecord(marks[static_cast<size_t>(i) + 1], stream));
+  }
+  CHECK(cudaEventSynchronize(marks.back()));
+  std::vector<float> times;
+  for (int i = 0; i < reps; ++i) {
     float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, start, stop));
+    CHECK(cudaEventElapsedTime(&ms, marks[static_cast<size_t>(i)], marks[static_cast<size_t>(i) + 1]));
     times.push_back(ms);
   }
-  CHECK(cudaEventDestroy(start));
-  CHECK(cudaEventDestroy(stop));
+  for (cudaEvent_t e : marks) CHECK(cudaEventDestroy(e));
+  for (cudaEvent_t e : in_flight) CHECK(cudaEventDestroy(e));
   return median(times);
 }
 
