@@ -80,7 +80,8 @@ if [ $RUN_TESTS = 1 ]; then
   rc=$?
   grep -E "non-finite|must be exactly|\) > [0-9.e+-]+ |= [0-9.e+-]+ > [0-9.e+-]+|threw|differ" "$LOGS/tests.log" | cut -c1-420 | sort -u | head -30
   grep -E "\*\*\*Failed|Timeout" "$LOGS/tests.log" | head -30
-  note "gpu tests: $(grep -E 'tests passed' "$LOGS/tests.log" | tail -1) (rc $rc, $(( $(date +%s) - t0 )) s)"
+  # ctest counts a skipped test as passed: the number skipped goes beside it.
+  note "gpu tests: $(grep -E 'tests passed' "$LOGS/tests.log" | tail -1), $(grep -c ' (Skipped)$' "$LOGS/tests.log") skipped (rc $rc, $(( $(date +%s) - t0 )) s)"
   if [ "${FUZZ_SECONDS:-0}" -gt 0 ]; then
     fuzz_families=(ffa_sm80)
     grep -q "sm_90a kernels with CUTLASS" "$LOGS/configure.log" && fuzz_families+=(ffa_sm90 ffa_sm90:cat)
