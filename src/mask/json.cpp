@@ -22,11 +22,12 @@ constexpr std::string_view kPrefix = "mask JSON: ";
 
 [[noreturn]] void fail(const std::string& message) { throw InvalidArgument(std::string(kPrefix) + message); }
 
+// A key as JSON writes it (control characters escaped, so that a message stays one line), cut after 48 bytes.
 std::string in_quotes(std::string_view key) {
-  std::string text;
-  text.reserve(key.size() + 2);
-  text.append(1, '"').append(key).append(1, '"');
-  return text;
+  constexpr size_t kShown = 48;
+  const std::string quoted =
+      json(std::string(key.substr(0, kShown))).dump(-1, ' ', false, json::error_handler_t::replace);
+  return key.size() > kShown ? quoted.substr(0, quoted.size() - 1) + "...\"" : quoted;
 }
 std::string entry(std::string_view key, size_t index) { return in_quotes(key) + "[" + std::to_string(index) + "]"; }
 
@@ -114,15 +115,22 @@ Mask mask_from_json(std::string_view json_text) {
   json doc;
   // A key given twice would silently keep its last value; name it instead.
   std::set<std::string> keys;
-  std::string repeated;
+  std::string repeated, current;  // current: the top-level key being read
   // A mask nests three deep ({"q_ranges": [[0, 4]]}); deeper text is refused as it is read, before any recursion
-  // over it (a message's rendering of 100000 nested arrays overflowed the stack).
+  // over it (a message's rendering of 100000 nested arrays overflowed the stack). Top-level keys are checked as they
+  // are read, so that an unknown key is named even where its value nests deeper.
   constexpr int kMaxDepth = 3;
-  const json::parser_callback_t note_repeats = [&](int depth, json::parse_event_t event, json& parsed) {
-    if (depth > kMaxDepth) fail("nested deeper than a mask's {\"q_ranges\": [[start, end], ...]}");
-    if (event == json::parse_event_t::key && depth == 1 && repeated.empty() &&
-        !keys.insert(parsed.get<std::string>()).second)
-      repeated = parsed.get<std::string>();
+  const json::parser_callback_t check_keys = [&](int depth, json::parse_event_t event, json& parsed) {
+    if (depth > kMaxDepth)
+      fail("nested deeper than a mask's {\"q_ranges\": [[start, end], ...]}" +
+           (current.empty() ? std::string() : " (in " + in_quotes(current) + ")"));
+    if (event != json::parse_event_t::key || depth != 1) return true;
+    current = parsed.get<std::string>();
+    if (std::find(kKeys.begin(), kKeys.end(), current) == kKeys.end()) {
+      fail("unknown key " + in_quotes(current) +
+           "; allowed: \"q_ranges\", \"k_ranges\", \"attn_type_map\", \"total_q\", \"total_k\"");
+    }
+    if (repeated.empty() && !keys.insert(current).second) repeated = current;
     return true;
   };
   // The JSON reader stops at a NUL byte; whatever follows it would be ignored.
@@ -135,7 +143,7 @@ Mask mask_from_json(std::string_view json_text) {
     return what;
   };
   try {
-    doc = json::parse(json_text.begin(), json_text.end(), note_repeats);
+    doc = json::parse(json_text.begin(), json_text.end(), check_keys);
   } catch (const json::parse_error& e) {
     fail("malformed JSON at byte " + std::to_string(e.byte) + ": " + description(e));
   } catch (const json::exception& e) {  // e.g. a number beyond double's range
@@ -146,12 +154,6 @@ Mask mask_from_json(std::string_view json_text) {
          "\"total_k\"), got " + std::string(doc.type_name()));
   }
   if (!repeated.empty()) fail("key " + in_quotes(repeated) + " appears more than once");
-  for (const auto& item : doc.items()) {
-    if (std::find(kKeys.begin(), kKeys.end(), item.key()) == kKeys.end()) {
-      fail("unknown key " + in_quotes(item.key()) +
-           "; allowed: \"q_ranges\", \"k_ranges\", \"attn_type_map\", \"total_q\", \"total_k\"");
-    }
-  }
   const std::vector<Range> q_ranges = read_ranges(doc, "q_ranges");
   const std::vector<Range> k_ranges = read_ranges(doc, "k_ranges");
   const std::vector<MaskType> types = read_types(doc);

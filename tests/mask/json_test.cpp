@@ -86,6 +86,17 @@ TEST(MaskJsonErrors, TopLevelMustBeAnObjectWithKnownKeys) {
                "key \"q_ranges\" appears more than once");
   expect_error(R"({"q_ranges":[[0,1]],"k_ranges":[[0,1]],"attn_type_map":[0],"total_q":4,"total_q":4})",
                "key \"total_q\" appears more than once");
+  // An unknown key is named even where its value nests deeper than a mask does; a key is shown escaped (one line)
+  // and cut when long.
+  expect_error(R"({"slices":[[[0,10],[0,10],"full"]]})", "unknown key \"slices\"; allowed:");
+  expect_error(R"({"q_ranges":[[0,1]],"k_\nranges":[]})", "unknown key \"k_\\nranges\"");
+  try {
+    mask_from_json("{\"" + std::string(100000, 'x') + "\": 1}");
+    ADD_FAILURE() << "a long unknown key was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_LT(std::string(e.what()).size(), 200u) << e.what();
+    EXPECT_NE(std::string(e.what()).find("unknown key \"" + std::string(48, 'x') + "...\""), std::string::npos) << e.what();
+  }
 }
 
 // Text no mask has: nested deeper than three (refused while read: 100000 nested arrays overflowed the stack once),
@@ -95,6 +106,7 @@ TEST(MaskJsonErrors, DeepNumbersAndNul) {
                            ",\"k_ranges\":[],\"attn_type_map\":[]}";
   expect_error(deep, "nested deeper than a mask's");
   expect_error(R"({"q_ranges":[[[0,1]]],"k_ranges":[[0,1]],"attn_type_map":[0]})", "nested deeper");
+  expect_error(R"({"k_ranges":[[0,1]],"q_ranges":[[[0,1]]]})", "(in \"q_ranges\")");
   expect_error(R"({"q_ranges":[[0,1e400]],"k_ranges":[[0,1]],"attn_type_map":[0]})", "malformed JSON: number overflow");
   const std::string nul = std::string(R"({"q_ranges":[[0,1]],"k_ranges":[[0,1]],"attn_type_map":[0]})") + '\0' + "x";
   expect_error(nul, "malformed JSON at byte 60: a NUL byte");
