@@ -9,8 +9,8 @@
 #   --mask      a flash_bench mask (the peer runs full or causal: other masks profile ours only)
 #   --seq/--batch  documents of one length (flash_bench --seq / --batch; the peer runs the same shape)
 #   --peer      torch SDPA backend to profile beside ours (default flash; forward: its kernels inside an NVTX range
-#               around the last call; backward: its kernels named *bprop* (cuDNN: a guess from its fprop kernel's
-#               name, not yet seen) or flash_bwd* (FA2))
+#               around the last call; backward: its kernels named *bprop* (cuDNN 9.19's is
+#               cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x<D>_1x4x1_...) or flash_bwd* (FA2))
 #   --hotspots  how many of our kernel's SASS instructions to list by stall samples (default 25; 0: none)
 # Env: BUILD_DIR (default build-ncu), OUT (reports; default $BUILD_DIR/out), HEAD_DIMS (built tiles; default the
 #   --dim), BENCH_ARGS (more flash_bench arguments).
