@@ -7,9 +7,10 @@
 //   P^T, dS^T from them (the portable family's bwd_cell: softcap, masks, empty rows)
 //   dV += P^T dO, dK += dS^T Q, dQ = dS K     (dS through shared memory)
 // Up to D 128 a tile is 128 keys and each consumer owns 64 of them: P^T and dS^T stay in its registers as the A
-// operands of dV and dK, each consumer takes half of dQ's D columns, and dQ goes through shared memory (in fragment
-// order: detail::dq_fragment_base) to a bulk reduce-add into p.dq_accum that a warp of the producer warpgroup issues
-// (one such writer per consumer), so that the consumer only hands the tile over. At D 256 (kWide) a tile is 64
+// operands of dV and dK, each consumer takes half of dQ's D columns (at D 64 the consumers take whole chunks' dQ in
+// turn: kDqWhole), and dQ goes through shared memory (in fragment order: detail::dq_fragment_base) to a bulk
+// reduce-add into p.dq_accum that a warp of the producer warpgroup issues (one such writer per consumer), so that the
+// consumer only hands the tile over. At D 256 (kWide) a tile is 64
 // keys (a consumer's dK and dV of 64 keys x 256 would need 256 registers a thread) and the consumers split the work
 // by role: one computes S^T, P^T and
 // dV += P^T dO for all 256 columns, the other dP^T, dS^T and dK += dS^T Q; P^T (times the dS factor) crosses in
@@ -122,6 +123,12 @@ struct BackwardKernel {
   // dQ tiles per consumer (D <= 128): two, so that a consumer stores its next chunk's dQ while the writer still waits
   // for the last one's turn (deterministic mode) or for the TMA unit to read it.
   static constexpr int kDqBuffers = 2;
+  // D 64 (one head at a time): chunk j's whole dQ (all D columns over the tile's 128 keys) is the work of consumer
+  // j % 2 alone, which waits for the other's half of dS^T; the other goes on (ds_full / ds_empty). The two then
+  // alternate a heavy and a light chunk out of step, instead of meeting at a 256-thread barrier every chunk (their
+  // elementwise phases fell together). At D 128 a whole dQ would take 64 more registers than a consumer has.
+  static constexpr bool kDqWhole = kDqWriter && !kCat && kD == 64;
+  static constexpr int kDqCols = kDqWhole ? kD : kD / kConsumers;  // dQ columns of one consumer's tile
   static_assert(!kCat || kDqWriter, "concatenated heads: the kernel that adds dQ at D <= 128");
   // setmaxnreg: the producer's share goes to the consumers; the sum must fit the launch's 168 per thread.
   // (nvcc 13, D 128: the consumers spill below 240; the producer spills ~180 bytes at 24, off the critical path.)
@@ -136,6 +143,9 @@ struct BackwardKernel {
       GMMA::ss_op_selector<Element, Element, float, Shape<Int<kM>, Int<kD / kConsumers>, Int<kN>>, GMMA::Major::MN,
                            GMMA::Major::MN>(),
       SplitCols{}));
+  using MmaDqWhole = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float,
+                                                                  Shape<Int<kM>, Int<kD>, Int<kN>>, GMMA::Major::MN,
+                                                                  GMMA::Major::MN>()));
 
   // Wide: dQ = dS K by role, the first kDqCols0 columns in role 0, the rest in role 1 (whole 64-column swizzle atoms of
   // K^T each: at D 192 a role's half would not be).
@@ -168,6 +178,8 @@ struct BackwardKernel {
   // dQ of one consumer (kM rows x kD / 2 columns, fp32), the source of its reduce-add: 128-byte swizzled for the
   // concatenated heads' TMA unit; one head at a time, its space holds the tile in fragment order.
   using LayoutdQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, Shape<Int<kM>, Int<kD / kConsumers>>{}));
+  static constexpr int kDqTile = kM * kDqCols;  // floats
+  static_assert(kDqWhole || kDqTile == cosize_v<LayoutdQ>, "a consumer's dQ tile");
   using TmaKV =
       decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, LayoutKV{}, Shape<Int<kN>, Int<kD>>{}, _1{}));
   // In a cluster each block's pipeline is its own (the blocks load different columns).
@@ -176,7 +188,7 @@ struct BackwardKernel {
   static constexpr uint32_t kStageBytes = 2 * kM * kD * sizeof(Element) + 2 * kM * sizeof(float) + sizeof(WorkItem);
 
   struct DqTiles {  // up to D 128: [consumer][buffer]
-    alignas(1024) float dq[kConsumers * kDqBuffers * cosize_v<LayoutdQ>];
+    alignas(1024) float dq[kConsumers * kDqBuffers * kDqTile];
   };
   // Wide: P^T times the dS factor, fp32, in the S^T fragment's order ([register / 4][thread], float4); in a cluster
   // this space first receives the other blocks' S^T parts, in the same order (g over the first).
@@ -203,6 +215,9 @@ struct BackwardKernel {
     // The dQ handover (D <= 128), per consumer and buffer: full once its 128 threads stored the tile, empty once the
     // writer's TMA unit read it.
     cutlass::arch::ClusterBarrier dq_full[kConsumers][kDqBuffers], dq_empty[kConsumers][kDqBuffers];
+    // kDqWhole: dS buffer b holds both consumers' dS^T of the chunks that consumer b owns (chunk j in buffer j % 2);
+    // full once all 256 threads stored theirs, empty once its owner's dQ GEMM read it.
+    cutlass::arch::ClusterBarrier ds_full[kDsBuffers], ds_empty[kDsBuffers];
     WorkRing work;
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
@@ -420,10 +435,10 @@ struct BackwardKernel {
     const int consumer = thread / 128;
     MmaSdP mma_sdp;
     MmaKV mma_kv;
-    MmaDq mma_dq;
+    std::conditional_t<kDqWhole, MmaDqWhole, MmaDq> mma_dq;
     auto thr_sdp = mma_sdp.get_thread_slice(thread);
     auto thr_kv = mma_kv.get_thread_slice(thread);
-    auto thr_dq = mma_dq.get_thread_slice(thread);
+    auto thr_dq = mma_dq.get_thread_slice(kDqWhole ? thread % 128 : thread);
     // This thread's dS^T stores: keys key_local + {0, 8}, rows 8 nb + 2 (lane % 4) + {0, 1} (LayoutdS, by hand:
     // CuTe's partition kept 32 addresses live).
     const uint32_t ds_store = detail::smem_addr(shared.ds) + (warp * 16 + lane / 4) * kM * 2 + (lane % 4) * 4;
@@ -441,11 +456,11 @@ struct BackwardKernel {
     Tensor tKVrdS = make_tensor(rdS.data(), accumulator_as_a_operand(rdS.layout()));
     static_assert(size(decltype(tSrS){}) == kM / 2, "S^T: this thread's 2 keys x kM / 4 rows");
     static_assert(size(decltype(tdKrdK){}) == kD / 2, "dK: 2 keys x kD / 4 columns");
-    static_assert(size(decltype(tDqrdQ){}) == kD / 4, "dQ: 2 rows x kD / 8 columns");
+    static_assert(size(decltype(tDqrdQ){}) == kDqCols / 2, "dQ: 2 rows x kDqCols / 4 columns");
     // The fragments in the wgmma accumulator layout: [8-column block][2 row + column] (rows lane / 4 + {0, 8}).
     auto& s = *reinterpret_cast<float(*)[kM / 8][4]>(raw_pointer_cast(tSrS.data()));
     auto& dp = *reinterpret_cast<float(*)[kM / 8][4]>(raw_pointer_cast(tSrdP.data()));
-    auto& dq = *reinterpret_cast<float(*)[kD / 16][4]>(raw_pointer_cast(tDqrdQ.data()));
+    auto& dq = *reinterpret_cast<float(*)[kDqCols / 8][4]>(raw_pointer_cast(tDqrdQ.data()));
 
     const int key_local = warp * 16 + lane / 4;  // this thread's keys: + {0, 8}
     int chunks = 0;  // this block's chunks so far (the dS buffer)
@@ -529,6 +544,11 @@ struct BackwardKernel {
         }
       }
       if constexpr (kDq) {
+        // kDqWhole: this chunk's dQ is the owner's; the other stores its dS^T once the owner's dQ of two chunks ago
+        // has read the buffer.
+        const bool owner = !kDqWhole || consumer == buffer;
+        if constexpr (kDqWhole)
+          if (!owner) shared.ds_empty[buffer].wait(((chunks / 2) & 1) ^ 1);  // a fresh barrier passes parity 1
         // dS^T into buffer `buffer` of the dS tile (rows contiguous, 128-byte swizzle: the 16-byte chunk
         // q / 8 of key row k sits at chunk (q / 8) ^ (k % 8)); this thread's two keys are k % 8 = lane / 4.
         {
@@ -542,40 +562,54 @@ struct BackwardKernel {
                            "r"(pairs[nb * 2 + r]));
         }
         cutlass::arch::fence_view_async_shared();  // dS^T's ordinary stores, read next by the tensor cores
-        cutlass::arch::NamedBarrier::sync(128 * kConsumers, 0);
-        // dQ before dK, so that dQ's way out (shared memory, TMA) overlaps dK += dS^T Q.
-        Tensor ds_operand = tDqrdS(_, _, _, buffer);
-        issue_gemm<true, false>(mma_dq, ds_operand, tDqrKt, tDqrdQ);
-        issue_gemm<false, true>(mma_kv, tKVrdS, tKVrQt(_, _, _, stage), tdKrdK);
-        warpgroup_wait<1>();  // dQ: the last GEMM that reads K or V
-        if (last) shared.kv_empty.arrive();
-        // dQ rows 16 (warp % 4) + lane / 4 + {0, 8}, this consumer's half of the columns, into the dQ tile once the
-        // writer has read its last one, then handed to it (write_dq). The tiles alternate by chunk, as the dS
-        // buffers. One head at a time: in fragment order (detail::dq_fragment_base), 16 bytes a store. Concatenated
-        // heads: LayoutdQ for the TMA unit, by hand (column c of row r at byte (c / 32) 8192 + (r / 8) 1024 +
-        // (r % 8) 128 + 16 ((c % 32 / 4) ^ (r % 8)) + 4 (c % 4); r % 8 = lane / 4 here).
-        const uint32_t tile = detail::smem_addr(shared.tiles.dq) +
-                              (consumer * kDqBuffers + buffer) * uint32_t{cosize_v<LayoutdQ> * 4};
-        shared.dq_empty[consumer][buffer].wait(((chunks / kDqBuffers) & 1) ^ 1);  // a fresh barrier passes parity 1
-        if constexpr (kCat) {
-          const uint32_t at = tile + (warp % 4) * 2048 + (lane / 4) * 128 + (lane % 2) * 8;
-          const uint32_t chunk_x = (((lane % 4) / 2) ^ (lane / 4)) * 16;
-  #pragma unroll
-          for (int nb = 0; nb < kD / 16; ++nb)
-  #pragma unroll
-            for (int r = 0; r < 2; ++r)
-              asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at + (nb / 4) * 8192 + r * 1024 +
-                                                                     (((nb % 4) * 32) ^ chunk_x)),
-                           "f"(dq[nb][2 * r]), "f"(dq[nb][2 * r + 1]));
+        if constexpr (kDqWhole) {
+          shared.ds_full[buffer].arrive();
+          if (owner) shared.ds_full[buffer].wait((chunks / 2) & 1);
         } else {
-          const uint32_t at = tile + ((warp % 4) * 32 + lane) * 16;
-  #pragma unroll
-          for (int nb = 0; nb < kD / 16; ++nb)
-            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(at + nb * 128 * 16), "f"(dq[nb][0]),
-                         "f"(dq[nb][1]), "f"(dq[nb][2]), "f"(dq[nb][3]));
+          cutlass::arch::NamedBarrier::sync(128 * kConsumers, 0);
         }
-        cutlass::arch::fence_view_async_shared();
-        shared.dq_full[consumer][buffer].arrive();
+        if (owner) {
+          // dQ before dK, so that dQ's way out (shared memory, TMA) overlaps dK += dS^T Q.
+          Tensor ds_operand = tDqrdS(_, _, _, buffer);
+          issue_gemm<true, false>(mma_dq, ds_operand, tDqrKt, tDqrdQ);
+          issue_gemm<false, true>(mma_kv, tKVrdS, tKVrQt(_, _, _, stage), tdKrdK);
+          warpgroup_wait<1>();  // dQ: the last GEMM that reads K or V
+          if constexpr (kDqWhole) shared.ds_empty[buffer].arrive();
+          if (last) shared.kv_empty.arrive();
+          // dQ rows 16 (warp % 4) + lane / 4 + {0, 8}, this consumer's columns, into its next dQ tile once the
+          // writer has read it the last time, then handed to it (write_dq). One head at a time: in fragment order
+          // (detail::dq_fragment_base), 16 bytes a store. Concatenated heads: LayoutdQ for the TMA unit, by hand
+          // (column c of row r at byte (c / 32) 8192 + (r / 8) 1024 + (r % 8) 128 + 16 ((c % 32 / 4) ^ (r % 8)) +
+          // 4 (c % 4); r % 8 = lane / 4 here).
+          const int tiles = kDqWhole ? chunks / 2 : chunks;  // this consumer's dQ tiles before this one
+          const int dq_buffer = tiles % kDqBuffers;
+          const uint32_t tile =
+              detail::smem_addr(shared.tiles.dq) + (consumer * kDqBuffers + dq_buffer) * uint32_t{kDqTile * 4};
+          shared.dq_empty[consumer][dq_buffer].wait(((tiles / kDqBuffers) & 1) ^ 1);
+          if constexpr (kCat) {
+            const uint32_t at = tile + (warp % 4) * 2048 + (lane / 4) * 128 + (lane % 2) * 8;
+            const uint32_t chunk_x = (((lane % 4) / 2) ^ (lane / 4)) * 16;
+  #pragma unroll
+            for (int nb = 0; nb < kD / 16; ++nb)
+  #pragma unroll
+              for (int r = 0; r < 2; ++r)
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at + (nb / 4) * 8192 + r * 1024 +
+                                                                       (((nb % 4) * 32) ^ chunk_x)),
+                             "f"(dq[nb][2 * r]), "f"(dq[nb][2 * r + 1]));
+          } else {
+            // A whole tile is the two halves' fragment order one after the other: the same stores, twice as many.
+            const uint32_t at = tile + ((warp % 4) * 32 + lane) * 16;
+  #pragma unroll
+            for (int nb = 0; nb < kDqCols / 8; ++nb)
+              asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(at + nb * 128 * 16), "f"(dq[nb][0]),
+                           "f"(dq[nb][1]), "f"(dq[nb][2]), "f"(dq[nb][3]));
+          }
+          cutlass::arch::fence_view_async_shared();
+          shared.dq_full[consumer][dq_buffer].arrive();
+        } else {
+          issue_gemm<false, true>(mma_kv, tKVrdS, tKVrQt(_, _, _, stage), tdKrdK);
+          if (last) shared.kv_empty.arrive();  // its GEMMs on K and V (S^T, dP^T) are done
+        }
       } else {
         issue_gemm<false, true>(mma_kv, tKVrdS, tKVrQt(_, _, _, stage), tdKrdK);
       }
@@ -607,7 +641,8 @@ struct BackwardKernel {
     const int group = p.hq / p.hkv;
     const int cat = kCat ? p.cat_group : 1, walked = kCat ? 1 : group;
     OrderedDqAdds adds;
-    int tiles = 0;  // this consumer's dQ tiles so far
+    int tiles = 0;   // this consumer's dQ tiles so far
+    int chunks = 0;  // the block's chunks so far (kDqWhole: consumer chunks % 2 owns the chunk's dQ)
     for (int n = 0;; ++n) {
       // Not the published description: read from the ring, it cost the D <= 128 backward 1-2% (ring.sh A/B).
       const int linear = shared.work.take(n).linear;
@@ -616,16 +651,19 @@ struct BackwardKernel {
       const TileInfo info = p.list.tiles[at.tile_index];
       for (int head = at.head * group; head < at.head * group + walked && info.count > 0; ++head) {
         for (int item = info.first + info.count - 1; item >= info.first; --item) {
+          if (kDqWhole && chunks++ % 2 != consumer) continue;
           const WorkItem w = p.list.items[item];
           const int chunk = w.q0 / (kM / cat);
           const int buffer = tiles % kDqBuffers;
-          float* const tile = shared.tiles.dq + (consumer * kDqBuffers + buffer) * cosize_v<LayoutdQ>;
+          float* const tile = shared.tiles.dq + (consumer * kDqBuffers + buffer) * kDqTile;
           if (leader) {
             shared.dq_full[consumer][buffer].wait((tiles / kDqBuffers) & 1);
             // Addresses before the turn: in the deterministic mode the adds of a chunk run in a chain.
             const int cat_token0 = chunk * (kM / cat), cat_col0 = consumer * (kD / kConsumers);
-            float* const to = p.dq_accum + detail::dq_fragment_base(chunk, head, consumer, p.hq, kD);
-            adds.wait_turn(p, cat, consumer, kCat ? at.head : head, chunk, w.rank);
+            // A whole tile covers both halves; its adds take the turns of half 0.
+            const int half = kDqWhole ? 0 : consumer;
+            float* const to = p.dq_accum + detail::dq_fragment_base(chunk, head, half, p.hq, kD);
+            adds.wait_turn(p, cat, half, kCat ? at.head : head, chunk, w.rank);
             if constexpr (kCat) {
               for (int c = 0; c < kD / kConsumers / 32; ++c)
                 SM90_TMA_REDUCE_ADD_4D::copy(&params.cat_dq, tile + c * kM * 32, cat_col0 + c * 32, 0, cat_token0,
@@ -633,7 +671,7 @@ struct BackwardKernel {
             } else {
               asm volatile(
                   "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(to),
-                  "r"(detail::smem_addr(tile)), "n"(kM * kD / kConsumers * 4)
+                  "r"(detail::smem_addr(tile)), "n"(kDqTile * 4)
                   : "memory");
             }
             tma_store_arrive();
@@ -936,6 +974,11 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
           shared.dq_full[c][b].init(128);
           shared.dq_empty[c][b].init(1);
         }
+    if constexpr (Kernel::kDqWhole)
+      for (int b = 0; b < Kernel::kDsBuffers; ++b) {
+        shared.ds_full[b].init(Kernel::kConsumers * 128);
+        shared.ds_empty[b].init(128);
+      }
   }
   auto pipeline = [&] {
     if constexpr (Kernel::kCluster)
