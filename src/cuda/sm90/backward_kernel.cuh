@@ -123,7 +123,7 @@ struct BackwardKernel {
   // dQ tiles per consumer (D <= 128): two, so that a consumer stores its next chunk's dQ while the writer still waits
   // for the last one's turn (deterministic mode) or for the TMA unit to read it.
   static constexpr int kDqBuffers = 2;
-  // D 64 (one head at a time): chunk j's whole dQ (all D columns over the tile's 128 keys) is the work of consumer
+  // D 64: chunk j's whole dQ (all D columns over the tile's 128 keys) is the work of consumer
   // j % 2 alone, which waits for the other's half of dS^T; the other goes on (ds_full / ds_empty). The two then
   // alternate a heavy and a light chunk out of step, instead of meeting at a 256-thread barrier every chunk (their
   // elementwise phases fell together). At D 128 a whole dQ would take 64 more registers than a consumer has.
@@ -590,7 +590,7 @@ struct BackwardKernel {
             const uint32_t at = tile + (warp % 4) * 2048 + (lane / 4) * 128 + (lane % 2) * 8;
             const uint32_t chunk_x = (((lane % 4) / 2) ^ (lane / 4)) * 16;
   #pragma unroll
-            for (int nb = 0; nb < kD / 16; ++nb)
+            for (int nb = 0; nb < kDqCols / 8; ++nb)
   #pragma unroll
               for (int r = 0; r < 2; ++r)
                 asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at + (nb / 4) * 8192 + r * 1024 +
@@ -659,13 +659,13 @@ struct BackwardKernel {
           if (leader) {
             shared.dq_full[consumer][buffer].wait((tiles / kDqBuffers) & 1);
             // Addresses before the turn: in the deterministic mode the adds of a chunk run in a chain.
-            const int cat_token0 = chunk * (kM / cat), cat_col0 = consumer * (kD / kConsumers);
+            const int cat_token0 = chunk * (kM / cat), cat_col0 = kDqWhole ? 0 : consumer * (kD / kConsumers);
             // A whole tile covers both halves; its adds take the turns of half 0.
             const int half = kDqWhole ? 0 : consumer;
             float* const to = p.dq_accum + detail::dq_fragment_base(chunk, head, half, p.hq, kD);
             adds.wait_turn(p, cat, half, kCat ? at.head : head, chunk, w.rank);
             if constexpr (kCat) {
-              for (int c = 0; c < kD / kConsumers / 32; ++c)
+              for (int c = 0; c < kDqCols / 32; ++c)
                 SM90_TMA_REDUCE_ADD_4D::copy(&params.cat_dq, tile + c * kM * 32, cat_col0 + c * 32, 0, cat_token0,
                                              at.head);
             } else {
