@@ -532,7 +532,7 @@ TEST(CudaBackend, ForwardTileChoicesMatchReference) {
     }
   }
   if (own_tile(128)) {
-    EXPECT_EQ(cuda::stats(*test_plan(documents, 1, 1, 128)).forward_tile_q, sm90 ? 128 : 64) << "seed " << seed;
+    EXPECT_EQ(cuda::stats(*test_plan(documents, 1, 1, 128)).forward_tile_q, 64) << "seed " << seed;
     EXPECT_EQ(cuda::stats(*test_plan(masks::full(1024, 1024), 1, 1, 128)).forward_tile_q, 128);
     EXPECT_EQ(cuda::stats(*test_plan(masks::causal(1024, 1024), 1, 1, 128)).forward_tile_q, 128);
   }
@@ -1452,9 +1452,9 @@ TEST(CudaBackend, PlansRunTheFamilyAskedFor) {
   forced.forward_family = cuda::KernelFamily::Sm90;
   if (available) {
     EXPECT_EQ(cuda::stats(*cuda::make_plan(mask, 2, 1, 128, 0, forced)).forward_family, cuda::KernelFamily::Sm90);
-    // The Hopper forward has one row tile a head-dim tile (128 at D 128; a build without tile 128 pads to another).
-    const int32_t own_tile_q = cuda::stats(*cuda::make_plan(mask, 2, 1, 128, 0, forced)).forward_tile_q;
-    forced.forward_tile_q = own_tile_q == 64 ? 128 : 64;
+    // The Hopper forward's row tiles at D 128 are 64 and 128 (a build without tile 128 pads to 256: 128); 192 is
+    // D 64's alone.
+    forced.forward_tile_q = 192;
     EXPECT_THROW(cuda::make_plan(mask, 2, 1, 128, 0, forced), InvalidArgument);
   } else {
     EXPECT_THROW(cuda::make_plan(mask, 2, 1, 128, 0, forced), NotAvailable);

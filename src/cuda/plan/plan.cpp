@@ -38,7 +38,8 @@ constexpr bool every_tile_divides(int length) {
     }
     if (sm90::sm90_forward_tile(d) &&
         (length % sm90::forward_tile_q(d) != 0 || length % sm90::forward_small_tile_q(d) != 0 ||
-         length % sm90::forward_tile_k(d) != 0))
+         length % sm90::forward_tile_k(d) != 0 ||
+         length % sm90::forward_tile_k(d, sm90::forward_small_tile_q(d)) != 0))
       return false;
     if (length % detail::kDkdvTileQ != 0 || length % detail::dkdv_tile_k(d) != 0) return false;
     if (sm90::sm90_backward_tile(d) && length % sm90::backward_tile_k(d) != 0) return false;
@@ -391,7 +392,7 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
                           std::to_string(small_q) + (large_q != small_q ? ", " + std::to_string(large_q) : "") +
                           ")");
   auto forward_tiles = [&](int q) {
-    return tiling::by_q_tile(mask, q, sm90      ? sm90::forward_tile_k(plan->padded_d)
+    return tiling::by_q_tile(mask, q, sm90      ? sm90::forward_tile_k(plan->padded_d, q)
                                       : large_d ? detail::kLargeFwdTileK
                                                 : detail::fwd_tile_k(plan->padded_d, q));
   };
@@ -401,7 +402,7 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
     tiling::TileLists small = forward_tiles(small_q);
     const auto large_cells = static_cast<double>(fwd_tiles.computed_cells());
     const auto small_cells = static_cast<double>(small.computed_cells());
-    if (sm90 ? sm90::prefer_small_forward_tile(large_cells, small_cells)
+    if (sm90 ? sm90::prefer_small_forward_tile(plan->padded_d, large_cells, small_cells)
              : detail::prefer_small_forward_tile(large_cells, small_cells)) {
       fwd_q = small_q;
       fwd_tiles = std::move(small);

@@ -44,7 +44,8 @@ struct ForwardKernel {
   using Element = typename CuteElement<T>::type;
   static_assert(!kPlainOut || forward_has_plain_out(kD), "the plain epilogue needs all of a row's columns");
   static constexpr bool kStageOut = kPlainOut && forward_stages_out(kD);
-  static constexpr int kM = kTileQ, kN = forward_tile_k(kD);
+  static constexpr int kM = kTileQ, kN = forward_tile_k(kD, kTileQ);
+  static constexpr int kBlocksPerSm = forward_blocks_per_sm(kD, kTileQ);
   static constexpr int kKStages = forward_k_stages(kD), kVStages = forward_stages(kD), kQStages = forward_q_stages(kD);
   static constexpr int kConsumers = forward_consumers(kD, kM);
   static constexpr int kClusterSize = forward_cluster_size(kD);
@@ -67,11 +68,11 @@ struct ForwardKernel {
   // waits until the producer's decrease frees enough of the launch's 168 (128 with three consumers) per thread, so
   // the sum must fit (else the kernel hangs). The producer spills below 56 (D 128, nvcc 13); D 256's consumers spill
   // least at 232.
-  static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
+  static constexpr int kLaunchRegisters = 65536 / kThreads / kBlocksPerSm / 8 * 8;
   static constexpr int kProducerRegisters =
       kConsumers == 3 ? 32 : kBlockD == 320 ? 24 : kBlockD > 128 ? 40 : 56;
   static constexpr int kConsumerRegisters =
-      kConsumers == 3 ? 160 : kBlockD == 320 ? 240 : kBlockD > 128 ? 232 : 224;
+      kConsumers == 3 ? 160 : kConsumers == 1 ? 200 : kBlockD == 320 ? 240 : kBlockD > 128 ? 232 : 224;
   static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= (kConsumers + 1) * kLaunchRegisters,
                 "setmaxnreg: the consumers would wait for registers forever");
 
@@ -477,8 +478,12 @@ struct ForwardKernel {
     // one's turn: the consumer itself and the one before it meet there), so that one's softmax runs while the tensor
     // cores serve the others. All walk the same items, so the turns keep their order for the whole kernel; group 0
     // starts.
-    auto wait_turn = [&] { cutlass::arch::NamedBarrier::sync(2 * 128, group); };
-    auto pass_turn = [&] { cutlass::arch::NamedBarrier::arrive(2 * 128, (group + 1) % kConsumers); };
+    auto wait_turn = [&] {
+      if constexpr (kConsumers > 1) cutlass::arch::NamedBarrier::sync(2 * 128, group);
+    };
+    auto pass_turn = [&] {
+      if constexpr (kConsumers > 1) cutlass::arch::NamedBarrier::arrive(2 * 128, (group + 1) % kConsumers);
+    };
     if (group == kConsumers - 1) pass_turn();
     MmaS mma_s;
     MmaO mma_o;
@@ -770,7 +775,7 @@ struct ForwardKernel {
 };
 
 template <class Kernel>
-__global__ void __launch_bounds__(Kernel::kThreads, 1) forward_kernel(const __grid_constant__ typename Kernel::Params params) {
+__global__ void __launch_bounds__(Kernel::kThreads, Kernel::kBlocksPerSm) forward_kernel(const __grid_constant__ typename Kernel::Params params) {
   extern __shared__ __align__(1024) unsigned char smem[];
   auto& shared = *reinterpret_cast<typename Kernel::SharedStorage*>(smem);
   const int warp_group = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
@@ -823,7 +828,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1) forward_kernel(const __gr
 template <class Kernel>
 void launch_forward_works(const FwdParams& p, int num_work, int sm_margin, cudaStream_t stream) {
   launch_persistent<Kernel>(forward_kernel<Kernel>, Kernel::make_params(p, num_work), num_work, sm_margin,
-                            p.work_counter, stream, "sm90 forward_kernel", Kernel::kClusterSize);
+                            p.work_counter, stream, "sm90 forward_kernel", Kernel::kClusterSize, Kernel::kBlocksPerSm);
 }
 
 // The tiles with items on the Hopper kernel (the plain epilogue's where the call and the tile allow it); the item-less

@@ -8,6 +8,7 @@
 #include <cutlass/cutlass.h>
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/pipeline.hpp>
+#include <algorithm>
 
 #include "cuda/kernel_common.cuh"
 #include "cuda/small_kernels.hpp"  // check_launch
@@ -138,17 +139,28 @@ TmaDescriptor make_cat_tensor_map(const Element* base, int d, int group, int tok
   return map;
 }
 
-// Launches a persistent Hopper kernel: one block per SM that the margin leaves (at least one), at most one per work,
+// Launches a persistent Hopper kernel: one block per SM that the margin leaves (at least one; `blocks_per_sm` where
+// that many fit an SM: the margin then leaves that share of the SMs' room free), at most one per work,
 // after zeroing the launch's work counter (claim_work_index). Clusters of `cluster` blocks (each cluster one work at a
 // time): as many as fit the SMs the margin leaves, at least one.
 template <class Kernel, class KernelFunction>
 void launch_persistent(KernelFunction kernel, const typename Kernel::Params& params, int num_work, int sm_margin,
-                       int32_t* work_counter, cudaStream_t stream, const char* name, int cluster = 1) {
+                       int32_t* work_counter, cudaStream_t stream, const char* name, int cluster = 1,
+                       int blocks_per_sm = 1) {
   int device = 0, sms = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  const int usable = sms - sm_margin > 1 ? sms - sm_margin : 1;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);
+  // Blocks an SM can hold at once (every sm_90 device has the same SM; asked once, not in every launch).
+  static const int per_sm = [&] {
+    int resident = 0;
+    if (blocks_per_sm > 1 &&
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, Kernel::kThreads, Kernel::kSmemBytes) !=
+            cudaSuccess)
+      resident = 1;
+    return std::clamp(resident, 1, blocks_per_sm);
+  }();
+  const int usable = (sms - sm_margin > 1 ? sms - sm_margin : 1) * per_sm;
   cudaMemsetAsync(work_counter, 0, sizeof(int32_t), stream);
   if (cluster == 1) {
     kernel<<<usable < num_work ? usable : num_work, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(params);

@@ -7,8 +7,9 @@
 
 namespace magi::cuda::sm90 {
 
-// The plan's forward list (tiles of tile_q x forward_tile_k(kD); tile_q one of tiles.hpp's for kD): the tiles with
-// items on a persistent grid of (SMs - sm_margin) blocks, the last `itemless_tiles` (no items) on the copy kernel.
+// The plan's forward list (tiles of tile_q x forward_tile_k(kD, tile_q); tile_q one of tiles.hpp's for kD): the
+// tiles with items on a persistent grid of (SMs - sm_margin) x forward_blocks_per_sm blocks, the last
+// `itemless_tiles` (no items) on the copy kernel.
 // kDtype: detail::kBf16 / kFp16.
 template <int kDtype, int kD>
 void launch_forward(const detail::FwdParams& params, int tile_q, int itemless_tiles, int sm_margin,

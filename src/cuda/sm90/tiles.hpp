@@ -27,24 +27,34 @@ constexpr int forward_tile_q(int padded_head_dim) {
   return forward_splits_columns(padded_head_dim) ? 64 : padded_head_dim <= 64 ? 192 : 128;
 }
 // The smaller tile a plan may take where the larger computes clearly more cells (short documents cut by 192-row
-// tiles); the same tile where there is none.
+// tiles); the same tile where there is none. At D 128: 64 rows, one consumer a block and two blocks an SM, each
+// walking its own works, so that one block's work ends (first softmax, last P V, epilogue) run under the other's items.
 constexpr int forward_small_tile_q(int padded_head_dim) {
-  return padded_head_dim <= 64 ? 128 : forward_tile_q(padded_head_dim);
+  return padded_head_dim <= 64 ? 128 : padded_head_dim == 128 ? 64 : forward_tile_q(padded_head_dim);
 }
-// The planner takes the smaller tile where the larger would compute more than kSmallForwardTileGain times the
-// cells. A/B (H100, D 64, bf16, 2 x 8k and 16 x 1k tokens), the 192-row tile against the 128-row one at the cell
-// ratio of each mask: full 1.02 +7%, varlen full 1.02 +10%, causal 1.04 0%, shared question 1.08 +2%, varlen
-// causal 1.09 +2%, block-causal 1.11 0%, sliding window 1.13 -2.5%, 16 x 1k full 1.13 -3%.
-constexpr double kSmallForwardTileGain = 1.10;
-constexpr bool prefer_small_forward_tile(double large_tile_cells, double small_tile_cells) {
-  return large_tile_cells > kSmallForwardTileGain * small_tile_cells;
+// Blocks an SM: two for D 128's 64-row tile (113 KB of shared memory and 128 registers a thread each), else one.
+constexpr int forward_blocks_per_sm(int padded_head_dim, int tile_q) {
+  return padded_head_dim == 128 && tile_q == 64 ? 2 : 1;
+}
+// The planner takes the smaller tile where the larger would compute more than forward_small_tile_gain times its
+// cells. D 64 (A/B, H100, bf16, 2 x 8k and 16 x 1k tokens), the 192-row tile against the 128-row one at the cell
+// ratio of each mask: full 1.02 +7%, varlen full 1.02 +10%, causal 1.04 0%, shared question 1.08 +2%, varlen causal
+// 1.09 +2%, block-causal 1.11 0%, sliding window 1.13 -2.5%, 16 x 1k full 1.13 -3%. D 128 (H200, the same masks, the
+// 128-row tile against the 64-row one, three rounds): full 1.00 -16%, shared question 1.01 -15%, causal 1.01 / 1.06
+// (16 x 1k) -16% / -10%, sliding window 1.07 -9%, varlen full 1.18 -4..0%, varlen causal 1.24 +4..+7%, block-causal
+// 1.32 +7..+10%.
+constexpr double forward_small_tile_gain(int padded_head_dim) { return padded_head_dim == 128 ? 1.21 : 1.10; }
+constexpr bool prefer_small_forward_tile(int padded_head_dim, double large_tile_cells, double small_tile_cells) {
+  return large_tile_cells > forward_small_tile_gain(padded_head_dim) * small_tile_cells;
 }
 constexpr int forward_consumers(int padded_head_dim, int tile_q) {
   return forward_splits_columns(padded_head_dim) ? 2 : tile_q / 64;
 }
 // Keys per item: 128 up to D 128, 64 at D 256 (a 64 x 256 fp32 accumulator per warpgroup), 32 above (shared
 // memory for Q and two or three stages of K and V).
-constexpr int forward_tile_k(int padded_head_dim) {
+// D 128's 64-row tile takes 64 keys, so that two blocks' stages fit one SM.
+constexpr int forward_tile_k(int padded_head_dim, int tile_q = 0) {
+  if (forward_blocks_per_sm(padded_head_dim, tile_q) > 1) return 64;
   return padded_head_dim <= 128 ? 128 : padded_head_dim <= 256 ? 64 : 32;
 }
 // V's pipeline stages (as many as shared memory holds, up to 4).
@@ -96,7 +106,8 @@ constexpr int forward_out_tile_bytes(int padded_head_dim, int tile_q) {
   return forward_stages_out(padded_head_dim) ? tile_q * padded_head_dim * 2 : 0;
 }
 constexpr int forward_smem_bytes(int padded_head_dim, int tile_q) {
-  const int kv_rows = (forward_k_stages(padded_head_dim) + forward_stages(padded_head_dim)) * forward_tile_k(padded_head_dim);
+  const int kv_rows =
+      (forward_k_stages(padded_head_dim) + forward_stages(padded_head_dim)) * forward_tile_k(padded_head_dim, tile_q);
   return (forward_q_stages(padded_head_dim) * tile_q + kv_rows) * forward_block_head_dim(padded_head_dim) * 2 +
          forward_exchange_bytes(padded_head_dim) + forward_out_tile_bytes(padded_head_dim, tile_q) + 1024;
 }
