@@ -510,11 +510,13 @@ TEST(CudaBackend, ForwardTileChoicesMatchReference) {
     return cuda::head_dim_supported(d) &&
            cuda::stats(*cuda::make_plan(masks::full(64, 64), 1, 1, d, 0)).padded_head_dim == d;
   };
-  // The Hopper forward: 192 or 128 rows at D 64, 128 above.
+  // The Hopper forward: 192, 128 or 64 rows at D 64, 128 or 64 at D 128, 128 at D 256.
   auto tiles = [&](int32_t d) {
     if (!sm90) return std::vector<int32_t>{64, 128};
-    const int32_t small = cuda::sm90::forward_small_tile_q(d), large = cuda::sm90::forward_tile_q(d);
-    return small == large ? std::vector<int32_t>{large} : std::vector<int32_t>{small, large};
+    std::vector<int32_t> choices;
+    for (int i = 0; i < cuda::sm90::forward_tile_q_choices(d); ++i)
+      choices.push_back(cuda::sm90::forward_tile_q_choice(d, i));
+    return choices;
   };
   for (const Mask* mask : {&rectangles, &documents}) {
     for (int32_t d : {64, 128, 256}) {  // D 256: 8 warps x 128 x 64, or 4 warps x 64 x 32
@@ -536,10 +538,10 @@ TEST(CudaBackend, ForwardTileChoicesMatchReference) {
     EXPECT_EQ(cuda::stats(*test_plan(masks::full(1024, 1024), 1, 1, 128)).forward_tile_q, 128);
     EXPECT_EQ(cuda::stats(*test_plan(masks::causal(1024, 1024), 1, 1, 128)).forward_tile_q, 128);
   }
-  if (own_tile(64)) {  // the Hopper forward's three consumers of 64 rows at D 64, if they pay
+  if (own_tile(64)) {  // the Hopper forward's three consumers of 64 rows at D 64 where they pay, else 64-row tiles
     EXPECT_EQ(cuda::stats(*test_plan(masks::full(1536, 1536), 1, 1, 64)).forward_tile_q, sm90 ? 192 : 128);
     EXPECT_EQ(cuda::stats(*test_plan(masks::varlen_full(cu_seqlens_of({256, 256, 256, 256})), 1, 1, 64)).forward_tile_q,
-              128);
+              sm90 ? 64 : 128);
     // A plan without items (its rows take the sink) runs the portable forward, in a tile that family has.
     EXPECT_EQ(cuda::stats(*test_plan(Mask{{}, 1536, 300}, 1, 1, 64)).forward_tile_q, 128);
   }

@@ -36,11 +36,11 @@ constexpr bool every_tile_divides(int length) {
       for (int q : {detail::kFwdTileQ, detail::kFwdSmallTileQ})
         if (length % q != 0 || length % detail::fwd_tile_k(d, q) != 0) return false;
     }
-    if (sm90::sm90_forward_tile(d) &&
-        (length % sm90::forward_tile_q(d) != 0 || length % sm90::forward_small_tile_q(d) != 0 ||
-         length % sm90::forward_tile_k(d) != 0 ||
-         length % sm90::forward_tile_k(d, sm90::forward_small_tile_q(d)) != 0))
-      return false;
+    if (sm90::sm90_forward_tile(d))
+      for (int i = 0; i < sm90::forward_tile_q_choices(d); ++i) {
+        const int q = sm90::forward_tile_q_choice(d, i);
+        if (length % q != 0 || length % sm90::forward_tile_k(d, q) != 0) return false;
+      }
     if (length % detail::kDkdvTileQ != 0 || length % detail::dkdv_tile_k(d) != 0) return false;
     if (sm90::sm90_backward_tile(d) && length % sm90::backward_tile_k(d) != 0) return false;
     if (length % detail::dq_tile_q(d) != 0 || length % detail::dq_tile_k(d) != 0) return false;
@@ -377,47 +377,54 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
     plan->bwd_fuse_dq = plan->bwd_family == KernelFamily::Sm90 ||
                         large_backward_fuses_dq(compute_capability, plan->smem_optin, plan->padded_d);
   }
-  const int small_q = sm90      ? sm90::forward_small_tile_q(plan->padded_d)
-                      : large_d ? detail::large_fwd_tile_q(plan->padded_d)
-                                : detail::kFwdSmallTileQ;
-  const int large_q = sm90      ? sm90::forward_tile_q(plan->padded_d)
-                      : large_d ? small_q
-                      : detail::fwd_smem_bytes(plan->padded_d, detail::kFwdTileQ) <= plan->smem_optin
-                          ? detail::kFwdTileQ
-                          : small_q;
-  if (tuning.forward_tile_q != 0 && tuning.forward_tile_q != large_q && tuning.forward_tile_q != small_q)
+  // The forward's row tiles this plan may take, largest first.
+  std::vector<int> tile_qs;
+  if (sm90) {
+    for (int i = 0; i < sm90::forward_tile_q_choices(plan->padded_d); ++i)
+      tile_qs.push_back(sm90::forward_tile_q_choice(plan->padded_d, i));
+  } else if (large_d) {
+    tile_qs = {detail::large_fwd_tile_q(plan->padded_d)};
+  } else {
+    if (detail::fwd_smem_bytes(plan->padded_d, detail::kFwdTileQ) <= plan->smem_optin)
+      tile_qs.push_back(detail::kFwdTileQ);
+    tile_qs.push_back(detail::kFwdSmallTileQ);
+  }
+  if (tuning.forward_tile_q != 0 &&
+      std::find(tile_qs.begin(), tile_qs.end(), tuning.forward_tile_q) == tile_qs.end()) {
+    std::string allowed = "0";
+    for (int q : tile_qs) allowed += ", " + std::to_string(q);
     throw InvalidArgument("cuda plan: forward_tile_q " + std::to_string(tuning.forward_tile_q) +
-                          " is not available at head dim " + std::to_string(head_dim) +
-                          " on this device (allowed: 0, " +
-                          std::to_string(small_q) + (large_q != small_q ? ", " + std::to_string(large_q) : "") +
-                          ")");
+                          " is not available at head dim " + std::to_string(head_dim) + " on this device (allowed: " +
+                          allowed + ")");
+  }
   auto forward_tiles = [&](int q) {
     return tiling::by_q_tile(mask, q, sm90      ? sm90::forward_tile_k(plan->padded_d, q)
                                       : large_d ? detail::kLargeFwdTileK
                                                 : detail::fwd_tile_k(plan->padded_d, q));
   };
-  int fwd_q = tuning.forward_tile_q != 0 ? tuning.forward_tile_q : large_q;
+  int fwd_q = tuning.forward_tile_q != 0 ? tuning.forward_tile_q : tile_qs.front();
   tiling::TileLists fwd_tiles = forward_tiles(fwd_q);
-  if (tuning.forward_tile_q == 0 && large_q != small_q) {
-    tiling::TileLists small = forward_tiles(small_q);
-    const auto large_cells = static_cast<double>(fwd_tiles.computed_cells());
+  // Each smaller tile against the largest's cells.
+  const auto large_cells = static_cast<double>(fwd_tiles.computed_cells());
+  for (size_t i = 1; tuning.forward_tile_q == 0 && i < tile_qs.size(); ++i) {
+    tiling::TileLists small = forward_tiles(tile_qs[i]);
     const auto small_cells = static_cast<double>(small.computed_cells());
-    if (sm90 ? sm90::prefer_small_forward_tile(plan->padded_d, large_cells, small_cells)
+    if (sm90 ? sm90::prefer_small_forward_tile(plan->padded_d, tile_qs[i], large_cells, small_cells)
              : detail::prefer_small_forward_tile(large_cells, small_cells)) {
-      fwd_q = small_q;
+      fwd_q = tile_qs[i];
       fwd_tiles = std::move(small);
     }
   }
-  // A plan without items runs the portable forward (backend.cpp): below the large head dims the Hopper's smaller tile
-  // is one that family has; at them it takes that family's tile and variant.
+  // A plan without items runs the portable forward (backend.cpp): below the large head dims the Hopper's second tile
+  // (its only one at D 256) is one that family has; at them it takes that family's tile and variant.
   if (sm90 && fwd_tiles.items.empty()) {
     if (large_d) {
       fwd_q = detail::large_fwd_tile_q(plan->padded_d);
       fwd_tiles = tiling::by_q_tile(mask, fwd_q, detail::kLargeFwdTileK);
       plan->fwd_variant = large_forward_variant(compute_capability, plan->smem_optin, plan->padded_d, -1);
-    } else if (fwd_q != small_q) {
-      fwd_q = small_q;
-      fwd_tiles = forward_tiles(small_q);
+    } else if (fwd_q != tile_qs[1 % tile_qs.size()]) {
+      fwd_q = tile_qs[1 % tile_qs.size()];
+      fwd_tiles = forward_tiles(fwd_q);
     }
   }
   const int fwd_k = fwd_tiles.tile_minor;
@@ -441,8 +448,11 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   if (fwd_per_pass == 0)
     fwd_per_pass = sm90 ? streaming_heads_per_pass(fwd, fwd_k, heads_q, sms, sm90::forward_pass_min_keys(plan->padded_d))
                         : heads_q;
-  // Resident works: one per SM, one per cluster of the Hopper kernels' clusters.
-  const int fwd_slots = sm90 ? sms / sm90::forward_cluster_size(plan->padded_d) : sms;
+  // Resident works: one per SM (several with the Hopper forward's 64-row tiles), one per cluster of the Hopper
+  // kernels' clusters.
+  const int fwd_slots =
+      sm90 ? sms * sm90::forward_blocks_per_sm(plan->padded_d, fwd_q) / sm90::forward_cluster_size(plan->padded_d)
+           : sms;
   const PassOrder fwd_passes = fwd_per_pass == heads_q
                                    ? PassOrder{heads_q, 0}
                                    : order_in_passes(fwd, heads_q, 0.0, l2_bytes, fwd_slots, fwd_per_pass);

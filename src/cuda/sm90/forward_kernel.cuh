@@ -1,8 +1,8 @@
 // Hopper forward (sm_90a). A block is a producer warpgroup on one SM that brings each work's Q and each work item's K
 // and V tiles into swizzled shared memory with TMA (mbarrier pipelines: Q two works deep up to D 128, K one item ahead
-// of V), and two consumer warpgroups (three at D 64) that run S = Q K^T (wgmma, both operands in shared memory) and
-// O += P V (P from registers). Up to D 320 each consumer holds 64 q rows; above, two hold the same 64 rows and half of
-// O's columns each; at tiles 576 / 768 / 1024 a cluster of two blocks takes each tile, each block part of D
+// of V), and two consumer warpgroups (three at D 64; one in the 64-row tiles at D 64 / 128, of which three / two
+// blocks share an SM) that run S = Q K^T (wgmma, both operands in shared memory) and O += P V (P from registers).
+// Up to D 320 each consumer holds 64 q rows; above, two hold the same 64 rows and half of O's columns each; at tiles 576 / 768 / 1024 a cluster of two blocks takes each tile, each block part of D
 // (tiles.hpp), the clusters claiming works dynamically. A consumer issues the next item's Q K^T before its P V of the
 // current one and computes the softmax while both run; the consumers take turns to issue (ping-pong), so the tensor
 // cores serve the others while one computes its softmax. At tiles 384 / 512 (one block, O's columns split) the
@@ -46,7 +46,8 @@ struct ForwardKernel {
   static constexpr bool kStageOut = kPlainOut && forward_stages_out(kD);
   static constexpr int kM = kTileQ, kN = forward_tile_k(kD, kTileQ);
   static constexpr int kBlocksPerSm = forward_blocks_per_sm(kD, kTileQ);
-  static constexpr int kKStages = forward_k_stages(kD), kVStages = forward_stages(kD), kQStages = forward_q_stages(kD);
+  static constexpr int kKStages = forward_k_stages(kD, kTileQ), kVStages = forward_stages(kD, kTileQ);
+  static constexpr int kQStages = forward_q_stages(kD);
   static constexpr int kConsumers = forward_consumers(kD, kM);
   static constexpr int kClusterSize = forward_cluster_size(kD);
   static constexpr bool kCluster = kClusterSize > 1;
@@ -69,10 +70,15 @@ struct ForwardKernel {
   // the sum must fit (else the kernel hangs). The producer spills below 56 (D 128, nvcc 13); D 256's consumers spill
   // least at 232.
   static constexpr int kLaunchRegisters = 65536 / kThreads / kBlocksPerSm / 8 * 8;
+  // One consumer a block: 80 registers a thread at launch at D 64 (three blocks an SM), 128 at D 128 (two).
   static constexpr int kProducerRegisters =
-      kConsumers == 3 ? 32 : kBlockD == 320 ? 24 : kBlockD > 128 ? 40 : 56;
-  static constexpr int kConsumerRegisters =
-      kConsumers == 3 ? 160 : kConsumers == 1 ? 200 : kBlockD == 320 ? 240 : kBlockD > 128 ? 232 : 224;
+      kConsumers == 3 || kBlocksPerSm == 3 ? 32 : kBlockD == 320 ? 24 : kBlockD > 128 ? 40 : 56;
+  static constexpr int kConsumerRegisters = kConsumers == 3       ? 160
+                                            : kBlocksPerSm == 3   ? 128
+                                            : kConsumers == 1     ? 200
+                                            : kBlockD == 320      ? 240
+                                            : kBlockD > 128       ? 232
+                                                                  : 224;
   static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= (kConsumers + 1) * kLaunchRegisters,
                 "setmaxnreg: the consumers would wait for registers forever");
 
@@ -853,15 +859,16 @@ void launch_forward_tiles(const FwdParams& p, int itemless, int sm_margin, cudaS
   detail::launch_itemless_tiles<T, kD, kTileQ>(p, itemless, stream);
 }
 
-template <class T, int kD>
+template <class T, int kD, int kChoice = 0>
 void launch_forward_kernel(const FwdParams& p, int tile_q, int itemless, int sm_margin, cudaStream_t stream) {
-  if (tile_q == forward_tile_q(kD))
-    return launch_forward_tiles<T, kD, forward_tile_q(kD)>(p, itemless, sm_margin, stream);
-  if constexpr (forward_small_tile_q(kD) != forward_tile_q(kD))
-    if (tile_q == forward_small_tile_q(kD))
-      return launch_forward_tiles<T, kD, forward_small_tile_q(kD)>(p, itemless, sm_margin, stream);
-  throw magi::Error("cuda sm_90a forward: head-dim tile " + std::to_string(kD) + " has no " +
-                    std::to_string(tile_q) + "-row q tile");
+  if constexpr (kChoice < forward_tile_q_choices(kD)) {
+    constexpr int kTileQ = forward_tile_q_choice(kD, kChoice);
+    if (tile_q == kTileQ) return launch_forward_tiles<T, kD, kTileQ>(p, itemless, sm_margin, stream);
+    return launch_forward_kernel<T, kD, kChoice + 1>(p, tile_q, itemless, sm_margin, stream);
+  } else {
+    throw magi::Error("cuda sm_90a forward: head-dim tile " + std::to_string(kD) + " has no " +
+                      std::to_string(tile_q) + "-row q tile");
+  }
 }
 
 }  // namespace magi::cuda::sm90

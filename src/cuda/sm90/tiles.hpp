@@ -26,46 +26,59 @@ constexpr bool forward_splits_columns(int padded_head_dim) { return forward_bloc
 constexpr int forward_tile_q(int padded_head_dim) {
   return forward_splits_columns(padded_head_dim) ? 64 : padded_head_dim <= 64 ? 192 : 128;
 }
-// The smaller tile a plan may take where the larger computes clearly more cells (short documents cut by 192-row
-// tiles); the same tile where there is none. At D 128: 64 rows, one consumer a block and two blocks an SM, each
-// walking its own works, so that one block's work ends (first softmax, last P V, epilogue) run under the other's items.
-constexpr int forward_small_tile_q(int padded_head_dim) {
-  return padded_head_dim <= 64 ? 128 : padded_head_dim == 128 ? 64 : forward_tile_q(padded_head_dim);
+// The row tiles a plan may take, largest first (choice 0 is forward_tile_q): the smaller ones where the larger
+// computes clearly more cells (documents cut by the larger tiles). D 64: 192, 128, 64; D 128: 128, 64; else one.
+// The 64-row tiles have one consumer a block and several blocks an SM (forward_blocks_per_sm), each walking its own
+// works, so that one block's work ends (first softmax, last P V, epilogue) run under the others' items.
+constexpr int forward_tile_q_choices(int padded_head_dim) {
+  return padded_head_dim <= 64 ? 3 : padded_head_dim == 128 ? 2 : 1;
 }
-// Blocks an SM: two for D 128's 64-row tile (113 KB of shared memory and 128 registers a thread each), else one.
+constexpr int forward_tile_q_choice(int padded_head_dim, int choice) {
+  return choice == 0 ? forward_tile_q(padded_head_dim) : choice == 1 && padded_head_dim <= 64 ? 128 : 64;
+}
+// Blocks an SM: the 64-row tiles at D 64 three (57 KB of shared memory and 80 registers a thread each), at D 128 two
+// (113 KB, 128 registers); else one.
 constexpr int forward_blocks_per_sm(int padded_head_dim, int tile_q) {
-  return padded_head_dim == 128 && tile_q == 64 ? 2 : 1;
+  return tile_q != 64 || padded_head_dim > 128 ? 1 : padded_head_dim <= 64 ? 3 : 2;
 }
-// The planner takes the smaller tile where the larger would compute more than forward_small_tile_gain times its
-// cells. D 64 (A/B, H100, bf16, 2 x 8k and 16 x 1k tokens), the 192-row tile against the 128-row one at the cell
-// ratio of each mask: full 1.02 +7%, varlen full 1.02 +10%, causal 1.04 0%, shared question 1.08 +2%, varlen causal
-// 1.09 +2%, block-causal 1.11 0%, sliding window 1.13 -2.5%, 16 x 1k full 1.13 -3%. D 128 (H200, the same masks, the
-// 128-row tile against the 64-row one, three rounds): full 1.00 -16%, shared question 1.01 -15%, causal 1.01 / 1.06
-// (16 x 1k) -16% / -10%, sliding window 1.07 -9%, varlen full 1.18 -4..0%, varlen causal 1.24 +4..+7%, block-causal
-// 1.32 +7..+10%.
-constexpr double forward_small_tile_gain(int padded_head_dim) { return padded_head_dim == 128 ? 1.21 : 1.10; }
-constexpr bool prefer_small_forward_tile(int padded_head_dim, double large_tile_cells, double small_tile_cells) {
-  return large_tile_cells > forward_small_tile_gain(padded_head_dim) * small_tile_cells;
+// The planner takes each smaller tile where the largest would compute more than forward_small_tile_gain times its
+// cells. A/Bs, bf16, 2 x 8k and 16 x 1k tokens, the cell ratio of each mask and the smaller tile's forward rate against
+// the larger's:
+// - D 64, 192 rows against 128 (H100): full 1.02 +7%, varlen full 1.02 +10%, causal 1.04 0%, shared question 1.08
+//   +2%, varlen causal 1.09 +2%, block-causal 1.11 0%, sliding window 1.13 -2.5%, 16 x 1k full 1.13 -3%.
+// - D 64, 192 rows against 64 (H200, three rounds): full 1.02 -13%, causal 1.05 -10%, shared question 1.08 -8%,
+//   16 x 1k full 1.13 -1% (-3% against 128 rows), varlen full 1.21 +2%, sliding window 1.21 +9% (+5% against 128),
+//   16 x 1k causal 1.30 +16% (+3%), varlen causal 1.36 +20%, block-causal 1.47 +26%.
+// - D 128, 128 rows against 64 (H200, three rounds): full 1.00 -16%, shared question 1.01 -15%, causal 1.01 / 1.06
+//   (16 x 1k) -16% / -10%, sliding window 1.07 -9%, varlen full 1.18 -4..0%, varlen causal 1.24 +4..+7%,
+//   block-causal 1.32 +7..+10%.
+constexpr double forward_small_tile_gain(int padded_head_dim, int small_tile_q) {
+  return padded_head_dim == 128 ? 1.21 : small_tile_q == 64 ? 1.15 : 1.10;
+}
+constexpr bool prefer_small_forward_tile(int padded_head_dim, int small_tile_q, double large_tile_cells,
+                                         double small_tile_cells) {
+  return large_tile_cells > forward_small_tile_gain(padded_head_dim, small_tile_q) * small_tile_cells;
 }
 constexpr int forward_consumers(int padded_head_dim, int tile_q) {
   return forward_splits_columns(padded_head_dim) ? 2 : tile_q / 64;
 }
 // Keys per item: 128 up to D 128, 64 at D 256 (a 64 x 256 fp32 accumulator per warpgroup), 32 above (shared
-// memory for Q and two or three stages of K and V).
-// D 128's 64-row tile takes 64 keys, so that two blocks' stages fit one SM.
+// memory for Q and two or three stages of K and V). The tiles of several blocks an SM take 64, so that their stages
+// fit beside each other.
 constexpr int forward_tile_k(int padded_head_dim, int tile_q = 0) {
   if (forward_blocks_per_sm(padded_head_dim, tile_q) > 1) return 64;
   return padded_head_dim <= 128 ? 128 : padded_head_dim <= 256 ? 64 : 32;
 }
-// V's pipeline stages (as many as shared memory holds, up to 4).
-constexpr int forward_stages(int padded_head_dim) {
+// V's pipeline stages (as many as shared memory holds, up to 4; two in the tiles of several blocks an SM).
+constexpr int forward_stages(int padded_head_dim, int tile_q = 0) {
   const int d = forward_block_head_dim(padded_head_dim);
+  if (forward_blocks_per_sm(padded_head_dim, tile_q) > 1) return 2;
   return d <= 64 ? 4 : (d == 320 && forward_cluster_size(padded_head_dim) == 1) || d == 384 ? 3 : 2;
 }
 // K's: one more at D 256, where only that fits. A step waits for K first (Q K^T), V one GEMM later, and the
 // producer loads K one item ahead of V (A/B, H100: D 256 +3-5% on every mask; a third K stage at D 128 lost 1-2%).
-constexpr int forward_k_stages(int padded_head_dim) {
-  return padded_head_dim == 256 ? 3 : forward_stages(padded_head_dim);
+constexpr int forward_k_stages(int padded_head_dim, int tile_q = 0) {
+  return padded_head_dim == 256 ? 3 : forward_stages(padded_head_dim, tile_q);
 }
 // Q's stages: two up to D 128, so that the next work's Q loads while this one runs; one above, where shared memory
 // holds no second Q (with one stage at D 128 the consumers' loop spilled: -2..-3%).
@@ -106,8 +119,8 @@ constexpr int forward_out_tile_bytes(int padded_head_dim, int tile_q) {
   return forward_stages_out(padded_head_dim) ? tile_q * padded_head_dim * 2 : 0;
 }
 constexpr int forward_smem_bytes(int padded_head_dim, int tile_q) {
-  const int kv_rows =
-      (forward_k_stages(padded_head_dim) + forward_stages(padded_head_dim)) * forward_tile_k(padded_head_dim, tile_q);
+  const int kv_rows = (forward_k_stages(padded_head_dim, tile_q) + forward_stages(padded_head_dim, tile_q)) *
+                      forward_tile_k(padded_head_dim, tile_q);
   return (forward_q_stages(padded_head_dim) * tile_q + kv_rows) * forward_block_head_dim(padded_head_dim) * 2 +
          forward_exchange_bytes(padded_head_dim) + forward_out_tile_bytes(padded_head_dim, tile_q) + 1024;
 }
