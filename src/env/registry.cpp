@@ -164,7 +164,9 @@ std::vector<Variable> make_registry() {
               {.rule = kSmMarginRule, .compute = sm_margin_default}, "0", "", kPerformance,
               kImplemented,
               "Number of GPU SMs the forward attention kernel leaves free for concurrent "
-              "communication kernels."),
+              "communication kernels. Where the kernel runs several blocks an SM (the Hopper forward's "
+              "64-row tiles at D 64 / 128) it launches that many fewer blocks per SM of margin: the same "
+              "room, which the hardware may spread over several SMs."),
       integer("MAGI_ATTENTION_FFA_BACKWARD_SM_MARGIN",
               {.rule = kSmMarginRule, .compute = sm_margin_default}, "0", "", kPerformance,
               kImplemented,
