@@ -12,6 +12,7 @@ import atexit
 import datetime
 import math
 import os
+import weakref
 from typing import Optional
 
 import torch
@@ -70,6 +71,10 @@ def init_distributed(backend: Optional[str] = None, timeout_seconds: float = 300
         raise ValueError(f"backend: {backend!r} (allowed: 'nccl', 'gloo', None)")
     if backend == "nccl":
         torch.cuda.set_device(local % torch.cuda.device_count())
+    # torch._dynamo's first import (an optimizer's first use brings it) pins the default group in torch 2.x when it
+    # comes after init_process_group: destroy_process_group() then leaves gloo's threads running into interpreter
+    # exit, where one may take the GIL and abort the process. Imported first, it pins nothing.
+    import torch._dynamo  # noqa: F401
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     dist.init_process_group(backend, rank=rank, world_size=size,
@@ -88,11 +93,24 @@ class _Work:
         self.work.wait(timeout=datetime.timedelta(seconds=timeout_seconds))
 
 
+def _live(group_ref):
+    group = group_ref()
+    if group is None:
+        raise RuntimeError("cp_group: the key's process group was destroyed (torch.distributed.destroy_process_group); "
+                           "make a new key on a live group")
+    return group
+
+
 class _TorchEngine:
-    """The library's host collectives (packed uint8 buffers) carried by a torch.distributed group."""
+    """The library's host collectives (packed uint8 buffers) carried by a torch.distributed group. It holds the
+    group weakly: destroy_process_group() must end the group (and join gloo's threads) while Python still runs."""
 
     def __init__(self, group):
-        self.group = group
+        self._group = weakref.ref(group)
+
+    @property
+    def group(self):
+        return _live(self._group)
 
     def all_to_all_v(self, send, send_counts, recv, recv_counts):
         return _Work(dist.all_to_all_single(torch.from_numpy(recv), torch.from_numpy(send), list(recv_counts),
@@ -106,7 +124,15 @@ class _TorchEngine:
         dist.barrier(group=self.group)
 
 
-_communicators: dict = {}
+# group -> {device: communicator}. Weak: the library never keeps a group alive; when torch drops one, its
+# communicators and their planned runtimes go with it (_forget).
+_communicators: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _forget(comms: dict) -> None:
+    for comm in comms.values():
+        _C.clear_runtime_cache(comm)
+    comms.clear()
 
 
 def _group(cp_group):
@@ -129,8 +155,11 @@ def _key_device(group, device) -> torch.device:
 
 
 def _communicator(group, device: torch.device, timeout: float):
-    key = (group, device)
-    comm = _communicators.get(key)
+    comms = _communicators.get(group)
+    if comms is None:
+        comms = _communicators[group] = {}
+        weakref.finalize(group, _forget, comms)
+    comm = comms.get(device)
     if comm is not None:
         return comm
     rank, size = dist.get_rank(group), dist.get_world_size(group)
@@ -145,7 +174,7 @@ def _communicator(group, device: torch.device, timeout: float):
         comm = _C.nccl_communicator(box[0], rank, size, device.index, timeout)
     else:
         comm = _C.python_communicator(_TorchEngine(group), rank, size, f"torch.distributed:{dist.get_backend(group)}")
-    _communicators[key] = comm
+    comms[device] = comm
     return comm
 
 
@@ -156,11 +185,17 @@ class DistAttnKey:
     """A planned distributed-attention problem on one process group (the runtime key of the C++ API)."""
 
     def __init__(self, runtime, mask: Mask, group, device: torch.device, comm, config: dict, dispatched=None):
-        self._runtime, self.mask, self.group, self.device, self._comm = runtime, mask, group, device, comm
+        self._runtime, self.mask, self.device, self._comm = runtime, mask, device, comm
+        self._group = weakref.ref(group)  # weak, as the engine's
         self._config = config  # make_runtime_key's options, for variants with other attention options
         self._dispatched = dispatched  # the key whose dispatch this one keeps (a new mask after dispatch), or None
         self._variants: dict = {}
         self._position_ids: dict = {}
+
+    @property
+    def group(self):
+        """The process group (RuntimeError once torch.distributed has destroyed it)."""
+        return _live(self._group)
 
     @property
     def local_q_tokens(self) -> int:
@@ -191,11 +226,11 @@ class DistAttnKey:
         return runtime
 
     def __repr__(self) -> str:
-        return (f"DistAttnKey({self.mask!r}, cp={dist.get_world_size(self.group)}, device={self.device}, "
+        return (f"DistAttnKey({self.mask!r}, cp={self._comm.size}, device={self.device}, "
                 f"local_q_tokens={self.local_q_tokens})")
 
 
-_recent: dict = {}
+_recent: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> its latest key
 
 
 def magi_attn_flex_key(q_ranges, k_ranges, attn_type_map, total_seqlen_q: int, total_seqlen_k: int,
@@ -276,12 +311,12 @@ def get_most_recent_key(cp_group=None) -> DistAttnKey:
 
 
 def clear_cache(cp_group=None) -> None:
-    """Drops the planned runtimes and communicators (of one group, or of every group when cp_group is None), so
-    that nothing here keeps a process group alive past torch.distributed.destroy_process_group()."""
-    for (group, device), comm in list(_communicators.items()):
+    """Drops the planned runtimes and communicators (of one group, or of every group when cp_group is None). They
+    also go by themselves when torch.distributed destroys their group: the library holds groups weakly."""
+    for group, comms in list(_communicators.items()):
         if cp_group is None or group is cp_group:
-            _C.clear_runtime_cache(comm)
-            del _communicators[(group, device)]
+            _forget(comms)
+            del _communicators[group]
             _recent.pop(group, None)
     if cp_group is None:
         _recent.clear()
@@ -312,6 +347,7 @@ def _check_key(key) -> None:
     if not isinstance(key, DistAttnKey):
         raise TypeError(f"key: expected a DistAttnKey (from magi_attn_flex_key / magi_attn_varlen_key), "
                         f"got {type(key).__name__}")
+    _live(key._group)
 
 
 def _check_tensor(x, name: str, key: DistAttnKey) -> None:

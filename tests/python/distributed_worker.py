@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 
 import numpy as np
 import torch
@@ -214,6 +215,30 @@ def bad_inputs(device):
         print("ok bad inputs", flush=True)
 
 
+def groups_end_with_torch(device):
+    """The library holds groups weakly: destroy_process_group(group) ends the group at once (gloo joins its
+    threads then, not at interpreter exit) and a key on it then says so instead of reaching a dead group."""
+    group = dist.new_group(backend="gloo" if device == "cpu" else None)
+    key = ma.magi_attn_flex_key([[0, 96]], [[0, 96]], [1], 96, 96, 2, 1, 32, cp_group=group, chunk_size=16,
+                                device=device)
+    x = torch.randn(96, 3, generator=torch.Generator().manual_seed(5)).to(device)
+    assert torch.equal(ma.undispatch(ma.dispatch(x, key), key), x)
+    alive = weakref.ref(group)
+    dist.destroy_process_group(group)
+    del group
+    assert alive() is None, "a destroyed process group is still alive (something in magi_attn holds it)"
+    for call in (lambda: key.group, lambda: ma.undispatch(ma.dispatch(x, key), key)):
+        try:
+            call()
+        except RuntimeError as e:
+            assert "cp_group" in str(e) and "destroyed" in str(e), str(e)
+        else:
+            raise AssertionError("no error for a key whose group was destroyed")
+    assert "cp=" in repr(key)
+    if dist.get_rank() == 0:
+        print("ok groups end with torch", flush=True)
+
+
 def main():
     rank, size, local = ma.init_distributed(backend=os.environ.get("MAGI_TEST_DIST_BACKEND"))
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -225,9 +250,12 @@ def main():
     new_mask_after_dispatch(device, dtype)
     roll(device)
     bad_inputs(device)
-    ma.clear_cache()
+    groups_end_with_torch(device)
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # as a training script would; see init_distributed
+    world = weakref.ref(dist.group.WORLD)
     dist.barrier()
     dist.destroy_process_group()
+    assert world() is None, "the default group outlived destroy_process_group (gloo's threads would run into exit)"
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("torch")  # CI installs torch (README)
 
 WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
-CASES = 13  # 'ok' lines the worker prints on rank 0
+CASES = 14  # 'ok' lines the worker prints on rank 0
 
 
 def _free_port() -> int:
