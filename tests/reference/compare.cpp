@@ -67,7 +67,7 @@ Tolerance tolerance_for(Quantity quantity, DType dtype) {
       }
       break;
     case Quantity::MaxLogits:
-      // Always an fp32 buffer: the bound is fp32 rounding of the largest logit, whatever the inputs.
+      // Always an fp32 buffer: fp32 rounding of the terms a logit sums, whatever the inputs (check_max_logits).
       return {Metric::MaxAbsRelative, 1e-5};
     case Quantity::DSink:
       // Always an fp32 buffer: never tighter than the fp32 gradient rule. Measured by check_dsink.
@@ -157,6 +157,31 @@ testing::AssertionResult check_dsink(const std::vector<double>& got, const std::
     std::ostringstream msg;
     msg << "||got - ref|| / ||sum of |terms|||  = " << error << " > " << bound << " (rel L2 vs ref "
         << error_stats(got, ref).rel_l2 << ")";
+    return testing::AssertionFailure() << msg.str() << where.str();
+  }
+  return testing::AssertionSuccess();
+}
+
+testing::AssertionResult check_max_logits(const std::vector<double>& got, const std::vector<double>& ref,
+                                          const std::vector<double>& magnitude, DType dtype, std::string_view context) {
+  std::ostringstream where;
+  where << " [max_logits, inputs " << magi::to_string(dtype) << "; " << context << "]";
+  if (got.size() != ref.size() || magnitude.size() != ref.size())
+    return testing::AssertionFailure() << "size " << got.size() << " != reference size " << ref.size() << where.str();
+  const ErrorStats e = error_stats(got, ref);
+  if (e.non_finite_mismatch >= 0) {
+    const auto i = static_cast<std::size_t>(e.non_finite_mismatch);
+    return testing::AssertionFailure() << "non-finite mismatch at index " << i << ": got " << got[i] << ", ref "
+                                       << ref[i] << where.str();
+  }
+  const double size = std::max(e.max_ref, *std::max_element(magnitude.begin(), magnitude.end()));
+  const double error = size > 0.0 ? e.max_abs / size : e.max_abs;
+  const double bound = tolerance_for(Quantity::MaxLogits, dtype).bound;
+  if (!(error <= bound)) {
+    std::ostringstream msg;
+    msg.precision(6);
+    msg << "max abs error / largest |terms| = " << error << " > " << bound << " (max abs " << e.max_abs
+        << ", max|ref| " << e.max_ref << ", terms " << size << ")";
     return testing::AssertionFailure() << msg.str() << where.str();
   }
   return testing::AssertionSuccess();

@@ -60,6 +60,12 @@ testing::AssertionResult check_dsink(const std::vector<double>& got, const std::
 // relative L2 error is never taken below 1% of ||magnitude||_2 (ReferenceGrads::dq_magnitude / dk_magnitude).
 // A gradient that cancelled to under 1% of its terms (rows of one key, a sink beside one key) is then held to
 // the bound times that floor, instead of to a relative error of rounding noise against a reference near 0.
+// max_logits (an fp32 buffer): a logit sums D products, so its rounding is that of terms as large as
+// `magnitude` (ReferenceForward::max_logits_magnitude), however near 0 they cancel. Max abs error over the largest
+// magnitude, against the MaxLogits bound; -inf exactly where a head keeps no cell.
+testing::AssertionResult check_max_logits(const std::vector<double>& got, const std::vector<double>& ref,
+                                          const std::vector<double>& magnitude, DType dtype, std::string_view context);
+
 testing::AssertionResult check_grad_cancelling(std::string_view name, const std::vector<double>& got,
                                                const std::vector<double>& ref, const std::vector<double>& magnitude,
                                                DType dtype, std::string_view context,

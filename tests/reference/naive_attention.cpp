@@ -116,11 +116,19 @@ ReferenceForward reference_forward(const ReferenceProblem& p) {
   f.out.assign(static_cast<std::size_t>(tq) * hq * dim, 0.0);
   f.lse.assign(static_cast<std::size_t>(tq) * hq, kNegInf);
   f.max_logits.assign(hq, kNegInf);
+  f.max_logits_magnitude.assign(hq, 0.0);
   for (int32_t t = 0; t < tq; ++t) {
     for (int32_t h = 0; h < hq; ++h) {
       const RowState r = ev.row(t, h);
       f.lse[static_cast<std::size_t>(t) * hq + h] = r.lse;
       for (double s : r.logits) f.max_logits[h] = std::max(f.max_logits[h], s);
+      for (int32_t key : r.keys) {
+        const double* qr = ev.q_row(t, h);
+        const double* kr = ev.k_row(key, ev.kv_head(h));
+        double terms = 0.0;
+        for (int32_t d = 0; d < dim; ++d) terms += std::fabs(qr[d] * kr[d]);
+        f.max_logits_magnitude[h] = std::max(f.max_logits_magnitude[h], ev.scale() * terms);
+      }
       double* o = &f.out[ev.index3(t, h, hq)];
       for (std::size_t n = 0; n < r.keys.size(); ++n) {
         const double w = std::exp(r.logits[n] - r.lse);

@@ -41,6 +41,9 @@ struct ReferenceForward {
   std::vector<double> out;         // [Tq, Hq, D]
   std::vector<double> lse;         // [Tq, Hq], includes the sink; -inf for empty rows without sink
   std::vector<double> max_logits;  // [Hq], max of s over kept cells; -inf when a head keeps none
+  // [Hq], the largest scale * sum_d |q_d k_d| over kept cells: the size of the terms a logit sums, against which its
+  // rounding is judged (a logit that cancels to near 0 carries the rounding of terms this large).
+  std::vector<double> max_logits_magnitude;
 };
 
 struct ReferenceGrads {
