@@ -197,15 +197,20 @@ TEST(ReferenceForward, MaxLogitsIsTheLargestKeptLogit) {
   const ReferenceForward f = reference_forward(p);
   const double scale = 1.0 / std::sqrt(8.0);
   for (int32_t h = 0; h < 2; ++h) {
-    double best = -kInf;
+    double best = -kInf, terms = 0.0;
     for (int32_t t = 1; t < 3; ++t)
       for (int32_t k = 1; k < 3; ++k) {
-        double dot = 0.0;
-        for (int32_t d = 0; d < 8; ++d) dot += p.q[(t * 2 + h) * 8 + d] * p.k[k * 8 + d];
+        double dot = 0.0, abs_dot = 0.0;
+        for (int32_t d = 0; d < 8; ++d) {
+          dot += p.q[(t * 2 + h) * 8 + d] * p.k[k * 8 + d];
+          abs_dot += std::fabs(p.q[(t * 2 + h) * 8 + d] * p.k[k * 8 + d]);
+        }
         best = std::max(best, 0.5 * std::tanh(scale * dot / 0.5));
+        terms = std::max(terms, scale * abs_dot);
       }
     EXPECT_NEAR(f.max_logits[h], best, 1e-15) << "seed " << seed;
     EXPECT_LE(f.max_logits[h], 0.5);  // softcap bounds the logits
+    EXPECT_NEAR(f.max_logits_magnitude[h], terms, 1e-14) << "seed " << seed;
   }
   ReferenceProblem none = p;
   none.mask.slices.clear();
@@ -424,6 +429,17 @@ TEST(Compare, RejectsNaNInfMismatchNonZeroEmptyRowsAndLargeErrors) {
   const testing::AssertionResult r = check_close("lse", {-kInf, 9.0}, lse, Quantity::Lse, DType::F32, "seed 42");
   EXPECT_NE(std::string(r.message()).find("seed 42"), std::string::npos) << r.message();
   EXPECT_NE(std::string(r.message()).find("lse"), std::string::npos) << r.message();
+}
+
+// A logit that cancels near 0 carries the rounding of its terms: judged against their size, not its own.
+TEST(Compare, MaxLogitsJudgedAgainstTheirTerms) {
+  const std::vector<double> ref = {-9e-4, 2.0}, terms = {3.0, 2.5};
+  EXPECT_TRUE(check_max_logits({-9e-4 + 2e-8, 2.0}, ref, terms, DType::F16, "rounding of the terms"));
+  EXPECT_FALSE(check_max_logits({-9e-4 + 1e-3, 2.0}, ref, terms, DType::F16, "off by 1e-3"));
+  EXPECT_FALSE(check_max_logits({-9e-4, 2.0 + 1e-4}, ref, terms, DType::F16, "the large one off by 1e-4"));
+  EXPECT_FALSE(check_max_logits({-kInf, 2.0}, ref, terms, DType::F16, "-inf for finite"));
+  EXPECT_FALSE(check_max_logits({std::nan(""), 2.0}, ref, terms, DType::F16, "nan"));
+  EXPECT_TRUE(check_max_logits({-kInf}, {-kInf}, {0.0}, DType::F32, "a head that keeps no cell"));
 }
 
 TEST(Compare, BitwiseEqualitySeesOneUlpAndSignOfZero) {
