@@ -1,5 +1,6 @@
 """The torch.distributed API on 2-4 CPU processes (gloo): every case of distributed_worker.py under torchrun and
-under mpirun, each rank checked against one device and the fp64 reference."""
+under mpirun, each rank checked against one device and the fp64 reference; random cases of
+distributed_random_worker.py against the fp64 reference."""
 from __future__ import annotations
 
 import os
@@ -14,6 +15,7 @@ pytest.importorskip("torch")  # CI installs torch (README)
 
 WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
 CASES = 14  # 'ok' lines the worker prints on rank 0
+RANDOM_WORKER = os.path.join(os.path.dirname(__file__), "distributed_random_worker.py")
 
 
 def _free_port() -> int:
@@ -39,6 +41,19 @@ def test_under_torchrun(ranks):
     oks = _run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
                 f"--master-port={_free_port()}", WORKER], {})
     assert all(f"cp={ranks}" in line for line in oks if "cp=" in line or "max area" in line)
+
+
+@pytest.mark.parametrize("ranks", [3])
+def test_random_cases_under_torchrun(ranks):
+    """distributed_random_worker.py: random valid problems on a fresh seed (named on failure)."""
+    seed, cases = int.from_bytes(os.urandom(4), "little"), 30
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("MAGI_ATTENTION_DETERMINISTIC_MODE", None)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
+                             f"--master-port={_free_port()}", RANDOM_WORKER, str(seed), str(cases)],
+                            env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, f"seed {seed}\n" + result.stdout[-3000:] + result.stderr[-6000:]
+    assert f"ok random {cases} cases, seed {seed}" in result.stdout, result.stdout[-3000:]
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun (CI installs openmpi-bin)")
