@@ -250,12 +250,14 @@ def main():
     new_mask_after_dispatch(device, dtype)
     roll(device)
     bad_inputs(device)
-    groups_end_with_torch(device)
+    gloo = dist.get_backend() == "gloo"  # (what follows is measured on gloo groups; NCCL's not yet on a device)
+    if gloo:
+        groups_end_with_torch(device)
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # as a training script would; see init_distributed
     world = weakref.ref(dist.group.WORLD)
     dist.barrier()
     dist.destroy_process_group()
-    assert world() is None, "the default group outlived destroy_process_group (gloo's threads would run into exit)"
+    assert not gloo or world() is None, "the default group outlived destroy_process_group (gloo's threads would run into exit)"
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(command, extra_env):
+def _run(command, extra_env, cases=CASES):
     # gloo: the CPU engine, also on a GPU machine (its one GPU cannot hold several NCCL ranks)
     env = dict(os.environ, OMP_NUM_THREADS="1", MAGI_TEST_DIST_BACKEND="gloo")
     env.update(extra_env)
@@ -32,7 +32,7 @@ def _run(command, extra_env):
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     oks = [line for line in result.stdout.splitlines() if line.startswith("ok ")]
-    assert len(oks) == CASES, result.stdout + result.stderr[-3000:]
+    assert len(oks) == cases, result.stdout + result.stderr[-3000:]
     return oks
 
 
@@ -69,7 +69,7 @@ def test_nccl_engine_on_one_gpu():
     here have one GPU."""
     env = {"MAGI_TEST_DIST_BACKEND": "nccl"}
     oks = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={_free_port()}",
-                WORKER], env)
+                WORKER], env, cases=CASES - 1)  # 'groups end with torch' runs on gloo groups only
     assert all("cp=1" in line for line in oks if "cp=" in line or "max area" in line)
 
 
