@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import importlib
 import math
 import os
 import weakref
@@ -74,7 +75,7 @@ def init_distributed(backend: Optional[str] = None, timeout_seconds: float = 300
     # torch._dynamo's first import (an optimizer's first use brings it) pins the default group in torch 2.x when it
     # comes after init_process_group: destroy_process_group() then leaves gloo's threads running into interpreter
     # exit, where one may take the GIL and abort the process. Imported first, it pins nothing.
-    import torch._dynamo  # noqa: F401
+    importlib.import_module("torch._dynamo")  # (an `import torch._dynamo` here would make `torch` a local name)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     dist.init_process_group(backend, rank=rank, world_size=size,

@@ -73,6 +73,22 @@ def test_nccl_engine_on_one_gpu():
     assert all("cp=1" in line for line in oks if "cp=" in line or "max area" in line)
 
 
+def test_init_distributed_picks_the_backend(tmp_path):
+    """backend=None under torchrun: NCCL where CUDA is available, else gloo; one rank."""
+    script = tmp_path / "init.py"
+    script.write_text("import magi_attn as ma, torch.distributed as dist\n"
+                      "rank, size, local = ma.init_distributed()\n"
+                      "print('backend', dist.get_backend(), rank, size, local)\n"
+                      "dist.destroy_process_group()\n")
+    env = {k: v for k, v in os.environ.items() if k != "MAGI_TEST_DIST_BACKEND"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1",
+                             f"--master-port={_free_port()}", str(script)], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    expected = "nccl" if __import__("torch").cuda.is_available() else "gloo"
+    assert f"backend {expected} 0 1 0" in result.stdout, result.stdout + result.stderr[-3000:]
+
+
 def test_init_distributed_without_a_launcher_is_an_error():
     code = "import magi_attn as ma\ntry:\n    ma.init_distributed()\nexcept ValueError as e:\n    print('ValueError:', e)"
     env = {k: v for k, v in os.environ.items()
