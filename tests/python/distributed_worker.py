@@ -125,6 +125,19 @@ def varlen_helpers(device):
     assert torch.equal(local_ids[real], ids[pos[real]]) and (local_ids[~real] == 0).all()
     assert torch.equal(ma.undispatch(local_ids, key), ids)
     assert key.mask == ma.masks.varlen_causal(cu)
+    # The flex form of the same mask dispatches the same rows; clear_cache(group) forgets the group's most recent key,
+    # and a key made before keeps working.
+    mask = key.mask
+    local_flex, flex_key = ma.magi_attn_flex_dispatch(ids, mask.q_ranges, mask.k_ranges, mask.attn_type_map, 500, 500,
+                                                      2, 1, 32, chunk_size=50, device=device)
+    assert torch.equal(local_flex, local_ids) and ma.get_most_recent_key() is flex_key
+    ma.clear_cache(dist.group.WORLD)
+    try:
+        ma.get_most_recent_key()
+        raise AssertionError("clear_cache(group) kept the group's most recent key")
+    except ValueError:
+        pass
+    assert torch.equal(ma.undispatch(local_flex, flex_key), ids)
     if dist.get_rank() == 0:
         print("ok varlen helpers", flush=True)
 
