@@ -17,7 +17,9 @@ _ALIASES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16
 def dtype_name(dtype, name: str) -> str:
     """'bf16' | 'fp16' | 'fp32' | 'fp64' from a name or a numpy / torch / JAX / CuPy dtype."""
     text = str(dtype).lower()
-    for prefix in ("torch.", "<class 'numpy.", "dtype('"):
+    if text.startswith("<class '"):  # a scalar type: numpy.float32, jax.numpy.float32, ml_dtypes.bfloat16
+        text = text.rsplit(".", 1)[-1]
+    for prefix in ("torch.", "dtype('"):
         text = text.removeprefix(prefix)
     text = text.rstrip("')>")
     if text in _ALIASES:
@@ -44,6 +46,14 @@ class Framework:
 
     def shape(self, x) -> tuple:
         return tuple(int(s) for s in x.shape)
+
+    def contiguous(self, x) -> bool:
+        """Row-major contiguous as far as the framework tells (numpy and CuPy flags, torch); True where it cannot
+        (the extension checks every array again)."""
+        if self.kind == "torch":
+            return x.is_contiguous()
+        flags = getattr(x, "flags", None)
+        return bool(getattr(flags, "c_contiguous", True))
 
     def for_extension(self, x):
         """The object the extension reads through DLPack (torch: detached, so tensors needing grad pass). By the

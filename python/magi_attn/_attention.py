@@ -50,6 +50,14 @@ def _check_options(softmax_scale, softcap, sink_layout, backend, deterministic) 
     _flag(deterministic, "deterministic", optional=True)
 
 
+def _require_contiguous(x, name: str) -> None:
+    """Outputs are allocated in the shape of q (k, sink): a broadcast view (stride 0) of a huge shape must get the
+    layout error, not a failed allocation of its virtual size first."""
+    if not framework_of(x, name).contiguous(x):
+        raise ValueError(f"{name}: must be row-major contiguous (make a contiguous copy first, e.g. .contiguous() or "
+                         "numpy.ascontiguousarray)")
+
+
 def _lse_dtype(qdt: str) -> str:
     return "fp64" if qdt == "fp64" else "fp32"
 
@@ -77,6 +85,7 @@ def forward(mask: Mask, q, k, v, softmax_scale=None, softcap=0.0, sink=None, sin
     shape = fw.shape(q)
     if len(shape) != 3:
         raise ValueError(f"q: expected shape [Tq, Hq, D], got {list(shape)}")
+    _require_contiguous(q, "q")
     odt = qdt if out_dtype is None else dtype_name(out_dtype, "out_dtype")
     if odt not in (qdt, "fp32"):
         raise ValueError(f"out_dtype: {odt} is not allowed for {qdt} inputs (allowed: {qdt}, fp32)")
@@ -108,6 +117,9 @@ def backward(mask: Mask, q, k, v, out, lse, do, softmax_scale=None, softcap=0.0,
         framework_of(x, name)
     if sink is not None:
         framework_of(sink, "sink")
+    for name, x in (("q", q), ("k", k), ("sink", sink)):
+        if x is not None:
+            _require_contiguous(x, name)
     device = fw.device(q)
     qdt = fw.dtype(q, "q")
     qshape = fw.shape(q)

@@ -75,4 +75,5 @@ def squash_batch_dim(x):
         raise TypeError(f"x: expected an array or tensor, got {type(x).__name__}")
     if len(x.shape) < 2:
         raise ValueError(f"x: expected at least 2 dims [batch, seq, ...], got shape {list(x.shape)}")
-    return x.reshape(-1, *x.shape[2:])
+    # Not -1: with no elements its size is ambiguous (torch and numpy refuse it).
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])

@@ -32,7 +32,7 @@ def _integers(x, name: str) -> np.ndarray:
 
 def _pairs(x, name: str) -> np.ndarray:
     a = _integers(x, name)
-    if a.size == 0:
+    if a.shape == (0,):  # [] (no slices); other empty shapes ([1, 0], [0, 3]) are wrong shapes
         a = a.reshape(0, 2)
     if a.ndim != 2 or a.shape[1] != 2:
         raise ValueError(f"{name}: expected shape [n, 2] (one [start, end) pair per slice), got {list(a.shape)}")
@@ -62,6 +62,10 @@ def _types(types, n: int, name: str) -> np.ndarray:
     if isinstance(types, (dict, set, frozenset)):  # no order to pair with the slices
         raise TypeError(f"{name}: expected one type per slice in order (a list or array), got {type(types).__name__}")
     if hasattr(types, "__array__") or hasattr(types, "__dlpack__") or type(types).__module__.startswith("torch"):
+        if getattr(getattr(types, "dtype", None), "kind", None) in ("U", "S", "O"):  # names, as a list takes them
+            if types.ndim != 1:
+                raise ValueError(f"{name}: expected shape [n] (one type per slice), got {list(types.shape)}")
+            return _types(types.tolist(), n, name)
         a = _integers(types, name)
         if a.ndim != 1:
             raise ValueError(f"{name}: expected shape [n] (one type per slice), got {list(a.shape)}")

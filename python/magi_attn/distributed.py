@@ -16,6 +16,7 @@ import os
 import weakref
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -24,6 +25,7 @@ from . import _C, _build
 from ._attention import _flag, _number
 from ._functools import infer_attn_mask_from_cu_seqlens
 from ._mask import Mask
+from .torch_ops import _first_order_only
 
 DISPATCH_ALGORITHMS = ("greedy", "greedy_swap", "locality")
 
@@ -251,8 +253,13 @@ def magi_attn_flex_key(q_ranges, k_ranges, attn_type_map, total_seqlen_q: int, t
         raise ValueError(f"sink_layout: unknown layout {sink_layout!r} (allowed: None, 'sh', 'ssh')")
     for name, value in (("num_heads_q", num_heads_q), ("num_heads_kv", num_heads_kv), ("head_dim", head_dim),
                         ("chunk_size", chunk_size), ("overlap_degree", overlap_degree)):
-        if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+        # The extension takes int32: past it, its own check (naming the allowed range) could not run.
+        if not -2**31 <= int(value) < 2**31:
+            raise ValueError(f"{name}: {int(value)} does not fit int32 (allowed: -2^31 .. 2^31-1)")
+    num_heads_q, num_heads_kv, head_dim, chunk_size, overlap_degree = (
+        int(x) for x in (num_heads_q, num_heads_kv, head_dim, chunk_size, overlap_degree))
     mask = Mask(q_ranges, k_ranges, attn_type_map, total_seqlen_q, total_seqlen_k)
     timeout = _timeout(timeout_seconds)
     key_device = _key_device(group, device)
@@ -385,8 +392,8 @@ class _Dispatch(torch.autograd.Function):
         return _dispatch(x, key, axis)
 
     @staticmethod
-    def backward(ctx, grad):
-        return _undispatch(grad.contiguous(), ctx.key, ctx.axis), None, None
+    def backward(ctx, grad):  # through the Function: a double backward (create_graph) keeps its graph
+        return _Undispatch.apply(grad.contiguous(), ctx.key, ctx.axis), None, None
 
 
 class _Undispatch(torch.autograd.Function):
@@ -397,7 +404,7 @@ class _Undispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _dispatch(grad.contiguous(), ctx.key, ctx.axis), None, None  # autograd's gradient: ours to copy
+        return _Dispatch.apply(grad.contiguous(), ctx.key, ctx.axis), None, None
 
 
 def _roll(x: Tensor, key: DistAttnKey, axis: str, shift: int) -> Tensor:
@@ -414,7 +421,7 @@ class _Roll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _roll(grad.contiguous(), ctx.key, ctx.axis, -ctx.shift), None, None, None
+        return _Roll.apply(grad.contiguous(), ctx.key, ctx.axis, -ctx.shift), None, None, None
 
 
 def _check_axis(axis: str) -> None:
@@ -448,6 +455,8 @@ def dispatch(x: Tensor, key: DistAttnKey, axis: str = "q") -> Tensor:
     (gathered from every rank)."""
     _check_axis(axis)
     _check_tensor(x, "x", key)
+    if x.is_complex():  # as float (real, imaginary) pairs: differentiable, and a lazy conj() resolved
+        return torch.view_as_complex(dispatch(torch.view_as_real(x.resolve_conj()), key, axis))
     if x.dtype not in _FLOATS:
         return _moved_as_floats(lambda rows: _dispatch(rows, key, axis), x)
     return _Dispatch.apply(x, key, axis)
@@ -459,8 +468,12 @@ def roll(x: Tensor, shift: int, key: DistAttnKey, axis: str = "q") -> Tensor:
     (the gradient is rolled back). Collective; host or device tensors."""
     _check_axis(axis)
     _check_tensor(x, "x", key)
-    if isinstance(shift, bool) or not isinstance(shift, int):
+    if isinstance(shift, bool) or not isinstance(shift, (int, np.integer)):
         raise TypeError(f"shift: expected an int, got {type(shift).__name__}")
+    total = key.mask.total_q if axis == "q" else key.mask.total_k
+    shift = int(shift) % total if total else 0  # a roll by the length is none (the extension takes int64)
+    if x.is_complex():  # as float (real, imaginary) pairs: differentiable, and a lazy conj() resolved
+        return torch.view_as_complex(roll(torch.view_as_real(x.resolve_conj()), shift, key, axis))
     if x.dtype not in _FLOATS:
         return _moved_as_floats(lambda rows: _roll(rows, key, axis, shift), x)
     return _Roll.apply(x, key, axis, shift)
@@ -470,6 +483,8 @@ def undispatch(x: Tensor, key: DistAttnKey, axis: str = "q") -> Tensor:
     """Collective inverse of dispatch: every rank gets the global tensor. Differentiable (gradient dispatched)."""
     _check_axis(axis)
     _check_tensor(x, "x", key)
+    if x.is_complex():  # as float (real, imaginary) pairs: differentiable, and a lazy conj() resolved
+        return torch.view_as_complex(undispatch(torch.view_as_real(x.resolve_conj()), key, axis))
     if x.dtype not in _FLOATS:
         return _moved_as_floats(lambda rows: _undispatch(rows, key, axis), x)
     return _Undispatch.apply(x, key, axis)
@@ -499,7 +514,7 @@ class _CalcAttn(torch.autograd.Function):
         dsink = torch.empty_like(sink) if sink is not None else None
         _C.calc_attn_backward(ctx.runtime, q.detach(), k.detach(), v.detach(), out, lse, dout.contiguous(), dq, dk, dv,
                               None if sink is None else sink.detach(), dsink, _stream(ctx.key))
-        return dq, dk, dv, dsink, None, None, None
+        return _first_order_only((dq, dk, dv, dsink, None, None, None), dout, q, k, v, sink)
 
 
 def calc_attn(q: Tensor, k: Tensor, v: Tensor, key: DistAttnKey, sink: Optional[Tensor] = None,

@@ -9,6 +9,7 @@ import weakref
 from typing import Optional, Tuple
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
 from . import _C
@@ -170,6 +171,33 @@ def _setup_context(ctx, inputs, output):
     ctx.options = (softmax_scale, softcap, sink_layout, deterministic)
 
 
+class _FirstOrderOnly(torch.autograd.Function):
+    """The gradients, unchanged, as a node whose own backward raises: differentiating them again (create_graph=True)
+    must fail, where it would contribute nothing, silently. (once_differentiable does not do: its error node hangs
+    off copies of the inputs, so autograd.grad(..., inputs) never reaches it.)"""
+
+    @staticmethod
+    def forward(ctx, count, *tensors):  # the first `count` tensors are the gradients, the rest what they depend on
+        return tuple(t.detach() for t in tensors[:count])  # not views: the caller may change them in place
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("magi_attn: attention gradients are not differentiable (a double backward, through a "
+                           "gradient taken with create_graph=True, is not supported)")
+
+
+def _first_order_only(grads: tuple, *inputs) -> tuple:
+    """`grads` (None where absent) tied to `inputs` (dout and the saved inputs) under create_graph=True."""
+    inputs = [x for x in inputs if isinstance(x, Tensor) and x.requires_grad]
+    if not torch.is_grad_enabled() or not inputs:  # create_graph=False: nothing can differentiate them
+        return grads
+    at = [i for i, g in enumerate(grads) if isinstance(g, Tensor)]
+    tied = list(grads)
+    for i, g in zip(at, _FirstOrderOnly.apply(len(at), *(grads[i] for i in at), *inputs)):
+        tied[i] = g
+    return tuple(tied)
+
+
 def _gradients(ctx, dout, backward_fn):
     # Gradients flow through out only: lse and max_logits are statistics (as in the reference system).
     q, k, v, out, lse, q_ranges, k_ranges, attn_type_map, sink = ctx.saved_tensors
@@ -196,7 +224,7 @@ class _EagerFlexAttn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, *unused):
-        return _gradients(ctx, dout, _backward)
+        return _first_order_only(_gradients(ctx, dout, _backward), dout, *ctx.saved_tensors)
 
 
 # ---- the public function ----
@@ -234,6 +262,8 @@ def flex_flash_attn_func(q: Tensor, k: Tensor, v: Tensor, q_ranges: Tensor, k_ra
             raise TypeError(f"{name}: expected a torch.Tensor{' or None' if optional else ''}, got {type(x).__name__}")
         if x.device.type not in ("cpu", "cuda"):
             raise ValueError(f"{name}: tensors on {x.device.type} are not supported (allowed devices: cpu, cuda)")
+        if name in ("q", "k", "v", "sink") and not x.is_contiguous():  # before outputs are allocated like them
+            raise ValueError(f"{name}: must be row-major contiguous (make a contiguous copy first, e.g. .contiguous())")
     for name, x, shape in (("q", q, "[Tq, Hq, D]"), ("k", k, "[Tk, Hkv, D]"), ("v", v, "[Tk, Hkv, D]"),
                            ("q_ranges", q_ranges, "[n, 2]")):
         if x.dim() != len(shape.split(",")):
@@ -253,8 +283,9 @@ def flex_flash_attn_func(q: Tensor, k: Tensor, v: Tensor, q_ranges: Tensor, k_ra
             True if deterministic else None, out_type == torch.float32, return_max_logits)
     if torch.compiler.is_compiling():
         results = flex_fwd(*args)
-    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                      or (sink is not None and sink.requires_grad)):
+    elif (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                       or (sink is not None and sink.requires_grad))
+          or getattr(_forward_ad, "_current_level", -1) >= 0):  # forward AD: torch's error, not a lost tangent
         results = _EagerFlexAttn.apply(*args)
     else:  # nothing to differentiate: the implementation straight away
         results = _forward(*args)

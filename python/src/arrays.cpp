@@ -114,9 +114,12 @@ TensorView torch_view(nb::handle t, const Torch& torch, const char* name) {
   if (!nb::cast<bool>(t.attr("is_contiguous")())) throw InvalidArgument(std::string(name) + ": " + kNotContiguous);
   if (nb::cast<bool>(t.attr("is_cuda"))) v.device = {DeviceType::CUDA, nb::cast<int32_t>(t.attr("get_device")())};
   else if (nb::cast<bool>(t.attr("is_cpu"))) v.device = {DeviceType::CPU, 0};
-  else
-    throw InvalidArgument(std::string(name) + ": tensors on " + nb::cast<std::string>(nb::str(t.attr("device"))) +
+  else {
+    // Through an object: nb::str(accessor) would cast the torch.device itself to str (std::bad_cast).
+    const nb::object device = t.attr("device");
+    throw InvalidArgument(std::string(name) + ": tensors on " + nb::cast<std::string>(nb::str(device)) +
                           " are not supported (allowed: CPU, CUDA)");
+  }
   v.data = reinterpret_cast<void*>(nb::cast<uintptr_t>(t.attr("data_ptr")()));
   return v;
 }

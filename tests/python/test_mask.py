@@ -113,6 +113,11 @@ BAD = [
     (lambda: ma.Mask([[0, 4]], [[0, 4]], total_q=2**40), ValueError, "total_q: 1099511627776 does not fit int32"),
     (lambda: ma.Mask(np.array([[0, 2**63]], np.uint64), [[0, 4]]), ValueError,
      "q_ranges: 9223372036854775808 does not fit int64"),
+    # Empty arrays of the wrong shape were taken for "no slices"; only [] (and [0, 2]) are.
+    (lambda: ma.Mask([[]], [[]]), ValueError, "q_ranges: expected shape [n, 2] (one [start, end) pair per slice), got [1, 0]"),
+    (lambda: ma.Mask(np.zeros((0, 2), int), np.zeros((0, 3), int)), ValueError, "k_ranges: expected shape [n, 2]"),
+    (lambda: ma.Mask([[0, 4]], [[0, 4]], np.array([["full"]])), ValueError, "types: expected shape [n]"),
+    (lambda: ma.Mask([[0, 4]], [[0, 4]], np.array(["sideways"])), ValueError, "types[0]: unknown mask type 'sideways'"),
 ]
 
 
@@ -125,6 +130,14 @@ def test_bad_masks_raise(case):
 
 
 # ---- the reference system's helpers ----
+
+
+def test_types_as_arrays_of_names():
+    """A numpy array of type names is what a list of them is (it was 'expected integers, got dtype <U6')."""
+    want = ma.Mask([[0, 4], [4, 8]], [[0, 4], [0, 8]], ["full", "causal"])
+    for types in (np.array(["full", "causal"]), np.array(["full", 1], dtype=object)):
+        assert ma.Mask([[0, 4], [4, 8]], [[0, 4], [0, 8]], types) == want
+    assert len(ma.Mask([], [], np.array([], dtype=str))) == 0
 
 
 def test_infer_attn_mask_from_cu_seqlens():
@@ -165,3 +178,6 @@ def test_infer_attn_mask_from_sliding_window_and_padding_helpers():
         ma.compute_pad_size(10, 0, 4)
     x = np.arange(2 * 3 * 4).reshape(2, 3, 4)
     assert ma.squash_batch_dim(x).shape == (6, 4) and (ma.squash_batch_dim(x)[3] == x[1, 0]).all()
+    # No elements (a row of no features): reshape(-1, 0) is ambiguous to numpy and torch; the size is not.
+    assert ma.squash_batch_dim(np.zeros((2, 3, 0))).shape == (6, 0)
+    assert ma.squash_batch_dim(np.zeros((0, 3, 0, 5))).shape == (0, 0, 5)

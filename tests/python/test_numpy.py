@@ -252,6 +252,16 @@ BAD = [
     ("backward do dtype, fp32 q", lambda q, k, v, m: ma.backward(m, *(x.astype(np.float32) for x in (q, k, v, q)),
                                                                    np.zeros(q.shape[:2], np.float32), q),
      ValueError, "do: dtype fp64 is not allowed here (allowed: fp32)"),
+    # Broadcast views (stride 0) of a huge virtual shape: the layout error, not a MemoryError from allocating an
+    # output of that shape first.
+    ("broadcast q", lambda q, k, v, m: ma.forward(m, np.broadcast_to(q[:1], (2**31 - 1, 2, 16)), k, v), ValueError,
+     "q: must be row-major contiguous"),
+    ("broadcast k, backward", lambda q, k, v, m: ma.backward(m, q, np.broadcast_to(k[:1], (2**31 - 1, 1, 16)), v, q,
+                                                             np.zeros(q.shape[:2]), q), ValueError,
+     "k: must be row-major contiguous"),
+    ("broadcast sink, backward", lambda q, k, v, m: ma.backward(m, q, k, v, q, np.zeros(q.shape[:2]), q,
+                                                                sink=np.broadcast_to(np.float32(0), (2**40, 2))),
+     ValueError, "sink: must be row-major contiguous"),
 ]
 
 
@@ -263,6 +273,17 @@ def test_bad_input_raises_naming_the_argument(rng, case):
     with pytest.raises(error) as info:
         call(q, k, v, mask)
     assert message in str(info.value), str(info.value)
+
+
+def test_out_dtype_as_a_scalar_type_of_another_framework(rng):
+    """out_dtype=jax.numpy.float32 (a scalar type, printed "<class 'jax.numpy.float32'>") was an unknown dtype."""
+    mask = ma.masks.causal(16)
+    q, k, v, _ = inputs(rng, 16, 16, 2, 1, 8, "fp64")
+    jnp_float32 = type("float32", (), {"__module__": "jax.numpy"})
+    out, _ = ma.forward(mask, q, k, v, out_dtype=jnp_float32)
+    assert out.dtype == np.float32
+    with pytest.raises(ValueError, match="out_dtype: unknown dtype"):
+        ma.forward(mask, q, k, v, out_dtype=type("int32", (), {"__module__": "jax.numpy"}))
 
 
 def test_omp_num_threads_past_the_limit_is_capped():

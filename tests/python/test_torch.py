@@ -249,6 +249,9 @@ BAD = [
      "softmax_scale: too large"),
     ("max_logits text", lambda q, k, v, r: ma.flex_flash_attn_func(q, k, v, *r, return_max_logits="no"), TypeError,
      "return_max_logits: expected a bool"),
+    # An expanded (stride 0) q of a huge virtual shape: the layout error, not out's allocation failing first.
+    ("expanded q", lambda q, k, v, r: ma.flex_flash_attn_func(q[:1].expand(2**31 - 1, 2, 8), k, v, *r), ValueError,
+     "q: must be row-major contiguous"),
 ]
 
 
@@ -260,6 +263,44 @@ def test_bad_input(rng, case):
     with pytest.raises(error) as info:
         call(q, k, v, ranges(mask, "cpu"))
     assert message in str(info.value), str(info.value)
+
+
+def test_double_backward_is_an_error_not_a_dropped_term(rng):
+    """The backward is no graph: a gradient taken with create_graph=True must refuse a second differentiation
+    (it silently contributed nothing, so a gradient penalty lost the attention's term)."""
+    mask = ma.masks.causal(16)
+    q, k, v, _ = make(rng, mask, 2, 1, 8, "fp64", "cpu")
+    q.requires_grad_()
+    for second in (lambda g: torch.autograd.grad(g.pow(2).sum() + q.sum(), q),  # gave 1s: the attention's term lost
+                   lambda g: (g.pow(2).sum() + q.sum()).backward()):
+        out, _ = ma.flex_flash_attn_func(q, k, v, *ranges(mask, "cpu"))
+        g, = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+        with pytest.raises(RuntimeError, match="attention gradients are not differentiable"):
+            second(g)
+    out, _ = ma.flex_flash_attn_func(q, k, v, *ranges(mask, "cpu"))  # create_graph, first order only: as without
+    g, = torch.autograd.grad(out.sum(), q, create_graph=True)
+    assert torch.equal(g, torch.autograd.grad(ma.flex_flash_attn_func(q, k, v, *ranges(mask, "cpu"))[0].sum(), q)[0])
+    g.mul_(0.5)  # and it is no view: in-place changes (gradient clipping) work
+
+
+def test_forward_ad_is_an_error_not_a_lost_tangent(rng):
+    """Forward-mode AD (dual tensors that need no grad) got a result without a tangent; now torch's error."""
+    import torch.autograd.forward_ad as fwad
+    mask = ma.masks.causal(16)
+    q, k, v, _ = make(rng, mask, 2, 1, 8, "fp64", "cpu")
+    with fwad.dual_level(), pytest.raises(NotImplementedError, match="jvp"):
+        ma.flex_flash_attn_func(fwad.make_dual(q, torch.ones_like(q)), k, v, *ranges(mask, "cpu"))
+    out, _ = ma.flex_flash_attn_func(q, k, v, *ranges(mask, "cpu"))  # and no dual level: runs as before
+    assert out.shape == q.shape
+
+
+def test_neutral_api_names_an_unsupported_torch_device(rng):
+    """ma.forward with torch tensors on 'meta' raised RuntimeError('std::bad_cast') from the extension."""
+    mask = ma.masks.causal(16)
+    q, k, v, _ = make(rng, mask, 2, 1, 8, "fp32", "cpu")
+    for args, name in (((q.to("meta"), k.to("meta"), v.to("meta")), "q"), ((q, k.to("meta"), v), "k")):
+        with pytest.raises(ValueError, match=f"{name}: tensors on meta are not supported"):
+            ma.forward(mask, *args)
 
 
 # ---- GPU only ----
