@@ -7,6 +7,8 @@
 #include <string>
 #include <string_view>
 
+#include "magi/error.hpp"
+
 namespace magi {
 
 enum class DType : int32_t { F64, F32, BF16, F16 };
@@ -33,6 +35,10 @@ struct TensorView {
   TensorView() = default;
   TensorView(void* ptr, DType dt, std::initializer_list<int64_t> dims, Device dev = {})
       : data(ptr), dtype(dt), ndim(static_cast<int32_t>(dims.size())), device(dev) {
+    // More dims would be written past `shape` (over `device`).
+    if (dims.size() > kMaxDims)
+      throw InvalidArgument("TensorView: " + std::to_string(dims.size()) + " dimensions (allowed: at most " +
+                            std::to_string(kMaxDims) + ")");
     int i = 0;
     for (int64_t d : dims) shape[i++] = d;
   }

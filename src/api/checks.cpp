@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 
 namespace magi::api {
@@ -10,6 +11,13 @@ std::string describe(const TensorView& t) { return std::string(to_string(t.dtype
 
 void require_defined(const TensorView& t, const char* name) {
   if (t.ndim == 0) throw InvalidArgument(std::string(name) + " is required but was not given");
+  // shape holds kMaxDims entries: a larger ndim would read past it.
+  if (t.ndim < 0 || t.ndim > TensorView::kMaxDims)
+    throw InvalidArgument(std::string(name) + ": ndim " + std::to_string(t.ndim) + " (allowed: 1 .. " +
+                          std::to_string(TensorView::kMaxDims) + ")");
+  if (t.device.type != DeviceType::CPU && t.device.type != DeviceType::CUDA)
+    throw InvalidArgument(std::string(name) + ": unknown device type " + std::to_string(static_cast<int>(t.device.type)) +
+                          " (allowed: CPU, CUDA)");
   int64_t bytes = static_cast<int64_t>(dtype_size(t.dtype));
   for (int i = 0; i < t.ndim; ++i) {
     if (t.shape[i] < 0) throw InvalidArgument(std::string(name) + ": negative dimension in " + shape_string(t));
@@ -71,15 +79,29 @@ void require_disjoint(std::initializer_list<Named> outputs, std::initializer_lis
   }
 }
 
+namespace {
+// "1e+39", not std::to_string's 40 digits (or "0.000000" for a tiny value).
+std::string shortest(double x) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", x);
+  return text;
+}
+}  // namespace
+
 void require_valid_scalars(const AttentionOptions& o) {
   // The kernels apply the scale in fp32: past fp32's largest it would be inf, and out NaN.
   if (o.softmax_scale &&
       (!std::isfinite(*o.softmax_scale) || std::abs(*o.softmax_scale) > std::numeric_limits<float>::max()))
     throw InvalidArgument("softmax_scale must be finite and at most 3.4e38 in magnitude (fp32's largest), got " +
-                          std::to_string(*o.softmax_scale));
+                          shortest(*o.softmax_scale));
   if (!std::isfinite(o.softcap) || o.softcap < 0 || o.softcap > std::numeric_limits<float>::max())
     throw InvalidArgument("softcap must be finite and >= 0 (0 = off, at most 3.4e38: fp32's largest), got " +
-                          std::to_string(o.softcap));
+                          shortest(o.softcap));
+  // The kernels test and divide by softcap in fp32: below fp32's smallest normal it rounds (or flushes) to 0, and
+  // the softcap was silently off.
+  if (o.softcap > 0 && o.softcap < std::numeric_limits<float>::min())
+    throw InvalidArgument("softcap must be 0 (off) or at least 1.2e-38 (fp32's smallest normal), got " +
+                          shortest(o.softcap));
 }
 
 }  // namespace magi::api

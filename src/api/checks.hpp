@@ -30,7 +30,7 @@ struct Named {
   const char* name;
 };
 void require_disjoint(std::initializer_list<Named> outputs, std::initializer_list<Named> inputs);
-// softmax_scale finite; softcap finite, >= 0 and within fp32's range (the kernels divide by it in fp32).
+// softmax_scale finite; softcap 0 or within fp32's normal range (the kernels divide by it in fp32).
 void require_valid_scalars(const AttentionOptions& options);
 
 }  // namespace magi::api

@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <exception>
 #include <iostream>
+#include <new>
 #include <string>
 #include <thread>
 #include <vector>
@@ -95,6 +96,9 @@ int main(int argc, char** argv) {
     // printed (1 run in ~30), so this rank leaves a little later.
     std::this_thread::sleep_for(std::chrono::seconds(2));
     return quiet.exit_code;
+  } catch (const std::bad_alloc&) {
+    // what() is only "std::bad_alloc": say what it means.
+    print_error("out of memory: the inputs or options (tokens, heads, head dim) need more memory than is available");
   } catch (const std::exception& e) {
     print_error(e.what());
   } catch (...) {

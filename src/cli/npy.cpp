@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <optional>
 #include <sstream>
 
@@ -125,6 +126,9 @@ Header parse_header(std::string_view text, const std::string& path) {
     }
   }
   if (!have_descr || !have_order || !have_shape) p.bad("needs the keys descr, fortran_order and shape");
+  // numpy pads the dict with spaces and a newline; anything else after it is not a .npy header.
+  p.skip_space();
+  if (p.pos != text.size()) p.bad("unexpected text after the dict");
   return header;
 }
 
@@ -171,6 +175,36 @@ std::optional<int64_t> checked_product(std::span<const int64_t> shape) {
   for (int64_t d : shape)
     if (__builtin_mul_overflow(n, d, &n)) return std::nullopt;
   return n;
+}
+
+// Where the data of a file starting with `prefix` begins, or nothing where the prefix is not a supported .npy start
+// (parse_npy says why).
+std::optional<size_t> data_start_of(std::span<const unsigned char> prefix) {
+  if (prefix.size() < sizeof(kMagic) + 4 || std::memcmp(prefix.data(), kMagic, sizeof(kMagic)) != 0) return std::nullopt;
+  const int major = prefix[6], minor = prefix[7];
+  if ((major != 1 && major != 2) || minor != 0) return std::nullopt;
+  const size_t length_bytes = major == 1 ? 2 : 4;
+  if (prefix.size() < 8 + length_bytes) return std::nullopt;
+  size_t header_length = 0;
+  for (size_t i = 0; i < length_bytes; ++i) header_length |= size_t{prefix[8 + i]} << (8 * i);
+  return 8 + length_bytes + header_length;
+}
+
+// The file size that a complete header announces (header and data), or nothing where the header names no supported
+// dtype or a size beyond 64 bits (parse_npy says why). A malformed header throws parse_npy's error.
+std::optional<size_t> announced_size(std::span<const unsigned char> prefix, size_t data_start, const std::string& path) {
+  if (prefix.size() < data_start) return std::nullopt;
+  const size_t header_offset = prefix[6] == 1 ? 10 : 12;
+  const Header header = parse_header(
+      std::string_view(reinterpret_cast<const char*>(prefix.data()) + header_offset, data_start - header_offset), path);
+  const int64_t item = header.descr == "<f4" ? 4 : header.descr == "<f8" ? 8 : 0;
+  const std::optional<int64_t> count = checked_product(header.shape);
+  int64_t data_bytes = 0;
+  size_t total = 0;
+  if (item == 0 || !count || __builtin_mul_overflow(*count, item, &data_bytes) ||
+      __builtin_add_overflow(data_start, static_cast<size_t>(data_bytes), &total))
+    return std::nullopt;
+  return total;
 }
 
 }  // namespace
@@ -241,9 +275,30 @@ NpyArray parse_npy(std::span<const unsigned char> bytes, const std::string& path
 NpyArray read_npy(const std::string& path) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) fail(path, "is a directory, not a .npy file");
+  const bool regular = std::filesystem::is_regular_file(path, ec);
   std::ifstream in(path, std::ios::binary);
   if (!in) fail(path, std::string("cannot open: ") + std::strerror(errno));
-  std::vector<unsigned char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  // Read no more than the header announces (and one byte to see extra data): a device such as /dev/zero, or an endless
+  // pipe, was read until memory ran out. A regular file is read to its end, so that extra data is counted.
+  std::vector<unsigned char> bytes;
+  const auto read_up_to = [&](size_t size) {
+    while (bytes.size() < size && in) {
+      const size_t old = bytes.size(), chunk = std::min<size_t>(size - old, size_t{1} << 24);
+      bytes.resize(old + chunk);
+      in.read(reinterpret_cast<char*>(bytes.data() + old), static_cast<std::streamsize>(chunk));
+      bytes.resize(old + static_cast<size_t>(in.gcount()));
+    }
+  };
+  read_up_to(sizeof(kMagic) + 6);
+  if (const std::optional<size_t> start = data_start_of(bytes)) {
+    read_up_to(*start);
+    if (const std::optional<size_t> total = announced_size(bytes, *start, path)) {
+      read_up_to(*total + 1);
+      if (bytes.size() > *total && regular) read_up_to(std::numeric_limits<size_t>::max());
+    } else if (regular) {
+      read_up_to(std::numeric_limits<size_t>::max());  // parse_npy's message counts the data bytes
+    }
+  }
   if (in.bad()) fail(path, "read error");
   return parse_npy(bytes, path);
 }
@@ -295,6 +350,9 @@ void replace_file(const std::string& path, const std::function<void(const std::s
   namespace fs = std::filesystem;
   std::error_code ec;
   if (fs::is_directory(path, ec)) fail(path, "cannot write: is a directory");
+  // The rename would replace a device or FIFO (as root, /dev/null itself) with a regular file.
+  if (const fs::file_status st = fs::status(path, ec); fs::exists(st) && !fs::is_regular_file(st))
+    fail(path, "cannot write: exists and is not a regular file (allowed: a new file or a regular file to replace)");
   const std::string temporary = temporary_beside(path).string();
   try {
     write(temporary);

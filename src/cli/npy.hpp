@@ -35,7 +35,8 @@ void write_file(const std::string& path, std::span<const unsigned char> bytes);
 
 // Output files that never leave a partial file behind and never clobber an existing one on failure: `write` fills
 // a temporary beside `path` (same folder, so the rename is atomic), which is renamed over `path` only on success
-// and removed otherwise. Errors are InvalidArgument naming `path`.
+// and removed otherwise. A `path` that exists but is not a regular file (a device, a FIFO) is refused. Errors are
+// InvalidArgument naming `path`.
 void replace_file(const std::string& path, const std::function<void(const std::string& temporary)>& write);
 void replace_file(const std::string& path, std::span<const unsigned char> bytes);
 // A temporary name beside `path`: ".NAME.tmp.PID" in its folder.

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <limits>
 
 #include "cli/mask_file.hpp"
 #include "cli/npy.hpp"
@@ -66,6 +67,7 @@ RunSettings parse_run_settings(const Options& options) {
   for (const char* name : {"mask", "q", "k", "v", "out-dir"}) options.require(name);
   RunSettings s;
   s.out_dir = options.require("out-dir");
+  if (s.out_dir.empty()) throw InvalidArgument("--out-dir: empty path (allowed: a folder, created if missing)");
   if (std::error_code ec; fs::exists(s.out_dir, ec) && !fs::is_directory(s.out_dir, ec))
     throw InvalidArgument("--out-dir " + s.out_dir.string() + ": exists and is not a directory");
   AttentionOptions& attention = s.attention;
@@ -88,11 +90,18 @@ RunSettings parse_run_settings(const Options& options) {
           throw InvalidArgument("--out-dir " + s.out_dir.string() + ": its " + name + " is the --" + input +
                                 " input " + *path + " (outputs must not overwrite inputs; choose another --out-dir)");
   if (auto text = options.get("dtype")) s.dtype = parse_dtype(*text, "--dtype");
+  // The kernels compute in fp32: the library refuses what fp32 cannot hold; say so naming the option, before any file
+  // is read.
+  constexpr double kFp32Max = std::numeric_limits<float>::max(), kFp32MinNormal = std::numeric_limits<float>::min();
   attention.softmax_scale = options.get_double("softmax-scale");
-  if (attention.softmax_scale && *attention.softmax_scale <= 0.0)
-    throw InvalidArgument("--softmax-scale: must be > 0, got " + *options.get("softmax-scale"));
+  if (attention.softmax_scale && (*attention.softmax_scale <= 0.0 || *attention.softmax_scale > kFp32Max))
+    throw InvalidArgument("--softmax-scale: must be > 0 and at most 3.4e38 (fp32's largest), got " +
+                          *options.get("softmax-scale"));
   attention.softcap = options.get_double("softcap").value_or(0.0);
-  if (attention.softcap < 0.0) throw InvalidArgument("--softcap: must be >= 0, got " + *options.get("softcap"));
+  if (attention.softcap < 0.0 || attention.softcap > kFp32Max ||
+      (attention.softcap > 0.0 && attention.softcap < kFp32MinNormal))
+    throw InvalidArgument("--softcap: must be 0 (off) or in [1.2e-38, 3.4e38] (fp32's normal range), got " +
+                          *options.get("softcap"));
   if (auto text = options.get("backend")) attention.backend = parse_backend(*text, "--backend");
   attention.num_threads = get_threads(options);
   return s;
@@ -169,14 +178,29 @@ void write_outputs(const fs::path& dir, const OutputFiles& files) {
     if (fs::is_directory(dir / name, ec))
       throw InvalidArgument("--out-dir " + dir.string() + ": cannot write " + name + ": " + (dir / name).string() +
                             " is a directory");
-  if (!existed && !fs::create_directories(dir, ec) && ec)
-    throw InvalidArgument("--out-dir " + dir.string() + ": cannot create: " + ec.message());
+  // The folders this call creates (DIR and any missing parents), innermost first, so that an error removes them all.
+  std::vector<fs::path> created;
+  if (!existed) {
+    for (fs::path p = dir; !p.empty() && !fs::exists(p, ec); p = p.parent_path()) {
+      created.push_back(p);
+      if (p == p.parent_path()) break;
+    }
+    if (!fs::create_directories(dir, ec) && ec)
+      throw InvalidArgument("--out-dir " + dir.string() + ": cannot create: " + ec.message());
+  }
   std::vector<fs::path> temporaries;
   const std::string suffix = ".tmp." + std::to_string(::getpid());
   try {
     for (const auto& [name, bytes] : files) {
       temporaries.push_back(dir / ("." + name + suffix));
-      write_file(temporaries.back().string(), bytes);
+      try {
+        write_file(temporaries.back().string(), bytes);
+      } catch (const Error& e) {
+        // write_file names the temporary; the user knows the option and the output's name.
+        const std::string what = e.what(), temporary = temporaries.back().string();
+        const std::string problem = what.starts_with(temporary + ": ") ? what.substr(temporary.size() + 2) : what;
+        throw InvalidArgument("--out-dir " + dir.string() + ": cannot write " + name + ": " + problem);
+      }
     }
     for (size_t i = 0; i < files.size(); ++i) {
       fs::rename(temporaries[i], dir / files[i].first, ec);
@@ -184,7 +208,7 @@ void write_outputs(const fs::path& dir, const OutputFiles& files) {
     }
   } catch (...) {
     for (const fs::path& t : temporaries) fs::remove(t, ec);
-    if (!existed) fs::remove(dir, ec);
+    for (const fs::path& p : created) fs::remove(p, ec);  // only empty folders go
     throw;
   }
 }

@@ -110,6 +110,11 @@ int trace_command(std::span<const std::string> args) {
   }
   if (files.empty()) throw InvalidArgument("trace: no rank_N.json in " + dir + " (run with MAGI_ATTENTION_PROFILE_DIR=" + dir + ")");
   std::sort(files.begin(), files.end(), [](const Rank& a, const Rank& b) { return a.rank < b.rank; });
+  // rank_1.json and rank_01.json are one rank twice: merged, its time would count twice.
+  for (size_t i = 1; i < files.size(); ++i)
+    if (files[i].rank == files[i - 1].rank)
+      throw InvalidArgument("trace: " + files[i - 1].path + " and " + files[i].path + " are both rank " +
+                            std::to_string(files[i].rank) + " (allowed: one rank_N.json per rank)");
 
   const std::string out = options.get("out").value_or((fs::path(dir) / "trace.json").string());
   for (const Rank& f : files)
@@ -131,6 +136,10 @@ int trace_command(std::span<const std::string> args) {
     } catch (const std::exception& e) {
       throw InvalidArgument("trace: " + f.path + ": " + e.what());
     }
+    // A file renamed or copied from another run's rank would be reported under the wrong rank.
+    if (rank != f.rank)
+      throw InvalidArgument("trace: " + f.path + ": magi_rank " + std::to_string(rank) +
+                            " does not match the rank in its name (" + std::to_string(f.rank) + ")");
     for (auto& event : doc["traceEvents"]) merged.push_back(std::move(event));
     const dist::Overlap o = dist::overlap_of(spans);
     total.compute_us += o.compute_us;

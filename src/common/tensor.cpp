@@ -1,5 +1,6 @@
 #include "magi/tensor.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 
@@ -29,7 +30,10 @@ DType parse_dtype(std::string_view text, std::string_view what) {
 std::string shape_string(const TensorView& t) {
   std::ostringstream os;
   os << '[';
-  for (int i = 0; i < t.ndim; ++i) os << (i ? ", " : "") << t.shape[i];
+  // A hand-set ndim outside [0, kMaxDims] must not read past `shape`.
+  const int shown = std::clamp(t.ndim, 0, TensorView::kMaxDims);
+  for (int i = 0; i < shown; ++i) os << (i ? ", " : "") << t.shape[i];
+  if (t.ndim != shown) os << (shown ? ", " : "") << "... (ndim " << t.ndim << ")";
   os << ']';
   return os.str();
 }

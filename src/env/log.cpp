@@ -56,6 +56,9 @@ void write(Level message_level, std::string_view message) {
   if (!enabled(message_level)) return;
   std::string line(prefix(message_level));
   line.append(message);
+  // One line per message, whatever it quotes (a variable's value may hold a newline).
+  for (size_t i = prefix(message_level).size(); i < line.size(); ++i)
+    if (line[i] == '\n' || line[i] == '\r') line[i] = ' ';
   line.push_back('\n');
   std::lock_guard lock(g_write_mutex);
   std::fwrite(line.data(), 1, line.size(), stderr);

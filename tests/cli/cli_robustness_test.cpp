@@ -2,6 +2,8 @@
 // replace inputs, failed writes. Each error must be one stderr line, exit 2, nothing written or changed.
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+
 #include <cstring>
 
 #include "cli/npy.hpp"
@@ -21,6 +23,20 @@ void write_text(const std::string& path, const std::string& text) {
 CliResult run_cli_with_file_limit(int blocks, const std::vector<std::string>& args) {
   TempDir capture;
   std::string command = "(trap '' XFSZ; ulimit -f " + std::to_string(blocks) + "; exec " + shell_quote(MAGI_CLI_PATH);
+  for (const std::string& arg : args) command += " " + shell_quote(arg);
+  command += ") >" + shell_quote(capture / "stdout") + " 2>" + shell_quote(capture / "stderr") + " </dev/null";
+  const int status = std::system(command.c_str());
+  CliResult result;
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  result.out = slurp(capture / "stdout");
+  result.err = slurp(capture / "stderr");
+  return result;
+}
+
+// Runs magi-attn in a shell whose address space is limited to `kib` KiB (ulimit -v): a read without bound fails fast.
+CliResult run_cli_with_memory_limit(long kib, const std::vector<std::string>& args) {
+  TempDir capture;
+  std::string command = "(ulimit -v " + std::to_string(kib) + "; exec " + shell_quote(MAGI_CLI_PATH);
   for (const std::string& arg : args) command += " " + shell_quote(arg);
   command += ") >" + shell_quote(capture / "stdout") + " 2>" + shell_quote(capture / "stderr") + " </dev/null";
   const int status = std::system(command.c_str());
@@ -129,6 +145,17 @@ TEST_F(CliRobustness, RunChecksEveryDestinationBeforeTheFirstRename) {
   EXPECT_EQ(entries, 0u) << "temporaries or outputs left in the output folder";
 }
 
+// A failed write names --out-dir and the output (not the temporary), and removes every folder the run created.
+TEST_F(CliRobustness, RunFailedWriteRemovesTheFoldersItCreated) {
+  const std::string nested = dir_ / "new/a/b";
+  auto args = run_args(dir_ / "q.npy", nested);
+  args.insert(args.end(), {"--do", dir_ / "q.npy"});  // dq.npy etc.: past the 1 KiB limit
+  const CliResult r = run_cli_with_file_limit(1, args);
+  expect_error(r, {"--out-dir", "new/a/b", "out.npy"});
+  EXPECT_EQ(r.err.find(".tmp."), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(dir_ / "new")) << "folders created for the outputs were left behind";
+}
+
 // ---- 5: a failed write keeps the old file and leaves no temporary ----
 
 TEST_F(CliRobustness, TraceFailedWriteKeepsTheOldFile) {
@@ -154,6 +181,18 @@ TEST_F(CliRobustness, MaskPngFailedWriteKeepsTheOldFile) {
   const CliResult ok = run_cli({"mask", "--preset", "causal", "--tq", "16", "--png", dir_ / "x.png"});
   ASSERT_EQ(ok.exit_code, 0) << describe(ok);
   EXPECT_EQ(slurp(dir_ / "x.png").substr(1, 3), "PNG");
+}
+
+// An output that exists but is not a regular file (a FIFO here; /dev/null as root) is refused, not renamed over.
+TEST_F(CliRobustness, OutputsRefuseSpecialFiles) {
+  const std::string fifo = dir_ / "pipe";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  expect_error(run_cli({"mask", "--preset", "causal", "--tq", "16", "--png", fifo}),
+               {"--png", "pipe", "not a regular file"});
+  EXPECT_TRUE(fs::is_fifo(fifo)) << "the FIFO was replaced by a regular file";
+  write_text(dir_ / "rank_0.json", rank_timeline(0, 2));
+  expect_error(run_cli({"trace", dir_.path().string(), "--out", fifo}), {"--out", "pipe", "not a regular file"});
+  EXPECT_TRUE(fs::is_fifo(fifo)) << "the FIFO was replaced by a regular file";
 }
 
 // ---- 6: .npy shapes beyond int64 / int32 ----
@@ -190,6 +229,38 @@ TEST_F(CliRobustness, NpyExtentAboveInt32IsRefused) {
   EXPECT_FALSE(fs::exists(dir_ / "out"));
 }
 
+// A device that never ends (/dev/zero) is read only as far as the header (it was read until memory ran out), and a
+// valid file is still read whole.
+TEST_F(CliRobustness, NpyFromAnEndlessDeviceIsRefusedAtOnce) {
+  expect_error(run_cli_with_memory_limit(1 << 21, run_args("/dev/zero", dir_ / "out")), {"--q", "/dev/zero", "bad magic"});
+  EXPECT_FALSE(fs::exists(dir_ / "out"));
+  // On the CPU: a CUDA context reserves more address space than the limit leaves.
+  auto on_cpu = run_args(dir_ / "q.npy", dir_ / "out");
+  on_cpu.insert(on_cpu.end(), {"--backend", "cpu"});
+  const CliResult ok = run_cli_with_memory_limit(1 << 21, on_cpu);
+  EXPECT_EQ(ok.exit_code, 0) << describe(ok);
+}
+
+// Values that fp32 (the kernels' arithmetic) cannot hold are refused naming the option, before any file is read: a
+// softcap below fp32's smallest normal was silently off (rounded to 0), a scale past fp32's largest named the
+// library's softmax_scale with 40 digits.
+TEST_F(CliRobustness, RunRefusesScalarsOutsideFp32UpFront) {
+  auto args = run_args(dir_ / "missing.npy", dir_ / "out");
+  for (const char* softcap : {"1e-320", "1e-39", "1e39"}) {
+    auto with = args;
+    with.insert(with.end(), {"--softcap", softcap});
+    expect_error(run_cli(with), {"--softcap", softcap, "fp32"});
+  }
+  auto with = args;
+  with.insert(with.end(), {"--softmax-scale", "1e39"});
+  expect_error(run_cli(with), {"--softmax-scale", "1e39", "3.4e38"});
+  EXPECT_FALSE(fs::exists(dir_ / "out"));
+}
+
+TEST_F(CliRobustness, RunRefusesAnEmptyOutDir) {
+  expect_error(run_cli(run_args(dir_ / "q.npy", "")), {"--out-dir", "empty path"});
+}
+
 // ---- 7: trace errors name the file and the field ----
 
 TEST_F(CliRobustness, TraceErrorsNameTheFileAndField) {
@@ -206,6 +277,13 @@ TEST_F(CliRobustness, TraceErrorsNameTheFileAndField) {
     write_text(dir_ / "rank_1.json", "{\"magi_rank\": 1, \"traceEvents\": [" + event + "]}");
     expect_error(run_cli({"trace", dir_.path().string()}), {"rank_1.json", "]." + field + " is"});
   }
+  fs::remove(dir_ / "rank_1.json");
+  // One rank twice (its time counted twice), and a file whose magi_rank is not the rank in its name.
+  write_text(dir_ / "rank_00.json", rank_timeline(0, 2));
+  expect_error(run_cli({"trace", dir_.path().string()}), {"rank_0.json", "rank_00.json", "both rank 0"});
+  fs::remove(dir_ / "rank_00.json");
+  write_text(dir_ / "rank_1.json", rank_timeline(3, 2));
+  expect_error(run_cli({"trace", dir_.path().string()}), {"rank_1.json", "magi_rank 3", "(1)"});
   fs::remove(dir_ / "rank_1.json");
   fs::create_directories(dir_ / "rank_2.json");
   expect_error(run_cli({"trace", dir_.path().string()}), {"rank_2.json", "not a regular file"});

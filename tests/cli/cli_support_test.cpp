@@ -70,6 +70,18 @@ TEST(Npy, RoundTripsShapesAndDtypes) {
   }
 }
 
+// numpy pads the header dict with spaces and a newline; other text after it (which numpy refuses) is malformed.
+TEST(Npy, RefusesTextAfterTheHeaderDict) {
+  const std::string data(8, '\0');
+  for (const std::string& tail : {std::string(" junk"), std::string(", 'x'"), std::string(1, '\0')}) {
+    const std::string message =
+        expect_npy_error(handmade_npy("{'descr': '<f4', 'fortran_order': False, 'shape': (2,), }" + tail, 1, data));
+    EXPECT_NE(message.find("unexpected text after the dict"), std::string::npos) << message;
+  }
+  EXPECT_NO_THROW(parse_npy(handmade_npy("{'descr': '<f4', 'fortran_order': False, 'shape': (2,), }  \n ", 1, data),
+                            "x.npy"));
+}
+
 TEST(Npy, HeaderTextMatchesNumpy) {
   const auto bytes = encode_npy(DType::F32, std::vector<int64_t>{7}, std::vector<double>(7, 1.0));
   const size_t data_start = 10 + bytes[8] + 256 * bytes[9];

@@ -193,6 +193,43 @@ TEST_F(ApiArguments, ShapesBeyondInt64) {
   expect_forward_rejects(a, "q: [1048576, 1048576, 16777216] holds more bytes than fit in int64");
 }
 
+// A hand-set ndim outside [1, kMaxDims] was read past TensorView::shape (a crash at 100000); a 5-dim TensorView wrote
+// its fifth extent over `device`; an unknown device type was called a CUDA device.
+TEST_F(ApiArguments, NdimAndDeviceOutsideTheirRanges) {
+  for (const int32_t ndim : {5, -1, 100000}) {
+    ForwardArgs a = forward_args();
+    a.q.ndim = ndim;
+    expect_forward_rejects(a, "q: ndim " + std::to_string(ndim) + " (allowed: 1 .. 4)");
+    a = forward_args();
+    a.lse.ndim = ndim;
+    expect_forward_rejects(a, "lse: ndim " + std::to_string(ndim));
+    a = forward_args();
+    a.sink.ndim = ndim;
+    expect_forward_rejects(a, "sink: ndim");
+  }
+  TensorView odd = out_.view();
+  odd.ndim = 9;
+  EXPECT_EQ(shape_string(odd), "[24, 4, 32, 0, ... (ndim 9)]");
+  const std::string message = invalid_argument_message([] { TensorView t(nullptr, DType::F32, {1, 2, 3, 4, 5}); });
+  EXPECT_NE(message.find("TensorView: 5 dimensions (allowed: at most 4)"), std::string::npos) << message;
+
+  ForwardArgs a = forward_args();
+  for (TensorView* t : {&a.q, &a.k, &a.v, &a.sink, &a.out, &a.lse}) t->device.type = static_cast<DeviceType>(5);
+  expect_forward_rejects(a, "q: unknown device type 5 (allowed: CPU, CUDA)");
+}
+
+// The kernels hold softcap in fp32: below fp32's smallest normal it was 0 there, and the softcap silently off.
+TEST_F(ApiArguments, SoftcapBelowFp32sSmallestNormal) {
+  options_.softcap = 1e-39;
+  expect_forward_rejects(forward_args(), "softcap must be 0 (off) or at least 1.2e-38 (fp32's smallest normal), got 1e-39");
+  options_.softcap = 1e-320;
+  expect_forward_rejects(forward_args(), "softcap must be 0 (off)");
+  options_.softcap = 4e38;  // numbers in messages are short
+  expect_forward_rejects(forward_args(), "got 4e+38");
+  options_.softcap = std::numeric_limits<float>::min();
+  EXPECT_NO_THROW(magi::forward(mask_, forward_args(), options_));
+}
+
 TEST_F(ApiArguments, BackwardGradientsAndDsink) {
   ForwardArgs fa = forward_args();
   magi::forward(mask_, fa, options_);

@@ -411,6 +411,14 @@ TEST_F(EnvParse, LogLevelFiltersMessages) {
       << printed;
 }
 
+// A warning quoting a value with a newline stays one stderr line (it was two).
+TEST_F(EnvParse, WarningsAreOneLineWhateverTheValueHolds) {
+  set("CUDA_DEVICE_MAX_CONNECTIONS", "a\nb\r");
+  EXPECT_EQ(stderr_of_validation(),
+            "magi-attn: warning: CUDA_DEVICE_MAX_CONNECTIONS=a b  is invalid: allowed values are integers from 1 to 32; "
+            "magi-attn ignores it\n");
+}
+
 TEST_F(EnvParse, LogFunctionsPrefixAndFilter) {
   set("MAGI_ATTENTION_LOG_LEVEL", "info");
   ::testing::internal::CaptureStderr();
