@@ -111,6 +111,8 @@ if [ $RUN_SANITIZER = 1 ]; then
   # D 256 and both forward tiles: All/Features.MatchReference/d256_fp16, CudaBackend.ForwardTileChoicesMatchReference.
   small='CudaBackend.EmptyMaskGivesZerosAndMinusInf:CudaBackend.DeterministicModeSmallCase:All/Features.MatchReference/d40_bf16:All/Features.MatchReference/sink_sh'
   small+=':All/Features.MatchReference/d256_fp16:CudaBackend.ForwardTileChoicesMatchReference'
+  # On sm_90 the forward's pairs of q tiles (a cluster of two blocks multicasting K / V), D 128.
+  small+=':CudaBackend.ForwardPairsMatchReferenceAndSingleTiles'
   # Large head dims where built (D 520 in the 576 tile, forward + backward; D 376 / 456 in the 384 / 512 tiles: on
   # sm_90 the Hopper forward's column split, its consumers taking the items in turn with P through shared memory;
   # the deterministic D-split backward).

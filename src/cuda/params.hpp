@@ -100,6 +100,9 @@ struct FwdParams {
   const float* prev_lse;
   int32_t* work_counter;  // persistent grid: next work index (zeroed before each launch)
   DeviceList list;
+  // The same tiles with items as pairs (sm90::forward_takes_pairs): tiles 2i and 2i + 1 read the same K / V tiles in
+  // the same order (a tile without a partner is its own); passes count pairs. num_tiles 0: none.
+  DeviceList pairs;
 };
 
 struct BwdParams {

@@ -556,6 +556,63 @@ TEST(CudaBackend, ForwardTileChoicesMatchReference) {
   EXPECT_THROW(test_plan(documents, 1, 1, cuda::head_dim_supported(128) ? 128 : 64, bad), InvalidArgument);
 }
 
+// The Hopper forward's pairs of q tiles (sm90::forward_takes_pairs: a cluster of two blocks multicasting K / V):
+// tiles with a partner, tiles alone (each its own partner: both blocks compute it), q-overlap, GQA, softcap; judged
+// against the reference (with the backward on that forward's out and lse), and out, lse and max_logits bitwise those
+// of the same plan without pairs (the blocks' arithmetic is the same).
+TEST(CudaBackend, ForwardPairsMatchReferenceAndSingleTiles) {
+  if (!testing_sm90() || !cuda::head_dim_supported(128) ||
+      cuda::stats(*test_plan(masks::full(64, 64), 1, 1, 128)).padded_head_dim != 128)
+    GTEST_SKIP() << "no Hopper forward at tile 128 in this build or on this device";
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  const std::pair<std::string, Mask> cases[] = {
+      {"full 640 (two pairs and a tile alone)", masks::full(640, 640)},
+      {"varlen full", masks::varlen_full(cu_seqlens_of({384, 200, 300, 500, 152}))},
+      {"causal 512 (every tile alone)", masks::causal(512, 512)},
+      {"rectangles", random_rectangles(rng, 900, 700, 40)},
+  };
+  int index = 0;
+  for (const auto& [name, mask] : cases) {
+    CaseConfig c = config(index % 2 ? DType::F16 : DType::BF16, 4, 2, 128);
+    if (index % 3 == 1) c.softcap = 20.0;
+    cuda::PlanTuning pairs, singles;
+    pairs.forward_pairs = 1;
+    singles.forward_pairs = 0;
+    pairs.forward_tile_q = singles.forward_tile_q = 128;  // (short documents would take 64-row tiles, which pair not)
+    ASSERT_GT(cuda::stats(*test_plan(mask, c.heads_q, c.heads_kv, 128, pairs)).forward_pairs, 0) << name;
+    EXPECT_TRUE(check_cuda_case(mask, c, seed + index, name + ", pairs", false, pairs));
+    CaseData data = make_case(mask, c, seed + index);
+    DeviceCase dev(data, c);
+    std::vector<std::vector<std::pair<std::string, HostTensor>>> results;
+    for (const cuda::PlanTuning& tuning : {pairs, singles}) {
+      auto plan = test_plan(mask, c.heads_q, c.heads_kv, 128, tuning);
+      dev.poison();
+      cuda::forward(*plan, dev.forward_args(), cuda_options(c), nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      results.push_back(dev.results());
+    }
+    for (size_t i = 0; i < results[0].size(); ++i)
+      if (results[0][i].first == "out" || results[0][i].first == "lse" || results[0][i].first == "max_logits")
+        EXPECT_TRUE(check_bitwise_equal(results[0][i].first, results[0][i].second, results[1][i].second,
+                                        name + ", pairs against single tiles, seed " + std::to_string(seed)));
+    ++index;
+  }
+  // The planner's choice: pairs where the tiles stream long key ranges and at most an eighth of the pairs would be a
+  // tile alone.
+  EXPECT_EQ(cuda::stats(*test_plan(masks::full(4096, 4096), 2, 2, 128)).forward_pairs, 16);
+  EXPECT_EQ(cuda::stats(*test_plan(masks::full(1024, 1024), 2, 2, 128)).forward_pairs, 0);  // 1024 keys a tile
+  EXPECT_EQ(cuda::stats(*test_plan(masks::causal(4096, 4096), 2, 2, 128)).forward_pairs, 0);
+  EXPECT_EQ(cuda::stats(*test_plan(masks::full(640, 4096), 2, 2, 128)).forward_pairs, 0);  // two pairs, a tile alone
+  cuda::PlanTuning off, bad;
+  off.forward_pairs = 0;
+  EXPECT_EQ(cuda::stats(*test_plan(masks::full(4096, 4096), 2, 2, 128, off)).forward_pairs, 0);
+  bad.forward_pairs = 2;
+  EXPECT_THROW(test_plan(masks::full(4096, 4096), 2, 2, 128, bad), InvalidArgument);
+  bad.forward_pairs = -2;
+  EXPECT_THROW(test_plan(masks::full(4096, 4096), 2, 2, 128, bad), InvalidArgument);
+}
+
 // The forward's work order in passes of q heads (work_coords): every pass size gives the reference's result, with
 // q-overlap, GQA, sink and softcap. The planner takes passes for the Hopper forward over long key ranges only.
 TEST(CudaBackend, ForwardPassOrdersMatchReference) {

@@ -215,6 +215,50 @@ PassOrder order_in_passes(HostList& list, int32_t heads, double head_bytes, int6
   return {per_pass, static_cast<int32_t>(rest - list.tiles.begin())};
 }
 
+// The forward's tiles with items in pairs that read the same K / V tiles in the same order (FwdParams::pairs), for
+// the Hopper forward's clusters of two blocks; a tile without a partner is its own (both blocks compute it: the same
+// bits). Pairs keep the list's order of their first tile, then go in passes as `order` puts the pairs' first tiles
+// (the list's rule, with the resident clusters as slots). Returns no tiles where more than an eighth of the pairs would
+// be a tile alone or the tiles stream fewer than sm90::forward_pair_min_keys keys on average, unless `always`.
+template <class Order>
+HostList pair_tiles(const HostList& list, int32_t tile_k, bool always, Order&& order, PassOrder& passes) {
+  std::map<std::vector<int32_t>, size_t> waiting;  // k tiles read, in order -> the pair still missing its second
+  std::vector<detail::TileInfo> second;             // per pair (by its first tile's position in `first.tiles`)
+  HostList first;
+  for (const detail::TileInfo& t : list.tiles) {
+    if (t.count == 0) continue;
+    std::vector<int32_t> reads(static_cast<size_t>(t.count));
+    for (int32_t j = 0; j < t.count; ++j)
+      reads[static_cast<size_t>(j)] = list.items[static_cast<size_t>(t.first + j)].k0 / tile_k;
+    auto [at, fresh] = waiting.try_emplace(std::move(reads), first.tiles.size());
+    if (fresh) {
+      first.tiles.push_back(t);
+      second.push_back(t);
+    } else {
+      second[at->second] = t;
+      waiting.erase(at);
+    }
+  }
+  int64_t items = 0, busy = 0;
+  for (const detail::TileInfo& t : list.tiles) {
+    items += t.count;
+    busy += t.count > 0;
+  }
+  const bool long_works = items * tile_k >= int64_t{sm90::forward_pair_min_keys} * busy;
+  if (first.tiles.empty() || (!always && (waiting.size() * 8 > first.tiles.size() || !long_works))) return {};
+  // A pair's q tile index says where its second is (tile indices are unique).
+  std::map<int32_t, detail::TileInfo> partner;
+  for (size_t i = 0; i < first.tiles.size(); ++i) partner[first.tiles[i].tile] = second[i];
+  passes = order(first);
+  HostList out;
+  for (const detail::TileInfo& t : first.tiles) {
+    out.tiles.push_back(t);
+    out.tiles.push_back(partner[t.tile]);
+  }
+  passes.heavy_tiles *= 2;
+  return out;
+}
+
 // WorkItem::rank of a k-major list in its final order: a head's works run in the order of their tiles in the list
 // (work_coords), so an item's dQ add waits only on works taken before it (no deadlock on a persistent grid). The
 // Hopper dk/dv kernel walks a tile's items last first: under causal, sliding-window and document masks every k
@@ -456,6 +500,20 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   const PassOrder fwd_passes = fwd_per_pass == heads_q
                                    ? PassOrder{heads_q, 0}
                                    : order_in_passes(fwd, heads_q, 0.0, l2_bytes, fwd_slots, fwd_per_pass);
+  if (tuning.forward_pairs < -1 || tuning.forward_pairs > 1)
+    throw InvalidArgument("cuda plan: forward_pairs " + std::to_string(tuning.forward_pairs) +
+                          " is not one of -1 (the planner's choice), 0 (never), 1 (wherever the tile takes them)");
+  PassOrder fwd_pair_passes{heads_q, 0};
+  const HostList fwd_pairs =
+      sm90 && tuning.forward_pairs != 0 && sm90::forward_takes_pairs(plan->padded_d, fwd_q)
+          ? pair_tiles(fwd, fwd_k, tuning.forward_pairs == 1,
+                       [&](HostList& first) {
+                         return fwd_per_pass == heads_q ? PassOrder{heads_q, 0}
+                                                        : order_in_passes(first, heads_q, 0.0, l2_bytes, fwd_slots / 2,
+                                                                          fwd_per_pass);
+                       },
+                       fwd_pair_passes)
+          : HostList{};
   // The families' k tiles are the same up to head-dim tile 256; above, the Hopper kernel's is 64 keys, the portable
   // D-split kernel's 32 or 16.
   const int dkdv_k = plan->bwd_family == KernelFamily::Sm90 ? sm90::backward_tile_k(plan->padded_d)
@@ -513,6 +571,8 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
                    append(l.items.data(), l.items.size() * sizeof(WorkItem))};
   };
   const Offsets o_fwd = append_list(fwd);
+  const Offsets o_fwd_pairs{append(fwd_pairs.tiles.data(), fwd_pairs.tiles.size() * sizeof(detail::TileInfo)),
+                            o_fwd.items};  // the fwd list's items
   const Offsets o_dkdv = append_list(dkdv);
   const Offsets o_dq = dq_shared ? o_fwd : append_list(dq_own);
   const Offsets o_dkdv_cat = append_list(dkdv_cat);
@@ -535,6 +595,7 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   };
   // The dq list runs as one pass: every head of a tile in turn, in the list's order.
   plan->fwd = make_list(fwd, o_fwd, fwd_passes);
+  plan->fwd_pairs = make_list(fwd_pairs, o_fwd_pairs, fwd_pair_passes);
   plan->dkdv = make_list(dkdv, o_dkdv, dkdv_passes);
   plan->dq = make_list(dq, o_dq, {plan->hq, 0});
   if (plan->bwd_cat_group > 1) plan->dkdv_cat = make_list(dkdv_cat, o_dkdv_cat, dkdv_cat_passes);
@@ -557,6 +618,7 @@ PlanStats stats(const Plan& plan) {
   s.backward_variant = plan.bwd_variant;
   s.forward_heads_per_pass = plan.fwd.heads_per_pass;
   s.backward_cat_group = plan.bwd_cat_group;
+  s.forward_pairs = plan.fwd_pairs.num_tiles / 2;
   s.forward_items = plan.fwd_items;
   s.dkdv_items = plan.dkdv_items;
   s.dq_items = plan.dq_items;

@@ -38,8 +38,10 @@ using detail::WorkCoords;
 using detail::WorkItem;
 
 // kPlainOut: the plain epilogue's kernel (tiles.hpp: forward_has_plain_out), out through shared memory and a TMA
-// store where forward_stages_out.
-template <class T, int kD, int kTileQ, bool kPlainOut = false>
+// store where forward_stages_out. kPairs: a cluster of two blocks takes a pair of q tiles that read the same K / V
+// tiles (FwdParams::pairs, tiles.hpp forward_takes_pairs); each block loads half of every K / V tile and multicasts
+// it to both, so that the pair reads K and V from L2 once.
+template <class T, int kD, int kTileQ, bool kPlainOut = false, bool kPairs = false>
 struct ForwardKernel {
   using Element = typename CuteElement<T>::type;
   static_assert(!kPlainOut || forward_has_plain_out(kD), "the plain epilogue needs all of a row's columns");
@@ -50,7 +52,9 @@ struct ForwardKernel {
   static constexpr int kQStages = forward_q_stages(kD);
   static constexpr int kConsumers = forward_consumers(kD, kM);
   static constexpr int kClusterSize = forward_cluster_size(kD);
-  static constexpr bool kCluster = kClusterSize > 1;
+  static constexpr bool kCluster = kClusterSize > 1;  // D split over the blocks of a cluster
+  static_assert(!kPairs || (!kCluster && kPlainOut && forward_takes_pairs(kD, kTileQ)), "pairs: tiles.hpp");
+  static constexpr int kLaunchCluster = kPairs ? 2 : kClusterSize;  // blocks a cluster
   static constexpr int kBlockD = forward_block_head_dim(kD);  // the part of D this block holds
   static constexpr bool kSplitColumns = forward_splits_columns(kD);
   static constexpr int kOCols = kSplitColumns ? kBlockD / kConsumers : kBlockD;  // O's columns in one consumer
@@ -116,8 +120,9 @@ struct ForwardKernel {
   using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)), GmemLayout{}));
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(LayoutQ{}),
                                       Shape<Int<kM>, Int<kBlockD>>{}, _1{}));
-  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(LayoutK{}),
-                                       Shape<Int<kN>, Int<kBlockD>>{}, _1{}));
+  using KVCopy = std::conditional_t<kPairs, SM90_TMA_LOAD_MULTICAST, SM90_TMA_LOAD>;
+  using TmaKV = decltype(make_tma_copy(KVCopy{}, GmemTensor{}, take<0, 2>(LayoutK{}), Shape<Int<kN>, Int<kBlockD>>{},
+                                       Int<kPairs ? 2 : 1>{}));
   // A consumer's 64 rows of out (kStageOut), the source of its TMA store.
   using LayoutO = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<_64, Int<kBlockD>>{}));
   using GmemTensorOut = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GmemLayout{}));
@@ -181,10 +186,10 @@ struct ForwardKernel {
     return {p,
             make_tma_copy(SM90_TMA_LOAD{}, tensor(p.q, p.tq, p.hq), take<0, 2>(LayoutQ{}),
                           Shape<Int<kM>, Int<kBlockD>>{}, _1{}),
-            make_tma_copy(SM90_TMA_LOAD{}, tensor(p.k, p.tk, p.hkv), take<0, 2>(LayoutK{}),
-                          Shape<Int<kN>, Int<kBlockD>>{}, _1{}),
-            make_tma_copy(SM90_TMA_LOAD{}, tensor(p.v, p.tk, p.hkv), take<0, 2>(LayoutV{}),
-                          Shape<Int<kN>, Int<kBlockD>>{}, _1{}),
+            make_tma_copy(KVCopy{}, tensor(p.k, p.tk, p.hkv), take<0, 2>(LayoutK{}), Shape<Int<kN>, Int<kBlockD>>{},
+                          Int<kPairs ? 2 : 1>{}),
+            make_tma_copy(KVCopy{}, tensor(p.v, p.tk, p.hkv), take<0, 2>(LayoutV{}), Shape<Int<kN>, Int<kBlockD>>{},
+                          Int<kPairs ? 2 : 1>{}),
             num_work, [&] {
               if constexpr (kStageOut) {
                 Tensor out = make_tensor(make_gmem_ptr(static_cast<Element*>(p.out)),
@@ -212,10 +217,13 @@ struct ForwardKernel {
     auto write_v = cutlass::make_producer_start_state<PipelineV>();
     int q_loads = 0;
     const int part = kCluster ? static_cast<int>(cute::block_rank_in_cluster()) : 0;  // this block's part of D
+    // Pairs: this block's half of each K / V tile, multicast to both blocks.
+    const int kv_half = kPairs ? static_cast<int>(cute::block_rank_in_cluster()) : 0;
+    constexpr uint16_t kv_blocks = kPairs ? 0b11 : 0;
     for (int n = 0;; ++n) {
       const PublishedWork work =
-          kCluster ? shared.work.publish_in_cluster(n, p.work_counter, p.list, p.hq, params.num_work)
-                   : shared.work.publish(n, p.work_counter, p.list, p.hq, params.num_work);
+          kLaunchCluster > 1 ? shared.work.publish_in_cluster(n, p.work_counter, p.list, p.hq, params.num_work, kPairs)
+                             : shared.work.publish(n, p.work_counter, p.list, p.hq, params.num_work);
       if (work.linear >= params.num_work) break;
       const WorkCoords at = work.at;
       const TileInfo info = work.info;
@@ -226,8 +234,10 @@ struct ForwardKernel {
       Tensor gV = local_tile(mV(_, _, kv_head), Shape<Int<kN>, Int<kBlockD>>{}, make_coord(_, part));
       const int q_stage = q_loads % kQStages;
       auto [tQg, tQs] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-      auto [tKg, tKs] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-      auto [tVg, tVs] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+      auto [tKg, tKs] = tma_partition(params.tma_k, kv_half, Layout<Int<kPairs ? 2 : 1>>{}, group_modes<0, 2>(sK),
+                                      group_modes<0, 2>(gK));
+      auto [tVg, tVs] = tma_partition(params.tma_v, kv_half, Layout<Int<kPairs ? 2 : 1>>{}, group_modes<0, 2>(sV),
+                                      group_modes<0, 2>(gV));
       if (q_loads >= kQStages) shared.q_empty[q_stage].wait((q_loads / kQStages - 1) & 1);
       shared.q_full[q_stage].arrive_and_expect_tx(kM * kBlockD * sizeof(Element));
       copy(params.tma_q.with(reinterpret_cast<uint64_t&>(shared.q_full[q_stage]), 0), tQg, tQs(_, q_stage));
@@ -236,12 +246,13 @@ struct ForwardKernel {
       for (int item = info.first, next_k = info.first; item < end; ++item) {
         for (; next_k <= item + 1 && next_k < end; ++next_k) {
           pipeline_k.producer_acquire(write_k);
-          copy(params.tma_k.with(*pipeline_k.producer_get_barrier(write_k), 0), tKg(_, p.list.items[next_k].k0 / kN),
+          copy(params.tma_k.with(*pipeline_k.producer_get_barrier(write_k), kv_blocks),
+               tKg(_, p.list.items[next_k].k0 / kN),
                tKs(_, write_k.index()));
           ++write_k;
         }
         pipeline_v.producer_acquire(write_v);
-        copy(params.tma_v.with(*pipeline_v.producer_get_barrier(write_v), 0), tVg(_, p.list.items[item].k0 / kN),
+        copy(params.tma_v.with(*pipeline_v.producer_get_barrier(write_v), kv_blocks), tVg(_, p.list.items[item].k0 / kN),
              tVs(_, write_v.index()));
         ++write_v;
       }
@@ -795,9 +806,9 @@ __global__ void __launch_bounds__(Kernel::kThreads, Kernel::kBlocksPerSm) forwar
     }
     shared.work.init(Kernel::kConsumers * 128);
   }
-  auto pipeline_k = make_tma_pipeline<typename Kernel::PipelineK, Kernel::kClusterSize>(
+  auto pipeline_k = make_tma_pipeline<typename Kernel::PipelineK, Kernel::kLaunchCluster>(
       shared.pipeline_k, Kernel::kStageBytes, Kernel::kTakeTurns ? 128 : Kernel::kConsumers * 128, warp_group == 0);
-  auto pipeline_v = make_tma_pipeline<typename Kernel::PipelineV, Kernel::kClusterSize>(
+  auto pipeline_v = make_tma_pipeline<typename Kernel::PipelineV, Kernel::kLaunchCluster>(
       shared.pipeline_v, Kernel::kStageBytes, Kernel::kConsumers * 128, warp_group == 0);
   if constexpr (Kernel::kTakeTurns) {
     if (threadIdx.x == 0)
@@ -812,7 +823,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, Kernel::kBlocksPerSm) forwar
         for (auto& barrier : per_parity) barrier.init(1);
   }
   cutlass::arch::fence_barrier_init();
-  if constexpr (Kernel::kCluster)
+  if constexpr (Kernel::kLaunchCluster > 1)
     cute::cluster_sync();  // the peer's barriers exist before the first store into its shared memory
   else
     __syncthreads();
@@ -825,7 +836,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, Kernel::kBlocksPerSm) forwar
     Kernel::consume(params, shared, pipeline_k, pipeline_v);
   }
   // No block leaves while its peer may still arrive on its barriers or store into its shared memory.
-  if constexpr (Kernel::kCluster) {
+  if constexpr (Kernel::kLaunchCluster > 1) {
     __syncwarp();
     cute::cluster_sync();
   }
@@ -834,7 +845,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, Kernel::kBlocksPerSm) forwar
 template <class Kernel>
 void launch_forward_works(const FwdParams& p, int num_work, int sm_margin, cudaStream_t stream) {
   launch_persistent<Kernel>(forward_kernel<Kernel>, Kernel::make_params(p, num_work), num_work, sm_margin,
-                            p.work_counter, stream, "sm90 forward_kernel", Kernel::kClusterSize, Kernel::kBlocksPerSm);
+                            p.work_counter, stream, "sm90 forward_kernel", Kernel::kLaunchCluster, Kernel::kBlocksPerSm);
 }
 
 // The tiles with items on the Hopper kernel (the plain epilogue's where the call and the tile allow it); the item-less
@@ -849,7 +860,18 @@ void launch_forward_tiles(const FwdParams& p, int itemless, int sm_margin, cudaS
   const bool plain = p.sink_kind == detail::kSinkNone && p.prev_out == nullptr && !p.out_fp32 &&
                      (!forward_stages_out(kD) || reinterpret_cast<uintptr_t>(p.out) % 16 == 0);
   if (num_work > 0) {
-    if constexpr (forward_has_plain_out(kD)) {
+    if constexpr (forward_takes_pairs(kD, kTileQ)) {
+      if (plain && p.pairs.num_tiles > 0) {  // the pairs hold every tile with items
+        FwdParams paired = p;
+        paired.list = p.pairs;
+        launch_forward_works<ForwardKernel<T, kD, kTileQ, true, true>>(paired, p.pairs.num_tiles / 2 * p.hq, sm_margin,
+                                                                       stream);
+      } else if (plain) {
+        launch_forward_works<ForwardKernel<T, kD, kTileQ, true>>(with_items, num_work, sm_margin, stream);
+      } else {
+        launch_forward_works<ForwardKernel<T, kD, kTileQ>>(with_items, num_work, sm_margin, stream);
+      }
+    } else if constexpr (forward_has_plain_out(kD)) {
       if (plain) launch_forward_works<ForwardKernel<T, kD, kTileQ, true>>(with_items, num_work, sm_margin, stream);
       else launch_forward_works<ForwardKernel<T, kD, kTileQ>>(with_items, num_work, sm_margin, stream);
     } else {

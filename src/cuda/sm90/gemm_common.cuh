@@ -226,6 +226,17 @@ struct PublishedWork {
   detail::TileInfo info;
 };
 
+// The coordinates of work `linear` over a list of tile pairs (FwdParams::pairs): the works count
+// pairs; block `rank` of the cluster takes tile 2 i + rank of pair i.
+__device__ __forceinline__ detail::WorkCoords pair_work_coords(int linear, int heads, detail::DeviceList pairs,
+                                                               int rank) {
+  pairs.num_tiles /= 2;
+  pairs.heavy_tiles /= 2;
+  detail::WorkCoords at = detail::work_coords(linear, heads, pairs);
+  at.tile_index = 2 * at.tile_index + rank;
+  return at;
+}
+
 // The persistent schedule of both families (first_work_index, claim_work_index), fed by the producer: it claims
 // the work indices and hands each to the consumers through a two-slot ring in shared memory. An index past the
 // last work ends the block. In a cluster the first block's producer claims for all and hands each index to the
@@ -257,9 +268,10 @@ struct WorkRing {
   }
   // Producer of a block in a cluster: the n-th work of its cluster, the same in every block (the first block claims
   // it: cluster c starts with work c, then takes the counter's next index plus the number of clusters).
+  // `pairs`: the blocks take a pair of tiles (FwdParams::pairs), the work's tile the block's of the pair.
   template <int kClusterBlocks = 2>
   __device__ PublishedWork publish_in_cluster(int n, int32_t* counter, const detail::DeviceList& list, int heads,
-                                              int num_work) {
+                                              int num_work, bool pairs = false) {
     return publish_index(
         n,
         [&] {
@@ -285,18 +297,19 @@ struct WorkRing {
           arrive_cluster_barrier(peer_empty[s], 0);
           return linear;
         },
-        list, heads, num_work);
+        list, heads, num_work, pairs ? static_cast<int>(cute::block_rank_in_cluster()) : -1);
   }
   // Once the consumers have released the work two before: index() is the n-th work.
   template <class Index>
   __device__ __forceinline__ PublishedWork publish_index(int n, Index&& index, const detail::DeviceList& list, int heads,
-                                                         int num_work) {
+                                                         int num_work, int pair_rank = -1) {
     const int s = n & 1;
     if (n >= 2) empty[s].wait(((n >> 1) - 1) & 1);
     keep_order();
     PublishedWork work{index(), {0, 0}, {0, 0, 0, 0}};
     if (work.linear < num_work) {
-      work.at = detail::work_coords(work.linear, heads, list);
+      work.at = pair_rank >= 0 ? pair_work_coords(work.linear, heads, list, pair_rank)
+                               : detail::work_coords(work.linear, heads, list);
       work.info = list.tiles[work.at.tile_index];
     }
     slot[s] = work;
