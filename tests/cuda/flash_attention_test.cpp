@@ -598,6 +598,55 @@ TEST(CudaBackend, ForwardPairsMatchReferenceAndSingleTiles) {
                                         name + ", pairs against single tiles, seed " + std::to_string(seed)));
     ++index;
   }
+  // An SM margin and CUDA graph capture (global mode) take the clusters' launch too: the same bits.
+  {
+    const Mask mask = masks::full(640, 640);
+    const CaseConfig c = config(DType::BF16, 4, 2, 128);
+    CaseData data = make_case(mask, c, seed + 100);
+    DeviceCase dev(data, c);
+    cuda::PlanTuning pairs;
+    pairs.forward_pairs = 1;
+    pairs.forward_tile_q = 128;
+    auto plan = test_plan(mask, c.heads_q, c.heads_kv, 128, pairs);
+    cudaStream_t stream;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    auto forward_outputs = [&] {
+      std::vector<std::pair<std::string, HostTensor>> r;
+      for (auto& [name, t] : dev.results())
+        if (name == "out" || name == "lse" || name == "max_logits") r.emplace_back(name, std::move(t));
+      return r;
+    };
+    cuda::Options o = cuda_options(c);
+    dev.poison();
+    cuda::forward(*plan, dev.forward_args(), o, stream);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const auto eager = forward_outputs();
+    cuda::Options margin = o;
+    margin.sm_margin = 8;
+    dev.poison();
+    cuda::forward(*plan, dev.forward_args(), margin, stream);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const auto with_margin = forward_outputs();
+    cudaGraph_t graph;
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+    cuda::forward(*plan, dev.forward_args(), o, stream);
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    cudaGraphExec_t exec;
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    dev.poison();
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const auto replayed = forward_outputs();
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+    for (size_t i = 0; i < eager.size(); ++i) {
+      EXPECT_TRUE(check_bitwise_equal(eager[i].first, eager[i].second, with_margin[i].second,
+                                      "pairs with an SM margin, seed " + std::to_string(seed)));
+      EXPECT_TRUE(check_bitwise_equal(eager[i].first, eager[i].second, replayed[i].second,
+                                      "pairs replayed from a CUDA graph, seed " + std::to_string(seed)));
+    }
+  }
   // The planner's choice: pairs where the tiles stream long key ranges and at most an eighth of the pairs would be a
   // tile alone.
   EXPECT_EQ(cuda::stats(*test_plan(masks::full(4096, 4096), 2, 2, 128)).forward_pairs, 16);
