@@ -59,8 +59,10 @@ class Communicator {
   virtual void barrier() = 0;
 
   // Seconds any collective may take before it fails with CommError (a rank that diverged or died must
-  // not hang the others forever). Must be > 0.
+  // not hang the others forever). Must be > 0; longer than kLongestTimeoutSeconds (~32 years) counts as that, so that
+  // deadlines stay within the clocks' range.
   static constexpr double kDefaultTimeoutSeconds = 300.0;
+  static constexpr double kLongestTimeoutSeconds = 1e9;
   void set_timeout(double seconds);
   double timeout() const { return timeout_seconds_; }
 

@@ -1,4 +1,5 @@
 // Engine-independent parts of the communicator interface.
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -11,7 +12,8 @@ void Communicator::set_timeout(double seconds) {
   if (!(seconds > 0) || !std::isfinite(seconds))
     throw InvalidArgument("communicator timeout must be a finite number of seconds > 0, got " +
                           std::to_string(seconds));
-  timeout_seconds_ = seconds;
+  // A deadline past the steady clock's 64-bit nanoseconds (~292 years) would wrap into the past.
+  timeout_seconds_ = std::min(seconds, kLongestTimeoutSeconds);
 }
 
 void require_same_on_all_ranks(Communicator& comm, uint64_t fingerprint, std::string_view what) {

@@ -7,10 +7,13 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <limits>
 #include <string>
 #include <vector>
 
 #include "cli_test_helpers.hpp"
+#include "magi/comm.hpp"
+#include "magi/error.hpp"
 
 namespace magi::cli::test {
 namespace {
@@ -89,6 +92,22 @@ TEST(DistLaunch, AtomStyleRanksRunTheDemo) {
   const auto ranks = launch(envs, kDemo);
   for (int r = 0; r < 2; ++r) EXPECT_EQ(ranks[r].exit_code, 0) << "rank " << r << ": " << describe(ranks[r]);
   EXPECT_NE(ranks[0].out.find("result    PASS"), std::string::npos) << ranks[0].out;
+}
+
+// A timeout beyond the clocks' range counts as the longest (~32 years): as given (1e300 s), the TCP communicator's
+// deadlines, converted to the steady clock's 64-bit nanoseconds, overflowed (undefined behaviour).
+TEST(DistLaunch, TimeoutsBeyondTheClocksRangeCountAsTheLongest) {
+  magi::comm::LaunchInfo one;  // a single rank: nothing to wait for
+  one.master_addr = "127.0.0.1";
+  one.master_port = free_port();
+  one.convention = "torchrun";
+  const auto comm = magi::comm::tcp_communicator(one, 1e300);
+  EXPECT_EQ(comm->timeout(), magi::comm::Communicator::kLongestTimeoutSeconds);
+  comm->barrier();
+  comm->set_timeout(5.0);
+  EXPECT_EQ(comm->timeout(), 5.0);
+  EXPECT_THROW(comm->set_timeout(0.0), magi::InvalidArgument);
+  EXPECT_THROW(comm->set_timeout(std::numeric_limits<double>::infinity()), magi::InvalidArgument);
 }
 
 TEST(DistLaunch, BadOrMissingVariablesAreOneLineErrors) {
