@@ -307,6 +307,7 @@ void forward(const Plan& plan, const ForwardArgs& a, const Options& o, cudaStrea
   p.prev_lse = a.prev_out.ndim != 0 ? static_cast<const float*>(a.prev_lse.data) : nullptr;
   p.list = plan.fwd;
   p.pairs = plan.fwd_pairs;
+  p.pairs_of_heads = plan.fwd_pairs_of_heads;
   p.work_counter = reinterpret_cast<int32_t*>(
       scratch_for(a.workspace, plan.device, stream, static_cast<size_t>(workspace_bytes(a, o))));
   StageTimer timer(o.profile, stream);

@@ -66,8 +66,9 @@ struct PlanTuning {
   // MAGI_ATTENTION_CATGQA: the Hopper backward at head-dim tiles 64 and 128 takes the q heads of a kv head together
   // (BwdParams::cat_group) where their number divides 64; elsewhere no effect.
   bool backward_cat_gqa = false;
-  // The Hopper forward's pairs of q tiles on clusters (sm90::forward_takes_pairs): -1 = where most tiles pair up,
-  // 0 = never, 1 = wherever the tile takes them.
+  // The Hopper forward's pairs of works on clusters (sm90::forward_takes_pairs: q heads of one kv head, else q tiles
+  // reading the same K / V tiles): -1 = where works are long (and most tiles pair up), 0 = never, 1 = wherever the
+  // tile takes them.
   int32_t forward_pairs = -1;
 };
 
@@ -100,7 +101,8 @@ struct PlanStats {
   int32_t backward_variant = -1;  // large head dims: the D-split dk/dv kernel's variant
   int32_t forward_heads_per_pass = 0;
   int32_t backward_cat_group = 1;  // q heads per concatenated row group of the Hopper backward (1: none)
-  int64_t forward_pairs = 0;       // pairs of q tiles of the Hopper forward's cluster kernel (0: none)
+  int64_t forward_pairs = 0;       // pairs of works (tile, q head) of the Hopper forward's cluster kernel (0: none)
+  bool forward_pairs_of_heads = false;  // ... pairing the q heads of a kv head (else q tiles)
   int64_t forward_items = 0, dkdv_items = 0, dq_items = 0;
   int64_t forward_tiles = 0, dkdv_tiles = 0, dq_tiles = 0;
   int64_t device_bytes = 0;

@@ -100,9 +100,12 @@ struct FwdParams {
   const float* prev_lse;
   int32_t* work_counter;  // persistent grid: next work index (zeroed before each launch)
   DeviceList list;
-  // The same tiles with items as pairs (sm90::forward_takes_pairs): tiles 2i and 2i + 1 read the same K / V tiles in
-  // the same order (a tile without a partner is its own); passes count pairs. num_tiles 0: none.
+  // Pairs of works for the Hopper forward's clusters (sm90::forward_takes_pairs), num_tiles 0: none. Either the tiles
+  // with items as pairs (tiles 2i and 2i + 1 read the same K / V tiles in the same order, a tile without a partner is
+  // its own; passes count pairs), or, with pairs_of_heads, the list itself, whose q heads 2j and 2j + 1 of a tile pair
+  // up (one kv head serves both).
   DeviceList pairs;
+  int32_t pairs_of_heads;
 };
 
 struct BwdParams {

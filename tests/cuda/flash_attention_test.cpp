@@ -556,10 +556,11 @@ TEST(CudaBackend, ForwardTileChoicesMatchReference) {
   EXPECT_THROW(test_plan(documents, 1, 1, cuda::head_dim_supported(128) ? 128 : 64, bad), InvalidArgument);
 }
 
-// The Hopper forward's pairs of q tiles (sm90::forward_takes_pairs: a cluster of two blocks multicasting K / V):
-// tiles with a partner, tiles alone (each its own partner: both blocks compute it), q-overlap, GQA, softcap; judged
-// against the reference (with the backward on that forward's out and lse), and out, lse and max_logits bitwise those
-// of the same plan without pairs (the blocks' arithmetic is the same).
+// The Hopper forward's pairs of works (sm90::forward_takes_pairs: a cluster of two blocks multicasting K / V): pairs
+// of q tiles (tiles with a partner, tiles alone: each its own partner, both blocks computing it) and, where one kv
+// head serves an even number of q heads, pairs of q heads; q-overlap, softcap, an SM margin, CUDA graph capture;
+// judged against the reference (with the backward on that forward's out and lse), and out, lse and max_logits
+// bitwise those of the same plan without pairs (the blocks' arithmetic is the same).
 TEST(CudaBackend, ForwardPairsMatchReferenceAndSingleTiles) {
   if (!testing_sm90() || !cuda::head_dim_supported(128) ||
       cuda::stats(*test_plan(masks::full(64, 64), 1, 1, 128)).padded_head_dim != 128)
@@ -567,95 +568,90 @@ TEST(CudaBackend, ForwardPairsMatchReferenceAndSingleTiles) {
   const uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
   const std::pair<std::string, Mask> cases[] = {
-      {"full 640 (two pairs and a tile alone)", masks::full(640, 640)},
+      {"full 640 (two pairs of tiles and a tile alone)", masks::full(640, 640)},
       {"varlen full", masks::varlen_full(cu_seqlens_of({384, 200, 300, 500, 152}))},
       {"causal 512 (every tile alone)", masks::causal(512, 512)},
       {"rectangles", random_rectangles(rng, 900, 700, 40)},
   };
+  // q heads over kv heads: 3:3 pairs q tiles, 4:2 and (with the first mask) 4:1 pair q heads.
+  const std::pair<int32_t, int32_t> head_counts[] = {{3, 3}, {4, 2}, {4, 1}};
+  auto forward_outputs = [](const DeviceCase& dev) {
+    std::vector<std::pair<std::string, HostTensor>> r;
+    for (auto& [name, t] : dev.results())
+      if (name == "out" || name == "lse" || name == "max_logits") r.emplace_back(name, std::move(t));
+    return r;
+  };
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   int index = 0;
   for (const auto& [name, mask] : cases) {
-    CaseConfig c = config(index % 2 ? DType::F16 : DType::BF16, 4, 2, 128);
-    if (index % 3 == 1) c.softcap = 20.0;
-    cuda::PlanTuning pairs, singles;
-    pairs.forward_pairs = 1;
-    singles.forward_pairs = 0;
-    pairs.forward_tile_q = singles.forward_tile_q = 128;  // (short documents would take 64-row tiles, which pair not)
-    ASSERT_GT(cuda::stats(*test_plan(mask, c.heads_q, c.heads_kv, 128, pairs)).forward_pairs, 0) << name;
-    EXPECT_TRUE(check_cuda_case(mask, c, seed + index, name + ", pairs", false, pairs));
-    CaseData data = make_case(mask, c, seed + index);
-    DeviceCase dev(data, c);
-    std::vector<std::vector<std::pair<std::string, HostTensor>>> results;
-    for (const cuda::PlanTuning& tuning : {pairs, singles}) {
-      auto plan = test_plan(mask, c.heads_q, c.heads_kv, 128, tuning);
+    for (const auto& [heads_q, heads_kv] : head_counts) {
+      if (heads_kv == 1 && index > 2) continue;
+      CaseConfig c = config(index % 2 ? DType::F16 : DType::BF16, heads_q, heads_kv, 128);
+      if (index % 3 == 1) c.softcap = 20.0;
+      const std::string context = name + ", " + c.describe() + ", seed " + std::to_string(seed);
+      cuda::PlanTuning pairs, singles;
+      pairs.forward_pairs = 1;
+      singles.forward_pairs = 0;
+      pairs.forward_tile_q = singles.forward_tile_q = 128;  // (short documents would take 64-row tiles: no pairs)
+      const auto paired = test_plan(mask, heads_q, heads_kv, 128, pairs);
+      ASSERT_GT(cuda::stats(*paired).forward_pairs, 0) << context;
+      EXPECT_EQ(cuda::stats(*paired).forward_pairs_of_heads, heads_q / heads_kv % 2 == 0) << context;
+      EXPECT_TRUE(check_cuda_case(mask, c, seed + index, name + ", pairs", false, pairs));
+      CaseData data = make_case(mask, c, seed + index);
+      DeviceCase dev(data, c);
+      const cuda::Options o = cuda_options(c);
       dev.poison();
-      cuda::forward(*plan, dev.forward_args(), cuda_options(c), nullptr);
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      results.push_back(dev.results());
-    }
-    for (size_t i = 0; i < results[0].size(); ++i)
-      if (results[0][i].first == "out" || results[0][i].first == "lse" || results[0][i].first == "max_logits")
-        EXPECT_TRUE(check_bitwise_equal(results[0][i].first, results[0][i].second, results[1][i].second,
-                                        name + ", pairs against single tiles, seed " + std::to_string(seed)));
-    ++index;
-  }
-  // An SM margin and CUDA graph capture (global mode) take the clusters' launch too: the same bits.
-  {
-    const Mask mask = masks::full(640, 640);
-    const CaseConfig c = config(DType::BF16, 4, 2, 128);
-    CaseData data = make_case(mask, c, seed + 100);
-    DeviceCase dev(data, c);
-    cuda::PlanTuning pairs;
-    pairs.forward_pairs = 1;
-    pairs.forward_tile_q = 128;
-    auto plan = test_plan(mask, c.heads_q, c.heads_kv, 128, pairs);
-    cudaStream_t stream;
-    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-    auto forward_outputs = [&] {
-      std::vector<std::pair<std::string, HostTensor>> r;
-      for (auto& [name, t] : dev.results())
-        if (name == "out" || name == "lse" || name == "max_logits") r.emplace_back(name, std::move(t));
-      return r;
-    };
-    cuda::Options o = cuda_options(c);
-    dev.poison();
-    cuda::forward(*plan, dev.forward_args(), o, stream);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    const auto eager = forward_outputs();
-    cuda::Options margin = o;
-    margin.sm_margin = 8;
-    dev.poison();
-    cuda::forward(*plan, dev.forward_args(), margin, stream);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    const auto with_margin = forward_outputs();
-    cudaGraph_t graph;
-    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
-    cuda::forward(*plan, dev.forward_args(), o, stream);
-    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-    cudaGraphExec_t exec;
-    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-    dev.poison();
-    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    const auto replayed = forward_outputs();
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-    cudaStreamDestroy(stream);
-    for (size_t i = 0; i < eager.size(); ++i) {
-      EXPECT_TRUE(check_bitwise_equal(eager[i].first, eager[i].second, with_margin[i].second,
-                                      "pairs with an SM margin, seed " + std::to_string(seed)));
-      EXPECT_TRUE(check_bitwise_equal(eager[i].first, eager[i].second, replayed[i].second,
-                                      "pairs replayed from a CUDA graph, seed " + std::to_string(seed)));
+      cuda::forward(*test_plan(mask, heads_q, heads_kv, 128, singles), dev.forward_args(), o, stream);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      const auto single = forward_outputs(dev);
+      std::vector<std::pair<std::string, std::vector<std::pair<std::string, HostTensor>>>> runs;
+      dev.poison();
+      cuda::forward(*paired, dev.forward_args(), o, stream);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      runs.emplace_back("pairs", forward_outputs(dev));
+      cuda::Options margin = o;
+      margin.sm_margin = 8;
+      dev.poison();
+      cuda::forward(*paired, dev.forward_args(), margin, stream);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      runs.emplace_back("pairs with an SM margin", forward_outputs(dev));
+      if (index < 3) {  // replayed from a CUDA graph (global capture mode)
+        cudaGraph_t graph;
+        ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+        cuda::forward(*paired, dev.forward_args(), o, stream);
+        ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+        cudaGraphExec_t exec;
+        ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+        dev.poison();
+        ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+        ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+        runs.emplace_back("pairs from a CUDA graph", forward_outputs(dev));
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+      }
+      for (const auto& [how, outputs] : runs)
+        for (size_t i = 0; i < single.size(); ++i)
+          EXPECT_TRUE(check_bitwise_equal(single[i].first, single[i].second, outputs[i].second,
+                                          how + " against single works, " + context));
+      ++index;
     }
   }
-  // The planner's choice: pairs where the tiles stream long key ranges and at most an eighth of the pairs would be a
-  // tile alone.
-  EXPECT_EQ(cuda::stats(*test_plan(masks::full(4096, 4096), 2, 2, 128)).forward_pairs, 16);
+  cudaStreamDestroy(stream);
+  // The planner's choice (pairs of works counted): where the tiles stream long key ranges, pairs of q heads of one kv
+  // head, else pairs of q tiles where at most an eighth of them would be a tile alone.
+  EXPECT_EQ(cuda::stats(*test_plan(masks::full(4096, 4096), 2, 2, 128)).forward_pairs, 16 * 2);
   EXPECT_EQ(cuda::stats(*test_plan(masks::full(1024, 1024), 2, 2, 128)).forward_pairs, 0);  // 1024 keys a tile
   EXPECT_EQ(cuda::stats(*test_plan(masks::causal(4096, 4096), 2, 2, 128)).forward_pairs, 0);
   EXPECT_EQ(cuda::stats(*test_plan(masks::full(640, 4096), 2, 2, 128)).forward_pairs, 0);  // two pairs, a tile alone
+  const cuda::PlanStats gqa = cuda::stats(*test_plan(masks::causal(4096, 4096), 4, 2, 128));
+  EXPECT_TRUE(gqa.forward_pairs_of_heads);
+  EXPECT_EQ(gqa.forward_pairs, 32 * 2);
+  EXPECT_EQ(cuda::stats(*test_plan(masks::causal(1024, 1024), 4, 2, 128)).forward_pairs, 0);
   cuda::PlanTuning off, bad;
   off.forward_pairs = 0;
   EXPECT_EQ(cuda::stats(*test_plan(masks::full(4096, 4096), 2, 2, 128, off)).forward_pairs, 0);
+  EXPECT_EQ(cuda::stats(*test_plan(masks::causal(4096, 4096), 4, 2, 128, off)).forward_pairs, 0);
   bad.forward_pairs = 2;
   EXPECT_THROW(test_plan(masks::full(4096, 4096), 2, 2, 128, bad), InvalidArgument);
   bad.forward_pairs = -2;

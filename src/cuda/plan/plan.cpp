@@ -215,11 +215,22 @@ PassOrder order_in_passes(HostList& list, int32_t heads, double head_bytes, int6
   return {per_pass, static_cast<int32_t>(rest - list.tiles.begin())};
 }
 
+// Whether a q-major list's tiles with items stream sm90::forward_pair_min_keys keys or more on average (the forward's
+// pairs pay there).
+bool streams_long_keys(const HostList& list, int32_t tile_k) {
+  int64_t items = 0, busy = 0;
+  for (const detail::TileInfo& t : list.tiles) {
+    items += t.count;
+    busy += t.count > 0;
+  }
+  return items * tile_k >= int64_t{sm90::forward_pair_min_keys} * busy;
+}
+
 // The forward's tiles with items in pairs that read the same K / V tiles in the same order (FwdParams::pairs), for
 // the Hopper forward's clusters of two blocks; a tile without a partner is its own (both blocks compute it: the same
 // bits). Pairs keep the list's order of their first tile, then go in passes as `order` puts the pairs' first tiles
 // (the list's rule, with the resident clusters as slots). Returns no tiles where more than an eighth of the pairs would
-// be a tile alone or the tiles stream fewer than sm90::forward_pair_min_keys keys on average, unless `always`.
+// be a tile alone or the works are short (streams_long_keys), unless `always`.
 template <class Order>
 HostList pair_tiles(const HostList& list, int32_t tile_k, bool always, Order&& order, PassOrder& passes) {
   std::map<std::vector<int32_t>, size_t> waiting;  // k tiles read, in order -> the pair still missing its second
@@ -239,13 +250,8 @@ HostList pair_tiles(const HostList& list, int32_t tile_k, bool always, Order&& o
       waiting.erase(at);
     }
   }
-  int64_t items = 0, busy = 0;
-  for (const detail::TileInfo& t : list.tiles) {
-    items += t.count;
-    busy += t.count > 0;
-  }
-  const bool long_works = items * tile_k >= int64_t{sm90::forward_pair_min_keys} * busy;
-  if (first.tiles.empty() || (!always && (waiting.size() * 8 > first.tiles.size() || !long_works))) return {};
+  if (first.tiles.empty() || (!always && (waiting.size() * 8 > first.tiles.size() || !streams_long_keys(list, tile_k))))
+    return {};
   // A pair's q tile index says where its second is (tile indices are unique).
   std::map<int32_t, detail::TileInfo> partner;
   for (size_t i = 0; i < first.tiles.size(); ++i) partner[first.tiles[i].tile] = second[i];
@@ -503,17 +509,23 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   if (tuning.forward_pairs < -1 || tuning.forward_pairs > 1)
     throw InvalidArgument("cuda plan: forward_pairs " + std::to_string(tuning.forward_pairs) +
                           " is not one of -1 (the planner's choice), 0 (never), 1 (wherever the tile takes them)");
+  // Pairs of works for the Hopper forward's clusters: the q heads 2j and 2j + 1 of each tile where one kv head serves
+  // both (an even GQA group: every work has a partner, whatever the mask), else q tiles reading the same K / V tiles.
   PassOrder fwd_pair_passes{heads_q, 0};
-  const HostList fwd_pairs =
-      sm90 && tuning.forward_pairs != 0 && sm90::forward_takes_pairs(plan->padded_d, fwd_q)
-          ? pair_tiles(fwd, fwd_k, tuning.forward_pairs == 1,
-                       [&](HostList& first) {
-                         return fwd_per_pass == heads_q ? PassOrder{heads_q, 0}
-                                                        : order_in_passes(first, heads_q, 0.0, l2_bytes, fwd_slots / 2,
-                                                                          fwd_per_pass);
-                       },
-                       fwd_pair_passes)
-          : HostList{};
+  HostList fwd_pairs;
+  if (sm90 && tuning.forward_pairs != 0 && sm90::forward_takes_pairs(plan->padded_d, fwd_q)) {
+    const bool always = tuning.forward_pairs == 1;
+    if ((heads_q / heads_kv) % 2 == 0 && fwd_passes.heads_per_pass % 2 == 0)
+      plan->fwd_pairs_of_heads = always || streams_long_keys(fwd, fwd_k);
+    else
+      fwd_pairs = pair_tiles(fwd, fwd_k, always,
+                             [&](HostList& first) {
+                               return fwd_per_pass == heads_q ? PassOrder{heads_q, 0}
+                                                              : order_in_passes(first, heads_q, 0.0, l2_bytes,
+                                                                                fwd_slots / 2, fwd_per_pass);
+                             },
+                             fwd_pair_passes);
+  }
   // The families' k tiles are the same up to head-dim tile 256; above, the Hopper kernel's is 64 keys, the portable
   // D-split kernel's 32 or 16.
   const int dkdv_k = plan->bwd_family == KernelFamily::Sm90 ? sm90::backward_tile_k(plan->padded_d)
@@ -595,7 +607,7 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   };
   // The dq list runs as one pass: every head of a tile in turn, in the list's order.
   plan->fwd = make_list(fwd, o_fwd, fwd_passes);
-  plan->fwd_pairs = make_list(fwd_pairs, o_fwd_pairs, fwd_pair_passes);
+  plan->fwd_pairs = plan->fwd_pairs_of_heads ? plan->fwd : make_list(fwd_pairs, o_fwd_pairs, fwd_pair_passes);
   plan->dkdv = make_list(dkdv, o_dkdv, dkdv_passes);
   plan->dq = make_list(dq, o_dq, {plan->hq, 0});
   if (plan->bwd_cat_group > 1) plan->dkdv_cat = make_list(dkdv_cat, o_dkdv_cat, dkdv_cat_passes);
@@ -618,7 +630,10 @@ PlanStats stats(const Plan& plan) {
   s.backward_variant = plan.bwd_variant;
   s.forward_heads_per_pass = plan.fwd.heads_per_pass;
   s.backward_cat_group = plan.bwd_cat_group;
-  s.forward_pairs = plan.fwd_pairs.num_tiles / 2;
+  s.forward_pairs = plan.fwd_pairs_of_heads
+                        ? int64_t{plan.fwd.num_tiles - plan.fwd_itemless_tiles} * plan.hq / 2
+                        : int64_t{plan.fwd_pairs.num_tiles} / 2 * plan.hq;
+  s.forward_pairs_of_heads = plan.fwd_pairs_of_heads;
   s.forward_items = plan.fwd_items;
   s.dkdv_items = plan.dkdv_items;
   s.dq_items = plan.dq_items;

@@ -38,9 +38,9 @@ using detail::WorkCoords;
 using detail::WorkItem;
 
 // kPlainOut: the plain epilogue's kernel (tiles.hpp: forward_has_plain_out), out through shared memory and a TMA
-// store where forward_stages_out. kPairs: a cluster of two blocks takes a pair of q tiles that read the same K / V
-// tiles (FwdParams::pairs, tiles.hpp forward_takes_pairs); each block loads half of every K / V tile and multicasts
-// it to both, so that the pair reads K and V from L2 once.
+// store where forward_stages_out. kPairs: a cluster of two blocks takes a pair of works that read the same K / V
+// tiles, two q tiles or two q heads of one kv head (FwdParams::pairs, tiles.hpp forward_takes_pairs); each block loads
+// half of every K / V tile and multicasts it to both, so that the pair reads K and V from L2 once.
 template <class T, int kD, int kTileQ, bool kPlainOut = false, bool kPairs = false>
 struct ForwardKernel {
   using Element = typename CuteElement<T>::type;
@@ -222,7 +222,9 @@ struct ForwardKernel {
     constexpr uint16_t kv_blocks = kPairs ? 0b11 : 0;
     for (int n = 0;; ++n) {
       const PublishedWork work =
-          kLaunchCluster > 1 ? shared.work.publish_in_cluster(n, p.work_counter, p.list, p.hq, params.num_work, kPairs)
+          kLaunchCluster > 1
+              ? shared.work.publish_in_cluster(n, p.work_counter, p.list, p.hq, params.num_work,
+                                               !kPairs ? Pairs::None : p.pairs_of_heads ? Pairs::Heads : Pairs::Tiles)
                              : shared.work.publish(n, p.work_counter, p.list, p.hq, params.num_work);
       if (work.linear >= params.num_work) break;
       const WorkCoords at = work.at;
@@ -861,11 +863,11 @@ void launch_forward_tiles(const FwdParams& p, int itemless, int sm_margin, cudaS
                      (!forward_stages_out(kD) || reinterpret_cast<uintptr_t>(p.out) % 16 == 0);
   if (num_work > 0) {
     if constexpr (forward_takes_pairs(kD, kTileQ)) {
-      if (plain && p.pairs.num_tiles > 0) {  // the pairs hold every tile with items
+      if (plain && p.pairs.num_tiles > 0) {  // pairs of tiles hold every tile with items
         FwdParams paired = p;
-        paired.list = p.pairs;
-        launch_forward_works<ForwardKernel<T, kD, kTileQ, true, true>>(paired, p.pairs.num_tiles / 2 * p.hq, sm_margin,
-                                                                       stream);
+        paired.list = p.pairs_of_heads ? with_items.list : p.pairs;
+        const int works = p.pairs_of_heads ? paired.list.num_tiles * (p.hq / 2) : p.pairs.num_tiles / 2 * p.hq;
+        launch_forward_works<ForwardKernel<T, kD, kTileQ, true, true>>(paired, works, sm_margin, stream);
       } else if (plain) {
         launch_forward_works<ForwardKernel<T, kD, kTileQ, true>>(with_items, num_work, sm_margin, stream);
       } else {

@@ -226,13 +226,21 @@ struct PublishedWork {
   detail::TileInfo info;
 };
 
-// The coordinates of work `linear` over a list of tile pairs (FwdParams::pairs): the works count
-// pairs; block `rank` of the cluster takes tile 2 i + rank of pair i.
-__device__ __forceinline__ detail::WorkCoords pair_work_coords(int linear, int heads, detail::DeviceList pairs,
-                                                               int rank) {
-  pairs.num_tiles /= 2;
-  pairs.heavy_tiles /= 2;
-  detail::WorkCoords at = detail::work_coords(linear, heads, pairs);
+// Works in pairs for a cluster of two blocks (FwdParams::pairs): none, pairs of tiles (the list's tiles 2i and
+// 2i + 1), or pairs of q heads (2j and 2j + 1 of each tile).
+enum class Pairs : int { None, Tiles, Heads };
+// The coordinates of work `linear` (which counts pairs) for block `rank` of its cluster.
+__device__ __forceinline__ detail::WorkCoords pair_work_coords(int linear, int heads, detail::DeviceList list,
+                                                               Pairs pairs, int rank) {
+  if (pairs == Pairs::Heads) {
+    list.heads_per_pass /= 2;
+    detail::WorkCoords at = detail::work_coords(linear, heads / 2, list);
+    at.head = 2 * at.head + rank;
+    return at;
+  }
+  list.num_tiles /= 2;
+  list.heavy_tiles /= 2;
+  detail::WorkCoords at = detail::work_coords(linear, heads, list);
   at.tile_index = 2 * at.tile_index + rank;
   return at;
 }
@@ -268,10 +276,10 @@ struct WorkRing {
   }
   // Producer of a block in a cluster: the n-th work of its cluster, the same in every block (the first block claims
   // it: cluster c starts with work c, then takes the counter's next index plus the number of clusters).
-  // `pairs`: the blocks take a pair of tiles (FwdParams::pairs), the work's tile the block's of the pair.
+  // `pairs`: the blocks take a pair of works (FwdParams::pairs), each its own of the pair.
   template <int kClusterBlocks = 2>
   __device__ PublishedWork publish_in_cluster(int n, int32_t* counter, const detail::DeviceList& list, int heads,
-                                              int num_work, bool pairs = false) {
+                                              int num_work, Pairs pairs = Pairs::None) {
     return publish_index(
         n,
         [&] {
@@ -297,19 +305,20 @@ struct WorkRing {
           arrive_cluster_barrier(peer_empty[s], 0);
           return linear;
         },
-        list, heads, num_work, pairs ? static_cast<int>(cute::block_rank_in_cluster()) : -1);
+        list, heads, num_work, pairs);
   }
   // Once the consumers have released the work two before: index() is the n-th work.
   template <class Index>
   __device__ __forceinline__ PublishedWork publish_index(int n, Index&& index, const detail::DeviceList& list, int heads,
-                                                         int num_work, int pair_rank = -1) {
+                                                         int num_work, Pairs pairs = Pairs::None) {
     const int s = n & 1;
     if (n >= 2) empty[s].wait(((n >> 1) - 1) & 1);
     keep_order();
     PublishedWork work{index(), {0, 0}, {0, 0, 0, 0}};
     if (work.linear < num_work) {
-      work.at = pair_rank >= 0 ? pair_work_coords(work.linear, heads, list, pair_rank)
-                               : detail::work_coords(work.linear, heads, list);
+      work.at = pairs != Pairs::None
+                    ? pair_work_coords(work.linear, heads, list, pairs, static_cast<int>(cute::block_rank_in_cluster()))
+                    : detail::work_coords(work.linear, heads, list);
       work.info = list.tiles[work.at.tile_index];
     }
     slot[s] = work;

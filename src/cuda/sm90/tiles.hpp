@@ -115,14 +115,16 @@ constexpr bool forward_has_plain_out(int padded_head_dim) {
   return !forward_splits_columns(padded_head_dim) && forward_cluster_size(padded_head_dim) == 1;
 }
 constexpr bool forward_stages_out(int padded_head_dim) { return padded_head_dim <= 128; }
-// Pairs of q tiles whose items read the same K / V tiles in the same order run on a cluster of two blocks, each
-// loading half of every K / V tile and multicasting it to both (the plain epilogue's kernel, 128-row tiles at D 128).
+// Pairs of works that read the same K / V tiles in the same order (two q heads of one kv head, or two q tiles) run on
+// a cluster of two blocks, each loading half of every K / V tile and multicasting it to both (the plain epilogue's
+// kernel, 128-row tiles at D 128).
 // Under the H200's power cap the K / V reads from L2 cost clock: a timing build that loaded them only for each work's
 // first item ran the full mask's forward 13% faster at a 12% higher SM clock. The pairs, A/Bs on the H200 (bf16, 16
 // heads, three calls of three rounds): 2 x 8k full +1.0..+2.3% (603 against 596 in the last), shared question +0.5%,
-// 16 x 1k full -1.5% (works of eight items); so the planner takes them where the tiles stream forward_pair_min_keys
-// keys or more on average and at most an eighth of the pairs would be a tile alone (docs/cuda_notes.md, "Pairs of q
-// tiles").
+// 16 x 1k full -1.5% (works of eight items); with 16 q heads over 8 kv heads, pairs of q heads: full, causal and
+// shared question +1.5..+2.5%. So the planner takes pairs where the tiles stream forward_pair_min_keys keys or more on
+// average: of q heads where one kv head serves an even number, else of q tiles where at most an eighth of the pairs
+// would be a tile alone (docs/cuda_notes.md, "Thirty-seventh session").
 constexpr bool forward_takes_pairs(int padded_head_dim, int tile_q) { return padded_head_dim == 128 && tile_q == 128; }
 constexpr int forward_pair_min_keys = 2048;
 constexpr int forward_out_tile_bytes(int padded_head_dim, int tile_q) {
