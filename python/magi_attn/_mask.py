@@ -22,7 +22,12 @@ def _host_array(x, name: str) -> np.ndarray:
 
 
 def _integers(x, name: str) -> np.ndarray:
+    if x is None:
+        raise TypeError(f"{name}: expected an array or a sequence of integers, got None")
     a = _host_array(x, name)
+    if a.size and a.dtype == object and all(isinstance(v, int) and not isinstance(v, bool) for v in a.ravel()):
+        big = max((int(v) for v in a.ravel()), key=abs)  # Python ints past int64 (numpy keeps them as objects)
+        raise ValueError(f"{name}: {big} does not fit int64 (allowed: -2^63 .. 2^63-1)")
     if a.size and a.dtype.kind not in "iu":
         raise TypeError(f"{name}: expected integers, got dtype {a.dtype}")
     if a.size and a.dtype.kind == "u" and int(a.max()) >= 2**63:  # would wrap to a negative int64

@@ -321,6 +321,8 @@ def get_most_recent_key(cp_group=None) -> DistAttnKey:
 def clear_cache(cp_group=None) -> None:
     """Drops the planned runtimes and communicators (of one group, or of every group when cp_group is None). They
     also go by themselves when torch.distributed destroys their group: the library holds groups weakly."""
+    if cp_group is not None and not isinstance(cp_group, dist.ProcessGroup):  # (any other value forgot nothing)
+        raise TypeError(f"cp_group: expected a torch.distributed.ProcessGroup or None, got {type(cp_group).__name__}")
     for group, comms in list(_communicators.items()):
         if cp_group is None or group is cp_group:
             _forget(comms)

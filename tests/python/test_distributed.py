@@ -150,6 +150,14 @@ def test_argument_ranges_and_double_backward(tmp_path):
     assert "edges ok" in result.stdout, result.stdout + result.stderr[-3000:]
 
 
+def test_clear_cache_names_a_bad_group():
+    import magi_attn as ma
+
+    with pytest.raises(TypeError, match="cp_group: expected a torch.distributed.ProcessGroup or None, got int"):
+        ma.clear_cache(5)
+    ma.clear_cache()  # none: every group's (nothing here)
+
+
 def test_init_distributed_without_a_launcher_is_an_error():
     code = "import magi_attn as ma\ntry:\n    ma.init_distributed()\nexcept ValueError as e:\n    print('ValueError:', e)"
     env = {k: v for k, v in os.environ.items()

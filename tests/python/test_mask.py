@@ -118,6 +118,10 @@ BAD = [
     (lambda: ma.Mask(np.zeros((0, 2), int), np.zeros((0, 3), int)), ValueError, "k_ranges: expected shape [n, 2]"),
     (lambda: ma.Mask([[0, 4]], [[0, 4]], np.array([["full"]])), ValueError, "types: expected shape [n]"),
     (lambda: ma.Mask([[0, 4]], [[0, 4]], np.array(["sideways"])), ValueError, "types[0]: unknown mask type 'sideways'"),
+    # Python ints past int64 and None were "expected integers, got dtype object".
+    (lambda: ma.Mask([[0, 2**70]], [[0, 4]]), ValueError, "q_ranges: 1180591620717411303424 does not fit int64"),
+    (lambda: ma.Mask([[0, 4]], [[-2**64, 4]]), ValueError, "k_ranges: -18446744073709551616 does not fit int64"),
+    (lambda: ma.Mask(None, [[0, 4]]), TypeError, "q_ranges: expected an array or a sequence of integers, got None"),
 ]
 
 
