@@ -28,6 +28,22 @@ std::string cell(std::string_view text) {
   return out;
 }
 
+// A value as one printable line: control characters escaped (\n, \t, \xHH), so that one set to several lines cannot
+// break the table's rows.
+std::string printable(std::string_view text) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  for (char c : text) {
+    const auto u = static_cast<unsigned char>(c);
+    if (c == '\n') out += "\\n";
+    else if (c == '\t') out += "\\t";
+    else if (c == '\r') out += "\\r";
+    else if (u < 0x20 || u == 0x7f) out.append("\\x").append(1, kHex[u >> 4]).append(1, kHex[u & 15]);
+    else out += c;
+  }
+  return out;
+}
+
 // Appending (not "`" + std::string) sidesteps a GCC 12 -Wrestrict false positive.
 std::string enclosed(std::string_view open, std::string_view text, std::string_view close) {
   std::string out(open);
@@ -157,7 +173,7 @@ std::string table_with_values() {
       for (std::string_view name : names) {
         const auto found = set.find(name);
         if (found == set.end()) continue;
-        value = found->second.empty() ? "\"\"" : std::string(found->second);
+        value = found->second.empty() ? "\"\"" : printable(found->second);
         if (name != variable.name) value += " (as " + std::string(name) + ")";
         if (!detail::parse_value(variable, found->second)) value += " (invalid)";
         break;
@@ -183,7 +199,7 @@ std::string table_with_values() {
   }
   if (!problems.empty()) {
     out += "\nProblems:\n";
-    for (const std::string& problem : problems) out += "  " + problem + "\n";
+    for (const std::string& problem : problems) out += "  " + printable(problem) + "\n";
   }
   return out;
 }

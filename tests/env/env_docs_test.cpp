@@ -2,6 +2,7 @@
 // Refresh the document with: MAGI_ATTN_UPDATE_DOCS=1 <build>/tests/env/env_docs_test
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -113,6 +114,17 @@ TEST_F(EnvViews, TableShowsCurrentValuesAndProblemsWithoutThrowing) {
   ASSERT_NE(value_column, std::string::npos);
   const std::string sanity = line_of("MAGI_ATTENTION_SANITY_CHECK");
   EXPECT_EQ(sanity.find_first_not_of(' ', std::string("MAGI_ATTENTION_SANITY_CHECK").size()), value_column) << table;
+}
+
+// A value with control characters (several lines) stays on its row, escaped, in the table and in its problem line.
+TEST_F(EnvViews, TableEscapesControlCharactersInValues) {
+  set("MAGI_ATTENTION_DSINK_ALL_REDUCE_OP", "sum\nMAGI_ATTENTION_FAKE\t\x01");
+  const std::string table = table_with_values();
+  EXPECT_EQ(table.find("\nMAGI_ATTENTION_FAKE"), std::string::npos) << table;
+  EXPECT_NE(table.find("sum\\nMAGI_ATTENTION_FAKE\\t\\x01 (invalid)"), std::string::npos) << table;
+  EXPECT_TRUE(std::all_of(table.begin(), table.end(),
+                          [](char c) { return c == '\n' || static_cast<unsigned char>(c) >= 0x20; }))
+      << table;
 }
 
 TEST_F(EnvViews, TableOfACleanEnvironmentHasNoProblems) {
