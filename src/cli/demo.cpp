@@ -13,6 +13,8 @@
 #include <sstream>
 #include <thread>
 
+#include <unistd.h>
+
 #include "cli/accuracy.hpp"
 #include "cli/commands.hpp"
 #include "cli/device_buffers.hpp"
@@ -125,6 +127,18 @@ int demo_command(std::span<const std::string> args) {
   const Device device = gpu ? Device{DeviceType::CUDA, 0} : Device{};
   const Backend backend = resolve_backend(attention, device);
   const DType wide = dtype == DType::F64 ? DType::F64 : DType::F32;
+  // The host tensors (q, k, v, dout in the dtype; out, dq, dk, dv in fp32 / fp64) must fit this machine's memory:
+  // say so in one line up front rather than fail an allocation after the first progress line.
+  const double q_elements = double{tokens} * heads_q * head_dim, kv_elements = double{tokens} * heads_kv * head_dim;
+  const double need = (2 * q_elements + 2 * kv_elements) * (dtype_size(dtype) + dtype_size(wide));
+  const double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+  if (have > 0 && need > have) {
+    char text[160];
+    std::snprintf(text, sizeof text, "the inputs and outputs need %.1f GiB of host memory, this machine has %.1f GiB",
+                  need / (1 << 30), have / (1 << 30));
+    throw InvalidArgument("--tokens / --heads-q / --heads-kv / --head-dim: " + std::string(text) +
+                          " (allowed: smaller sizes)");
+  }
 
   Progress progress("magi-attn demo:");
   progress.begin("building mask and inputs");

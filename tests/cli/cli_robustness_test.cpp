@@ -244,6 +244,13 @@ TEST_F(CliRobustness, NpyFromAnEndlessDeviceIsRefusedAtOnce) {
 // Values that fp32 (the kernels' arithmetic) cannot hold are refused naming the option, before any file is read: a
 // softcap below fp32's smallest normal was silently off (rounded to 0), a scale past fp32's largest named the
 // library's softmax_scale with 40 digits.
+// A demo larger than the machine's memory is one line naming the sizes, before any progress line (it was "out of
+// memory" after one).
+TEST_F(CliRobustness, DemoLargerThanMemoryIsOneLineUpFront) {
+  expect_error(run_cli({"demo", "--tokens", "67108864", "--heads-q", "1024", "--heads-kv", "1024", "--head-dim", "1024"}),
+               {"--tokens / --heads-q / --heads-kv / --head-dim", "GiB of host memory"});
+}
+
 TEST_F(CliRobustness, RunRefusesScalarsOutsideFp32UpFront) {
   auto args = run_args(dir_ / "missing.npy", dir_ / "out");
   for (const char* softcap : {"1e-320", "1e-39", "1e39"}) {
