@@ -129,7 +129,8 @@ int demo_command(std::span<const std::string> args) {
   const DType wide = dtype == DType::F64 ? DType::F64 : DType::F32;
   // The host tensors (q, k, v, dout in the dtype; out, dq, dk, dv in fp32 / fp64) must fit this machine's memory:
   // say so in one line up front rather than fail an allocation after the first progress line.
-  const double q_elements = double{tokens} * heads_q * head_dim, kv_elements = double{tokens} * heads_kv * head_dim;
+  const double q_elements = static_cast<double>(tokens) * heads_q * head_dim,
+               kv_elements = static_cast<double>(tokens) * heads_kv * head_dim;
   const double need = (2 * q_elements + 2 * kv_elements) * (dtype_size(dtype) + dtype_size(wide));
   const double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
   if (have > 0 && need > have) {
