@@ -70,6 +70,9 @@ struct PlanTuning {
   // reading the same K / V tiles): -1 = where works are long (and most tiles pair up), 0 = never, 1 = wherever the
   // tile takes them.
   int32_t forward_pairs = -1;
+  // The Hopper forward's q tiles aligned to the slices (tiling::by_q_tile_aligned; sm90::forward_takes_aligned_tiles):
+  // -1 = where they compute clearly fewer cells than the global grid, 0 = never, 1 = wherever the tile takes them.
+  int32_t forward_aligned_tiles = -1;
 };
 
 // A length that every tile of every plan divides (both families, every head dim and tile choice; plan.cpp checks
@@ -103,6 +106,7 @@ struct PlanStats {
   int32_t backward_cat_group = 1;  // q heads per concatenated row group of the Hopper backward (1: none)
   int64_t forward_pairs = 0;       // pairs of works (tile, q head) of the Hopper forward's cluster kernel (0: none)
   bool forward_pairs_of_heads = false;  // ... pairing the q heads of a kv head (else q tiles)
+  bool forward_aligned_tiles = false;   // the forward's q tiles follow the slices (PlanTuning::forward_aligned_tiles)
   int64_t forward_items = 0, dkdv_items = 0, dq_items = 0;
   int64_t forward_tiles = 0, dkdv_tiles = 0, dq_tiles = 0;
   int64_t device_bytes = 0;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cfloat>
+#include <climits>
 
 #include "common/lse_merge.hpp"
 #include "cuda/kernel_common.cuh"
@@ -45,8 +46,10 @@ __device__ __forceinline__ void finish_forward_rows(const FwdParams& p, float (&
                                                     const float (&row_max)[2], const float (&row_sum)[2],
                                                     float logit_scale, int row0, int head, int lane,
                                                     float& block_max, int col0 = 0, int cols = kDBlocks * 8,
-                                                    float* lse_rows = nullptr, const float* prev_lse_rows = nullptr) {
+                                                    float* lse_rows = nullptr, const float* prev_lse_rows = nullptr,
+                                                    int row_end = INT_MAX) {
   const int64_t q_stride = int64_t{p.hq} * p.d;
+  row_end = min(row_end, p.tq);  // rows from it on are another tile's (aligned tiles) or past the tensor
   const int col_end = min(p.d - col0, cols);  // this accumulator's columns that exist
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -59,7 +62,7 @@ __device__ __forceinline__ void finish_forward_rows(const FwdParams& p, float (&
     block_max = fmaxf(block_max, row_max2);
     float lse2 = has_keys ? row_max2 + log2f(sum) : -INFINITY;
     float factor = has_keys ? 1.0f / sum : 0.0f;
-    if (p.sink_kind != kSinkNone && row < p.tq) {
+    if (p.sink_kind != kSinkNone && row < row_end) {
       // lse~ = log(exp(lse) + sum_s exp(sink_s)), in log2 units here.
       auto sink_at = [&](int si) {
         const int64_t index = p.sink_kind == kSinkSH ? int64_t{si} * p.hq + head
@@ -76,7 +79,7 @@ __device__ __forceinline__ void finish_forward_rows(const FwdParams& p, float (&
       lse2 = merged;
     }
     float lse = lse2 * kLn2, w_prev = 0.0f;
-    if (p.prev_out != nullptr && row < p.tq) {
+    if (p.prev_out != nullptr && row < row_end) {
       const MergeWeights<float> w =
           merge_weights(lse, prev_lse_rows != nullptr ? prev_lse_rows[r] : p.prev_lse[int64_t{row} * p.hq + head]);
       lse = w.lse;
@@ -84,7 +87,7 @@ __device__ __forceinline__ void finish_forward_rows(const FwdParams& p, float (&
       w_prev = w.w2;
     }
     __syncwarp();  // the row's four lanes have read prev_lse before lane 0 overwrites it (it may be lse)
-    const bool row_valid = row < p.tq;
+    const bool row_valid = row < row_end;
     if (row_valid) {
       const int64_t base = int64_t{row} * q_stride + int64_t{head} * p.d + col0;
       if (lse_rows != nullptr) lse_rows[r] = lse;
@@ -121,14 +124,14 @@ __device__ __forceinline__ void finish_forward_rows(const FwdParams& p, float (&
 // P V, -3% causal (code placement), so it keeps the library's.
 template <bool kApprox = false>
 __device__ __forceinline__ float plain_row_factor(const FwdParams& p, float row_sum, float row_max, float logit_scale,
-                                                  int row, int head, int lane, float& block_max) {
+                                                  int row, int head, int lane, float& block_max, int row_end) {
   float sum = row_sum;
   sum += __shfl_xor_sync(0xffffffffu, sum, 1);
   sum += __shfl_xor_sync(0xffffffffu, sum, 2);
   const bool has_keys = sum > 0.0f;
   const float row_max2 = row_max * logit_scale;  // log2 units
   block_max = fmaxf(block_max, row_max2);
-  if (row < p.tq && lane % 4 == 0)
+  if (row < row_end && lane % 4 == 0)
     p.lse[int64_t{row} * p.hq + head] =
         has_keys ? (row_max2 + (kApprox ? __log2f(sum) : log2f(sum))) * kLn2 : -INFINITY;
   return has_keys ? (kApprox ? __fdividef(1.0f, sum) : 1.0f / sum) : 0.0f;
@@ -138,22 +141,27 @@ __device__ __forceinline__ float plain_row_factor(const FwdParams& p, float row_
 template <bool kApprox>
 __device__ __forceinline__ void plain_row_factors(const FwdParams& p, const float (&row_max)[2],
                                                   const float (&row_sum)[2], float logit_scale, int row0, int head,
-                                                  int lane, float& block_max, float (&factor)[2]) {
+                                                  int lane, float& block_max, float (&factor)[2],
+                                                  int row_end = INT_MAX) {
+  row_end = min(row_end, p.tq);
 #pragma unroll
   for (int r = 0; r < 2; ++r)
-    factor[r] = plain_row_factor<kApprox>(p, row_sum[r], row_max[r], logit_scale, row0 + 8 * r, head, lane, block_max);
+    factor[r] = plain_row_factor<kApprox>(p, row_sum[r], row_max[r], logit_scale, row0 + 8 * r, head, lane, block_max,
+                                          row_end);
 }
 
 // The plain epilogue's out from registers (factor: plain_row_factors).
 template <class T, int kDBlocks>
 __device__ __forceinline__ void store_plain_rows(const FwdParams& p, const float (&acc)[kDBlocks][4],
-                                                 const float (&factor)[2], int row0, int head, int lane) {
+                                                 const float (&factor)[2], int row0, int head, int lane,
+                                                 int row_end = INT_MAX) {
   const int64_t q_stride = int64_t{p.hq} * p.d;
+  row_end = min(row_end, p.tq);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = row0 + r * 8;
     store_row_blocks<T, kDBlocks>(p.out, int64_t{row} * q_stride + int64_t{head} * p.d, acc, r, factor[r],
-                                  min(p.d, kDBlocks * 8), false, row < p.tq, lane);
+                                  min(p.d, kDBlocks * 8), false, row < row_end, lane);
   }
 }
 

@@ -32,7 +32,7 @@ enum WorkFlags : int32_t {
 // One tile of a list, in the plan's order (heavy first, tiles sharing data together): what a block needs to
 // start it, in one 16-byte load (not a chain of dependent ones through an order and an offsets array).
 struct TileInfo {
-  int32_t tile;          // index along the major axis
+  int32_t tile;          // index along the major axis (a list with tile_unit: start / tile_unit * 2 + short, tile_rows)
   int32_t first;         // its first item in `items`
   int32_t count;         // its items
   int32_t first_minor0;  // the first item's minor start (q0 of a k-major list, k0 of a q-major one); 0 if none
@@ -46,7 +46,24 @@ struct DeviceList {
   int32_t num_tiles = 0;
   int32_t heavy_tiles = 0;     // the first tiles, taken with all their heads before the passes
   int32_t heads_per_pass = 0;  // a divisor of the kernel's heads (q heads, or kv heads for dk/dv); set by the plan
+  // Tiles aligned to the slices (tiling::by_q_tile_aligned; the Hopper forward's 128-row tiles only): tiles start at
+  // multiples of tile_unit (a power of two) and are tile_unit or the tile's rows long; the items' key chunks start at
+  // multiples of it. 0: the uniform grid.
+  int32_t tile_unit = 0;
 };
+
+// A q tile's rows [start, end) (end may pass the tensor's rows) and an item's first key, on either grid.
+struct TileRows {
+  int32_t start, end;
+};
+constexpr TileRows tile_rows(const DeviceList& list, int32_t tile, int32_t tile_q) {
+  if (list.tile_unit == 0) return {tile * tile_q, tile * tile_q + tile_q};
+  const int32_t start = (tile >> 1) * list.tile_unit;
+  return {start, start + ((tile & 1) ? list.tile_unit : tile_q)};
+}
+constexpr int32_t chunk_start(const DeviceList& list, int32_t k0, int32_t tile_k) {
+  return list.tile_unit == 0 ? k0 / tile_k * tile_k : k0 & -list.tile_unit;
+}
 
 // Work index -> (position in `tiles`, head): first the heavy tiles, every head of one tile before the next (so
 // that the long ones start early); then the other tiles with the heads in passes of `heads_per_pass`, each pass

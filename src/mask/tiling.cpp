@@ -1,6 +1,10 @@
 #include "mask/tiling.hpp"
 
 #include <algorithm>
+#include <climits>
+#include <string>
+
+#include "magi/error.hpp"
 
 namespace magi::tiling {
 namespace {
@@ -52,26 +56,38 @@ struct Placed {
   TileWork work;
 };
 
+// `starts`: the tiles' first positions and total_major after them (aligned tiles), or empty for the uniform grid.
 template <class Axis>
-TileLists build(const Mask& mask, int32_t total_major, int32_t tile_major, int32_t tile_minor) {
+TileLists build(const Mask& mask, int32_t total_major, int32_t tile_major, int32_t tile_minor,
+                std::vector<int32_t> starts = {}, int32_t unit = 0) {
   TileLists lists;
   lists.tile_major = tile_major;
   lists.tile_minor = tile_minor;
-  const int64_t num_tiles = (int64_t{total_major} + tile_major - 1) / tile_major;
+  lists.unit = unit;
+  lists.starts = std::move(starts);
+  const bool aligned = !lists.starts.empty();
+  const int64_t num_tiles = aligned ? static_cast<int64_t>(lists.starts.size()) - 1
+                                    : (int64_t{total_major} + tile_major - 1) / tile_major;
+  // The chunks' grid: each chunk inside one minor tile of the global grid, or from the slice's first kept minor
+  // position of the tile rounded down to `unit`.
+  const int32_t chunk_unit = aligned ? unit : tile_minor;
 
   std::vector<Placed> placed;
   for (int32_t index = 0; index < static_cast<int32_t>(mask.slices.size()); ++index) {
     const Slice& s = mask.slices[index];
     const Range rows = Axis::non_empty(s);
     if (rows.empty()) continue;
-    for (int64_t t = rows.start / tile_major; t * tile_major < rows.end; ++t) {
-      const int32_t x0 = std::max<int32_t>(rows.start, static_cast<int32_t>(t * tile_major));
-      const int32_t x1 = static_cast<int32_t>(std::min<int64_t>(rows.end, (t + 1) * tile_major));
+    const int64_t first_tile =
+        aligned ? std::upper_bound(lists.starts.begin(), lists.starts.end(), rows.start) - lists.starts.begin() - 1
+                : rows.start / tile_major;
+    for (int64_t t = first_tile; t < num_tiles && lists.tile(t).start < rows.end; ++t) {
+      const Range tile = lists.tile(t);
+      const int32_t x0 = std::max(rows.start, tile.start);
+      const int32_t x1 = std::min(rows.end, tile.end);
       // Union of the kept minor intervals of positions [x0, x1).
       const int32_t lo = Axis::kept_minor(s, x0).start;
       const int32_t hi = Axis::kept_minor(s, x1 - 1).end;
-      // Chunks aligned to the global minor grid, so each lies inside one minor tile.
-      for (int64_t c = lo / tile_minor * int64_t{tile_minor}; c < hi; c += tile_minor) {
+      for (int64_t c = lo / chunk_unit * int64_t{chunk_unit}; c < hi; c += tile_minor) {
         const int32_t c0 = std::max<int32_t>(lo, static_cast<int32_t>(c));
         const int32_t c1 = static_cast<int32_t>(std::min<int64_t>(hi, c + tile_minor));
         // Positions of this tile keeping something in [c0, c1): again one interval.
@@ -99,8 +115,34 @@ TileLists build(const Mask& mask, int32_t total_major, int32_t tile_major, int32
 
 }  // namespace
 
+Range TileLists::tile(int64_t t) const {
+  if (!starts.empty()) return {starts[static_cast<size_t>(t)], starts[static_cast<size_t>(t) + 1]};
+  return {static_cast<int32_t>(t * tile_major), static_cast<int32_t>(std::min<int64_t>((t + 1) * tile_major, INT32_MAX))};
+}
+
 TileLists by_q_tile(const Mask& mask, int32_t tile_q, int32_t tile_k) {
   return build<QMajor>(mask, mask.total_q, tile_q, tile_k);
+}
+
+TileLists by_q_tile_aligned(const Mask& mask, int32_t tile_q, int32_t tile_k, int32_t unit) {
+  if (unit <= 0 || tile_q % unit != 0 || tile_k % unit != 0)
+    throw InvalidArgument("tiling: tiles " + std::to_string(tile_q) + " x " + std::to_string(tile_k) +
+                          " are not multiples of the unit " + std::to_string(unit));
+  std::vector<int32_t> cuts{0};
+  for (const Slice& s : mask.slices) {
+    const Range rows = QMajor::non_empty(s);
+    if (!rows.empty()) cuts.push_back(rows.start / unit * unit);
+  }
+  std::sort(cuts.begin(), cuts.end());
+  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+  std::vector<int32_t> starts;
+  for (size_t i = 0; i < cuts.size(); ++i) {
+    const int32_t end = i + 1 < cuts.size() ? cuts[i + 1] : mask.total_q;
+    for (int64_t at = cuts[i]; at < end; at += tile_q) starts.push_back(static_cast<int32_t>(at));
+  }
+  starts.push_back(mask.total_q);
+  if (mask.total_q == 0) starts = {0};
+  return build<QMajor>(mask, mask.total_q, tile_q, tile_k, std::move(starts), unit);
 }
 
 TileLists by_k_tile(const Mask& mask, int32_t tile_k, int32_t tile_q) {

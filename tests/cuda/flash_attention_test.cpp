@@ -658,6 +658,107 @@ TEST(CudaBackend, ForwardPairsMatchReferenceAndSingleTiles) {
   EXPECT_THROW(test_plan(masks::full(4096, 4096), 2, 2, 128, bad), InvalidArgument);
 }
 
+// The Hopper forward's q tiles aligned to the slices (tiling::by_q_tile_aligned): documents of any length (tiles of 64
+// rows between them, a last tile past tq), empty rows between slices, causal slices whose first rows keep nothing,
+// q-overlap; bf16 / fp16, GQA, softcap, sinks, fp32 out (the general epilogue), D 128 and 256; against the reference
+// (forward and backward), and an SM margin and a CUDA graph replay bitwise equal to the plain launch.
+TEST(CudaBackend, ForwardAlignedTilesMatchReference) {
+  if (!testing_sm90()) GTEST_SKIP() << "no Hopper forward on this device";
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  auto gaps = [] {  // documents with rows between them that no slice takes
+    Mask m;
+    m.total_q = m.total_k = 900;
+    m.slices = {{{0, 150}, {0, 150}, MaskType::Causal}, {{300, 520}, {260, 520}, MaskType::Causal},
+                {{600, 890}, {600, 890}, MaskType::Full}, {{700, 800}, {0, 64}, MaskType::Full}};
+    return m;
+  };
+  const std::pair<std::string, Mask> cases[] = {
+      {"varlen causal, odd lengths", masks::varlen_causal(cu_seqlens_of({100, 300, 77, 640, 190, 5, 260}))},
+      {"varlen full, 64-row documents", masks::varlen_full(cu_seqlens_of({64, 192, 64, 320, 130}))},
+      {"block causal", masks::varlen_block_causal(cu_seqlens_of({500, 700, 130}), 192)},
+      {"gaps and q-overlap", gaps()},
+      {"causal, more rows than keys", [] {
+         Mask m;
+         m.total_q = 1000;
+         m.total_k = 700;
+         m.slices = {{{0, 1000}, {0, 700}, MaskType::Causal}};
+         return m;
+       }()},
+      {"rectangles", random_rectangles(rng, 700, 600, 30)},
+      {"tiny", masks::varlen_causal(cu_seqlens_of({3, 40}))},
+  };
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  int index = 0;
+  for (const int32_t d : {128, 256}) {
+    if (!cuda::head_dim_supported(d) || cuda::stats(*test_plan(masks::full(64, 64), 1, 1, d)).padded_head_dim != d)
+      continue;
+    for (const auto& [name, mask] : cases) {
+      CaseConfig c = config(index % 2 ? DType::F16 : DType::BF16, index % 3 == 0 ? 4 : 2, 2, d);
+      if (index % 4 == 1) c.softcap = 20.0;
+      if (index % 4 == 2) c.sink_layout = SinkLayout::SH;
+      if (index % 5 == 3) c.fp32_outputs = true;
+      cuda::PlanTuning aligned;
+      aligned.forward_aligned_tiles = 1;
+      aligned.forward_tile_q = 128;
+      const std::string context = name + ", " + c.describe() + ", seed " + std::to_string(seed);
+      const auto plan = test_plan(mask, c.heads_q, c.heads_kv, d, aligned);
+      ASSERT_TRUE(cuda::stats(*plan).forward_aligned_tiles) << context;
+      EXPECT_TRUE(check_cuda_case(mask, c, seed + index, name + ", aligned tiles", false, aligned));
+      CaseData data = make_case(mask, c, seed + index);
+      DeviceCase dev(data, c);
+      const cuda::Options o = cuda_options(c);
+      std::vector<std::pair<std::string, std::vector<std::pair<std::string, HostTensor>>>> runs;
+      auto run = [&](const std::string& how, const cuda::Options& options, bool graph) {
+        dev.poison();
+        if (graph) {
+          cudaGraph_t g;
+          ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+          cuda::forward(*plan, dev.forward_args(), options, stream);
+          ASSERT_EQ(cudaStreamEndCapture(stream, &g), cudaSuccess);
+          cudaGraphExec_t exec;
+          ASSERT_EQ(cudaGraphInstantiate(&exec, g, 0), cudaSuccess);
+          ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+          ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+          cudaGraphExecDestroy(exec);
+          cudaGraphDestroy(g);
+        } else {
+          cuda::forward(*plan, dev.forward_args(), options, stream);
+          ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+        }
+        std::vector<std::pair<std::string, HostTensor>> r;
+        for (auto& [what, t] : dev.results())
+          if (what == "out" || what == "lse" || what == "max_logits") r.emplace_back(what, std::move(t));
+        runs.emplace_back(how, std::move(r));
+      };
+      run("plain", o, false);
+      cuda::Options margin = o;
+      margin.sm_margin = 8;
+      run("an SM margin", margin, false);
+      if (index < 3) run("a CUDA graph", o, true);
+      for (size_t i = 1; i < runs.size(); ++i)
+        for (size_t j = 0; j < runs[0].second.size(); ++j)
+          EXPECT_TRUE(check_bitwise_equal(runs[0].second[j].first, runs[0].second[j].second, runs[i].second[j].second,
+                                          runs[i].first + " against the plain launch, " + context));
+      ++index;
+    }
+  }
+  cudaStreamDestroy(stream);
+  if (index == 0) GTEST_SKIP() << "no Hopper forward at tiles 128 or 256 in this build";
+  // The planner's choice: aligned where the global grid computes clearly more cells (tiles.hpp).
+  cuda::PlanTuning tile128;
+  tile128.forward_tile_q = 128;
+  if (cuda::head_dim_supported(128)) {
+    EXPECT_TRUE(cuda::stats(*test_plan(masks::varlen_causal(cu_seqlens_of({768, 576, 768, 256, 1792})), 2, 2, 128, tile128))
+                    .forward_aligned_tiles);
+    EXPECT_FALSE(cuda::stats(*test_plan(masks::causal(4096, 4096), 2, 2, 128)).forward_aligned_tiles);
+    cuda::PlanTuning bad;
+    bad.forward_aligned_tiles = 2;
+    EXPECT_THROW(test_plan(masks::full(256, 256), 2, 2, 128, bad), InvalidArgument);
+  }
+}
+
 // The forward's work order in passes of q heads (work_coords): every pass size gives the reference's result, with
 // q-overlap, GQA, sink and softcap. The planner takes passes for the Hopper forward over long key ranges only.
 TEST(CudaBackend, ForwardPassOrdersMatchReference) {

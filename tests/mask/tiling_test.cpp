@@ -3,6 +3,7 @@
 #include "mask/tiling.hpp"
 
 #include "cuda/params.hpp"
+#include "magi/error.hpp"
 
 #include <gtest/gtest.h>
 
@@ -38,7 +39,31 @@ Mask random_mask(std::mt19937_64& rng, int32_t total_q, int32_t total_k, int num
 // Checks one list; `q_major` says whether the major axis is q.
 void check_lists(const Mask& mask, const TileLists& lists, bool q_major, const std::string& where) {
   const int32_t total_major = q_major ? mask.total_q : mask.total_k;
-  ASSERT_EQ(lists.num_tiles(), (total_major + lists.tile_major - 1) / lists.tile_major) << where;
+  const bool aligned = !lists.starts.empty();
+  if (aligned) {
+    // Tiles partition the rows, start at multiples of the unit, at most tile_major long, whole units but the last;
+    // every slice's first kept row (rounded down to the unit) starts one.
+    ASSERT_TRUE(q_major) << where;
+    ASSERT_EQ(lists.starts.size(), static_cast<size_t>(lists.num_tiles()) + 1) << where;
+    ASSERT_EQ(lists.starts.front(), 0) << where;
+    ASSERT_EQ(lists.starts.back(), total_major) << where;
+    for (int64_t t = 0; t < lists.num_tiles(); ++t) {
+      const Range r = lists.tile(t);
+      ASSERT_TRUE(!r.empty() || total_major == 0) << where << " tile " << t;
+      EXPECT_LE(r.size(), lists.tile_major) << where << " tile " << t;
+      EXPECT_EQ(r.start % lists.unit, 0) << where << " tile " << t;
+      if (t + 1 < lists.num_tiles()) EXPECT_EQ(r.size() % lists.unit, 0) << where << " tile " << t;
+    }
+    for (const Slice& s : mask.slices) {
+      int32_t first = s.q.start;
+      while (first < s.q.end && kept_keys(s, first).empty()) ++first;
+      if (first == s.q.end) continue;
+      EXPECT_TRUE(std::binary_search(lists.starts.begin(), lists.starts.end(), first / lists.unit * lists.unit))
+          << where << ": no tile starts at slice rows " << first;
+    }
+  } else {
+    ASSERT_EQ(lists.num_tiles(), (total_major + lists.tile_major - 1) / lists.tile_major) << where;
+  }
   ASSERT_EQ(lists.offsets.front(), 0) << where;
   ASSERT_EQ(lists.offsets.back(), static_cast<int64_t>(lists.items.size())) << where;
 
@@ -57,10 +82,14 @@ void check_lists(const Mask& mask, const TileLists& lists, bool q_major, const s
       ASSERT_FALSE(w.k.empty()) << item;
       const Range major = q_major ? w.q : w.k;
       const Range minor = q_major ? w.k : w.q;
-      EXPECT_GE(major.start, t * lists.tile_major) << item;
-      EXPECT_LE(major.end, (t + 1) * lists.tile_major) << item;
-      EXPECT_EQ(minor.start / lists.tile_minor, (minor.end - 1) / lists.tile_minor)
-          << item << ": crosses a minor tile boundary";
+      EXPECT_GE(major.start, lists.tile(t).start) << item;
+      EXPECT_LE(major.end, lists.tile(t).end) << item;
+      if (aligned) {  // inside the chunk from its first key rounded down to the unit
+        EXPECT_LE(minor.end, minor.start / lists.unit * lists.unit + lists.tile_minor) << item << ": chunk too long";
+      } else {
+        EXPECT_EQ(minor.start / lists.tile_minor, (minor.end - 1) / lists.tile_minor)
+            << item << ": crosses a minor tile boundary";
+      }
       const Slice& s = mask.slices[w.slice];
       int64_t kept_cells = 0;
       for (int32_t q = w.q.start; q < w.q.end; ++q)
@@ -94,8 +123,33 @@ TEST(Tiling, RandomMasksMatchBruteForce) {
                               std::to_string(tq) + "x" + std::to_string(tk);
     check_lists(mask, by_q_tile(mask, tq, tk), true, where + " by_q");
     check_lists(mask, by_k_tile(mask, tk, tq), false, where + " by_k");
+    const int32_t unit = std::uniform_int_distribution<int32_t>(1, 6)(rng);
+    check_lists(mask, by_q_tile_aligned(mask, unit * (1 + trial % 3), unit * (1 + trial / 3 % 3), unit), true,
+                where + " by_q aligned, unit " + std::to_string(unit));
     if (HasFatalFailure()) return;
   }
+}
+
+// Documents of any length: the aligned tiles start at every document (rounded down to 64 rows), its key chunks at its
+// first key, and the cells they compute are those of whole 128-row tiles per document.
+TEST(Tiling, AlignedTilesFollowDocuments) {
+  const std::vector<int32_t> lengths = {256, 64, 384, 200, 130, 1000};
+  std::vector<int32_t> cu{0};
+  for (int32_t n : lengths) cu.push_back(cu.back() + n);
+  const Mask mask = masks::varlen_causal(cu);
+  const TileLists grid = by_q_tile(mask, 128, 128), aligned = by_q_tile_aligned(mask, 128, 128, 64);
+  check_lists(mask, aligned, true, "varlen causal aligned");
+  for (size_t d = 0; d + 1 < cu.size(); ++d)
+    EXPECT_TRUE(std::binary_search(aligned.starts.begin(), aligned.starts.end(), cu[d] / 64 * 64)) << "document " << d;
+  // Documents 0, 1, 2 start on the global grid's tiles too; 200 and 130 rows then share tiles with their neighbours.
+  EXPECT_LT(aligned.computed_cells(), grid.computed_cells());
+  // Causal documents of multiples of 128 rows starting at multiples of 64: each a triangle of whole tiles.
+  const Mask even = masks::varlen_causal({0, 64, 320, 576});
+  const TileLists e = by_q_tile_aligned(even, 128, 128, 64);
+  EXPECT_EQ(e.items.size(), 1u + 3u + 3u);
+  EXPECT_EQ(e.starts, (std::vector<int32_t>{0, 64, 192, 320, 448, 576}));
+  EXPECT_THROW(by_q_tile_aligned(even, 100, 128, 64), InvalidArgument);
+  EXPECT_THROW(by_q_tile_aligned(even, 128, 96, 64), InvalidArgument);
 }
 
 TEST(Tiling, EverySliceShapeWithSqNotEqualSk) {

@@ -151,10 +151,11 @@ HostList convert(const Mask& mask, const tiling::TileLists& lists, bool q_major)
       if (s.type == MaskType::InvCausal || s.type == MaskType::BiCausal) item.flags |= detail::kWorkInv;
       const int32_t major = lists.tile_major;
       const int32_t minor = lists.tile_minor;
+      const int32_t unit = lists.starts.empty() ? minor : lists.unit;
       const Range mj = q_major ? w.q : w.k;
       const Range mn = q_major ? w.k : w.q;
-      const int64_t mj0 = t * major;
-      const int64_t mn0 = int64_t{mn.start} / minor * minor;
+      const int64_t mj0 = lists.tile(t).start;
+      const int64_t mn0 = int64_t{mn.start} / unit * unit;
       const bool covers = mj.start == mj0 && mj.end == mj0 + major && mn.start == mn0 && mn.end == mn0 + minor;
       if (w.needs_mask || !covers) {
         item.flags |= detail::kWorkMasked;
@@ -167,7 +168,16 @@ HostList convert(const Mask& mask, const tiling::TileLists& lists, bool q_major)
     const auto first = static_cast<int32_t>(lists.offsets[t]);
     const auto count = static_cast<int32_t>(lists.offsets[t + 1] - lists.offsets[t]);
     const WorkItem* item = count > 0 ? &out.items[static_cast<size_t>(first)] : nullptr;
-    out.tiles.push_back({static_cast<int32_t>(t), first, count, item == nullptr ? 0 : q_major ? item->k0 : item->q0});
+    int32_t tile = static_cast<int32_t>(t);
+    if (!lists.starts.empty()) {  // DeviceList::tile_unit's encoding: a tile of `unit` rows is short
+      const Range r = lists.tile(t);
+      const bool last = t + 1 == tiles, whole = r.size() == lists.tile_major;
+      if (!q_major || r.start % lists.unit != 0 || (!last && !whole && r.size() != lists.unit))
+        throw Error("cuda plan: aligned tile [" + std::to_string(r.start) + ", " + std::to_string(r.end) +
+                    ") is not " + std::to_string(lists.tile_major) + " or " + std::to_string(lists.unit) + " rows");
+      tile = r.start / lists.unit * 2 + (!whole && r.size() <= lists.unit ? 1 : 0);
+    }
+    out.tiles.push_back({tile, first, count, item == nullptr ? 0 : q_major ? item->k0 : item->q0});
   }
   // Heaviest tiles first so that the long ones start early; ties keep index order (deterministic).
   std::stable_sort(out.tiles.begin(), out.tiles.end(),
@@ -454,6 +464,17 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   };
   int fwd_q = tuning.forward_tile_q != 0 ? tuning.forward_tile_q : tile_qs.front();
   tiling::TileLists fwd_tiles = forward_tiles(fwd_q);
+  if (tuning.forward_aligned_tiles < -1 || tuning.forward_aligned_tiles > 1)
+    throw InvalidArgument("cuda plan: forward_aligned_tiles " + std::to_string(tuning.forward_aligned_tiles) +
+                          " is not one of -1 (the planner's choice), 0 (never), 1 (wherever the tile takes them)");
+  // Tiles that follow the slices (documents) where they compute fewer cells than the global grid's.
+  if (sm90 && tuning.forward_aligned_tiles != 0 && sm90::forward_takes_aligned_tiles(plan->padded_d, fwd_q)) {
+    tiling::TileLists aligned = tiling::by_q_tile_aligned(mask, fwd_q, fwd_tiles.tile_minor, sm90::forward_tile_unit);
+    if (tuning.forward_aligned_tiles == 1 ||
+        sm90::prefer_aligned_forward_tiles(static_cast<double>(fwd_tiles.computed_cells()),
+                                           static_cast<double>(aligned.computed_cells())))
+      fwd_tiles = std::move(aligned);
+  }
   // Each smaller tile against the largest's cells.
   const auto large_cells = static_cast<double>(fwd_tiles.computed_cells());
   for (size_t i = 1; tuning.forward_tile_q == 0 && i < tile_qs.size(); ++i) {
@@ -478,6 +499,7 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
     }
   }
   const int fwd_k = fwd_tiles.tile_minor;
+  plan->fwd_tile_unit = fwd_tiles.starts.empty() ? 0 : fwd_tiles.unit;
   plan->fwd_tile_q = fwd_q;
   plan->fwd_tile_k = fwd_k;
   HostList fwd = convert(mask, fwd_tiles, true);
@@ -513,7 +535,8 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   // both (an even GQA group: every work has a partner, whatever the mask), else q tiles reading the same K / V tiles.
   PassOrder fwd_pair_passes{heads_q, 0};
   HostList fwd_pairs;
-  if (sm90 && tuning.forward_pairs != 0 && sm90::forward_takes_pairs(plan->padded_d, fwd_q)) {
+  if (sm90 && tuning.forward_pairs != 0 && sm90::forward_takes_pairs(plan->padded_d, fwd_q) &&
+      plan->fwd_tile_unit == 0) {
     const bool always = tuning.forward_pairs == 1;
     if ((heads_q / heads_kv) % 2 == 0 && fwd_passes.heads_per_pass % 2 == 0)
       plan->fwd_pairs_of_heads = always || streams_long_keys(fwd, fwd_k);
@@ -553,7 +576,7 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   }
   const int dq_k = detail::dq_tile_k(plan->padded_d);
   const int dq_q = detail::dq_tile_q(plan->padded_d);
-  const bool dq_shared = dq_k == fwd_k && dq_q == fwd_q;
+  const bool dq_shared = dq_k == fwd_k && dq_q == fwd_q && plan->fwd_tile_unit == 0;
   HostList dq_own;
   if (!dq_shared) dq_own = convert(mask, tiling::by_q_tile(mask, dq_q, dq_k), true);
   const HostList& dq = dq_shared ? fwd : dq_own;
@@ -607,6 +630,7 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   };
   // The dq list runs as one pass: every head of a tile in turn, in the list's order.
   plan->fwd = make_list(fwd, o_fwd, fwd_passes);
+  plan->fwd.tile_unit = plan->fwd_tile_unit;
   plan->fwd_pairs = plan->fwd_pairs_of_heads ? plan->fwd : make_list(fwd_pairs, o_fwd_pairs, fwd_pair_passes);
   plan->dkdv = make_list(dkdv, o_dkdv, dkdv_passes);
   plan->dq = make_list(dq, o_dq, {plan->hq, 0});
@@ -634,6 +658,7 @@ PlanStats stats(const Plan& plan) {
                         ? int64_t{plan.fwd.num_tiles - plan.fwd_itemless_tiles} * plan.hq / 2
                         : int64_t{plan.fwd_pairs.num_tiles} / 2 * plan.hq;
   s.forward_pairs_of_heads = plan.fwd_pairs_of_heads;
+  s.forward_aligned_tiles = plan.fwd_tile_unit != 0;
   s.forward_items = plan.fwd_items;
   s.dkdv_items = plan.dkdv_items;
   s.dq_items = plan.dq_items;

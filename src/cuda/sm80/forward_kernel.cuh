@@ -34,13 +34,13 @@ struct FwdConfig {
 // fragment-ordered epilogue cost several times the bytes' bandwidth there (and its registers). Rows whose
 // out and lse already are the previous result (in place) are left alone.
 template <class T, int kD, int kRows, int kWarps>
-__device__ __forceinline__ void write_itemless_tile(const FwdParams& p, int q_base, int head) {
+__device__ __forceinline__ void write_itemless_tile(const FwdParams& p, int q_base, int head, int q_end) {
   constexpr int kPairs = (kD / 2 + 31) / 32;  // float2 columns per lane
   constexpr int kRowsInFlight = 4;            // rows whose loads a warp issues before storing
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const bool merge = p.prev_out != nullptr;
   const bool in_place = merge && static_cast<const void*>(p.prev_out) == p.out && p.prev_lse == p.lse;
-  const int rows = min(kRows, p.tq - q_base);
+  const int rows = min(kRows, min(p.tq, q_end) - q_base);
   const int64_t q_stride = int64_t{p.hq} * p.d;
   for (int r0 = warp * kRowsInFlight; r0 < rows; r0 += kWarps * kRowsInFlight) {
     float lse[kRowsInFlight];
@@ -322,8 +322,8 @@ __global__ void __launch_bounds__(FwdConfig<kD, kTileQ>::kThreads, FwdConfig<kD,
 template <class T, int kD, int kTileQ>
 __global__ void __launch_bounds__(fwd_block_warps(kD, kTileQ) * 32) forward_itemless_kernel(const FwdParams p, int first) {
   const int linear = static_cast<int>(blockIdx.x);
-  const int tile = p.list.tiles[first + linear / p.hq].tile;
-  write_itemless_tile<T, kD, kTileQ, fwd_block_warps(kD, kTileQ)>(p, tile * kTileQ, linear % p.hq);
+  const TileRows rows = tile_rows(p.list, p.list.tiles[first + linear / p.hq].tile, kTileQ);
+  write_itemless_tile<T, kD, kTileQ, fwd_block_warps(kD, kTileQ)>(p, rows.start, linear % p.hq, rows.end);
 }
 
 // The last `itemless_tiles` tiles of the list on the copy kernel (both families' launchers).

@@ -231,15 +231,17 @@ struct ForwardKernel {
       const TileInfo info = work.info;
       if (info.count == 0) continue;
       const int kv_head = at.head / (p.hq / p.hkv);
-      Tensor gQ = local_tile(mQ(_, _, at.head), Shape<Int<kM>, Int<kBlockD>>{}, make_coord(info.tile, part));
-      Tensor gK = local_tile(mK(_, _, kv_head), Shape<Int<kN>, Int<kBlockD>>{}, make_coord(_, part));
-      Tensor gV = local_tile(mV(_, _, kv_head), Shape<Int<kN>, Int<kBlockD>>{}, make_coord(_, part));
+      // The tile's rows and each item's key chunk from their first row (DeviceList::tile_unit: on either grid).
+      const int q_start = detail::tile_rows(p.list, info.tile, kM).start;
+      Tensor gQ = local_tile(domain_offset(make_coord(q_start, 0), mQ(_, _, at.head)), Shape<Int<kM>, Int<kBlockD>>{},
+                             make_coord(0, part));
+      auto chunk_of = [&](auto const& m, int item) {
+        const int k_start = detail::chunk_start(p.list, p.list.items[item].k0, kN);
+        return local_tile(domain_offset(make_coord(k_start, 0), m(_, _, kv_head)), Shape<Int<kN>, Int<kBlockD>>{},
+                          make_coord(0, part));
+      };
       const int q_stage = q_loads % kQStages;
       auto [tQg, tQs] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-      auto [tKg, tKs] = tma_partition(params.tma_k, kv_half, Layout<Int<kPairs ? 2 : 1>>{}, group_modes<0, 2>(sK),
-                                      group_modes<0, 2>(gK));
-      auto [tVg, tVs] = tma_partition(params.tma_v, kv_half, Layout<Int<kPairs ? 2 : 1>>{}, group_modes<0, 2>(sV),
-                                      group_modes<0, 2>(gV));
       if (q_loads >= kQStages) shared.q_empty[q_stage].wait((q_loads / kQStages - 1) & 1);
       shared.q_full[q_stage].arrive_and_expect_tx(kM * kBlockD * sizeof(Element));
       copy(params.tma_q.with(reinterpret_cast<uint64_t&>(shared.q_full[q_stage]), 0), tQg, tQs(_, q_stage));
@@ -247,15 +249,16 @@ struct ForwardKernel {
       const int end = info.first + info.count;
       for (int item = info.first, next_k = info.first; item < end; ++item) {
         for (; next_k <= item + 1 && next_k < end; ++next_k) {
+          auto [tKg, tKs] = tma_partition(params.tma_k, kv_half, Layout<Int<kPairs ? 2 : 1>>{}, group_modes<0, 2>(sK),
+                                          group_modes<0, 2>(chunk_of(mK, next_k)));
           pipeline_k.producer_acquire(write_k);
-          copy(params.tma_k.with(*pipeline_k.producer_get_barrier(write_k), kv_blocks),
-               tKg(_, p.list.items[next_k].k0 / kN),
-               tKs(_, write_k.index()));
+          copy(params.tma_k.with(*pipeline_k.producer_get_barrier(write_k), kv_blocks), tKg, tKs(_, write_k.index()));
           ++write_k;
         }
+        auto [tVg, tVs] = tma_partition(params.tma_v, kv_half, Layout<Int<kPairs ? 2 : 1>>{}, group_modes<0, 2>(sV),
+                                        group_modes<0, 2>(chunk_of(mV, item)));
         pipeline_v.producer_acquire(write_v);
-        copy(params.tma_v.with(*pipeline_v.producer_get_barrier(write_v), kv_blocks), tVg(_, p.list.items[item].k0 / kN),
-             tVs(_, write_v.index()));
+        copy(params.tma_v.with(*pipeline_v.producer_get_barrier(write_v), kv_blocks), tVg, tVs(_, write_v.index()));
         ++write_v;
       }
     }
@@ -617,7 +620,9 @@ struct ForwardKernel {
       const TileInfo info = shared.work.read(n).info;
       shared.work.release(n);
       const int head = at.head;
-      const int row0 = info.tile * kM + strip * 16 + lane / 4;
+      const detail::TileRows rows = detail::tile_rows(p.list, info.tile, kM);
+      const int row0 = rows.start + strip * 16 + lane / 4;
+      const int row_end = min(p.tq, rows.end);  // rows past it are another tile's
       float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
       // In a cluster prev_lse (which may be lse) is read before the work's first exchange with the other block, and
       // block 0 writes lse after its last: so the other block never reads a row's merged lse.
@@ -636,7 +641,7 @@ struct ForwardKernel {
         const int flags = kItemEarly ? early.flags : p.list.items[item].flags;
         if (flags & detail::kWorkMasked) {
           const WorkItem w = kItemEarly ? early : p.list.items[item];
-          const int k0 = w.k0 / kN * kN;
+          const int k0 = detail::chunk_start(p.list, w.k0, kN);
           const KeyInterval keys[2] = {detail::item_keys(w, row0), detail::item_keys(w, row0 + 8)};
           const bool all = detail::keeps_all(keys[0], k0, k0 + kN) && detail::keeps_all(keys[1], k0, k0 + kN);
           if (!__all_sync(0xffffffffu, all)) detail::mask_cells(s, keys, k0, lane);
@@ -664,7 +669,8 @@ struct ForwardKernel {
       const bool out_issuer = thread % 128 == 0;
       auto prepare_plain_out = [&] {
         if constexpr (kPlainOut) {
-          detail::plain_row_factors<kD != 128>(p, row_max, row_sum, logit_scale, row0, head, lane, block_max, factor);
+          detail::plain_row_factors<kD != 128>(p, row_max, row_sum, logit_scale, row0, head, lane, block_max, factor,
+                                               row_end);
           if constexpr (kStageOut) {  // this consumer's out tile, once its last TMA store has read it
             if (out_issuer) tma_store_wait<0>();
             cutlass::arch::NamedBarrier::sync(128, kOutBarrier + group);
@@ -769,18 +775,20 @@ struct ForwardKernel {
         Tensor sO = make_tensor(make_smem_ptr(shared.o + group * cosize_v<LayoutO>), LayoutO{});
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(128, kOutBarrier + group);
-        if (out_issuer) {
+        if (out_issuer && rows.start + 64 * group < rows.end) {  // (a short tile's second 64 rows are another's)
           Tensor mO = params.tma_o.get_tma_tensor(make_shape(max(p.tq, 1), p.d, p.hq));
-          Tensor gO = local_tile(mO(_, _, head), Shape<_64, Int<kBlockD>>{}, make_coord(info.tile * (kM / 64) + group, 0));
+          Tensor gO = local_tile(domain_offset(make_coord(rows.start + 64 * group, 0), mO(_, _, head)),
+                                 Shape<_64, Int<kBlockD>>{}, make_coord(0, 0));
           auto [tOg, tOs] =
               tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
           copy(params.tma_o, tOs, tOg);
           tma_store_arrive();
         }
       } else if constexpr (kPlainOut) {
-        detail::store_plain_rows<T, kOBlocks>(p, acc, factor, row0, head, lane);
+        detail::store_plain_rows<T, kOBlocks>(p, acc, factor, row0, head, lane, row_end);
       } else {
-        detail::finish_forward_rows<T, kOBlocks>(p, acc, row_max, row_sum, logit_scale, row0, head, lane, block_max);
+        detail::finish_forward_rows<T, kOBlocks>(p, acc, row_max, row_sum, logit_scale, row0, head, lane, block_max,
+                                                 0, kOBlocks * 8, nullptr, nullptr, row_end);
       }
       detail::publish_max_logits(p, block_max, head, lane);
       clear(tOrO);

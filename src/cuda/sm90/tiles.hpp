@@ -126,6 +126,21 @@ constexpr bool forward_stages_out(int padded_head_dim) { return padded_head_dim 
 // average: of q heads where one kv head serves an even number, else of q tiles where at most an eighth of the pairs
 // would be a tile alone (docs/cuda_notes.md, "Thirty-seventh session").
 constexpr bool forward_takes_pairs(int padded_head_dim, int tile_q) { return padded_head_dim == 128 && tile_q == 128; }
+// q tiles that follow the slices (tiling::by_q_tile_aligned, DeviceList::tile_unit): a document then starts its own
+// tiles and key chunks instead of sharing the global grid's with its neighbours (bf16, 2 x 8k tokens of long-tailed
+// documents: the varlen causal mask's 128 x 128 blocks compute 76% kept cells on the global grid, 86% aligned). The
+// tiles start at multiples of 64 rows, so that each consumer's 64 rows of out are one TMA box; the key chunks too,
+// which needs the key tile to be a multiple of 64 (the 128-row tiles at D 128 and 256).
+constexpr int forward_tile_unit = 64;
+constexpr bool forward_takes_aligned_tiles(int padded_head_dim, int tile_q) {
+  return tile_q == 128 && (padded_head_dim == 128 || padded_head_dim == 256);
+}
+// Aligned tiles where the global grid computes more than this many times their cells (they cost a little more per
+// tile: partial tiles, and every item of a partial tile masked).
+constexpr double forward_aligned_tile_gain = 1.02;
+constexpr bool prefer_aligned_forward_tiles(double grid_cells, double aligned_cells) {
+  return grid_cells > forward_aligned_tile_gain * aligned_cells;
+}
 constexpr int forward_pair_min_keys = 2048;
 constexpr int forward_out_tile_bytes(int padded_head_dim, int tile_q) {
   return forward_stages_out(padded_head_dim) ? tile_q * padded_head_dim * 2 : 0;
