@@ -7,8 +7,10 @@
 //                    [--fwd-tile-q 64|128|192] [--family auto|sm80|sm90] [--bwd-family auto|sm80|sm90] [--large-d] [--fwd-variant 0|1|2|3]
 //                    [--bwd-variant 0|1] [--forward-only] [--fwd-heads-per-pass N] [--heads N] [--kv-heads N]
 //                    [--cat-gqa] [--stages] [--fwd-pairs -1|0|1] [--fwd-aligned -1|0|1]
+//                    [--bwd-aligned -1|0|1]
 //   --fwd-pairs: the Hopper forward's pairs of q tiles on clusters (PlanTuning::forward_pairs; default -1, the plan's).
-//   --fwd-aligned: the Hopper forward's q tiles aligned to the slices (PlanTuning::forward_aligned_tiles; default -1).
+//   --fwd-aligned / --bwd-aligned: the Hopper forward's q tiles / dk/dv kernel's k tiles aligned to the slices
+//   (PlanTuning::forward_aligned_tiles / backward_aligned_tiles; default -1, the plan's).
 //   --family pins both kernels' family, --bwd-family (given after it) the backward's alone.
 //   --warm-ms: back-to-back calls before each measurement (default 300 ms; 0: three calls), so that the clocks
 //   have settled under the power cap (see time_ms).
@@ -196,6 +198,8 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--fwd-pairs") && i + 1 < argc) tuning.forward_pairs = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--fwd-aligned") && i + 1 < argc)
       tuning.forward_aligned_tiles = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--bwd-aligned") && i + 1 < argc)
+      tuning.backward_aligned_tiles = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--heads") && i + 1 < argc) heads = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--kv-heads") && i + 1 < argc) kv_heads = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--cat-gqa")) tuning.backward_cat_gqa = true;
@@ -327,13 +331,14 @@ int main(int argc, char** argv) {
       const magi::cuda::PlanStats ps = magi::cuda::stats(*plan);
       std::fprintf(stderr,
                    "# %s %s D %d: %s forward, %s backward, %d x %d tiles, variant %d, bwd variant %d, forward passes "
-                   "of %d heads, kv heads %d, backward head groups of %d, forward pairs %lld%s\n",
+                   "of %d heads, kv heads %d, backward head groups of %d, forward pairs %lld%s%s\n",
                    impl.c_str(), c.name.c_str(), d,
                    ps.forward_family == magi::cuda::KernelFamily::Sm90 ? "sm90" : "sm80",
                    ps.backward_family == magi::cuda::KernelFamily::Sm90 ? "sm90" : "sm80", ps.forward_tile_q,
                    ps.forward_tile_k, ps.forward_variant, ps.backward_variant, ps.forward_heads_per_pass, kv_heads,
                    ps.backward_cat_group, static_cast<long long>(ps.forward_pairs),
-                   ps.forward_aligned_tiles ? ", tiles aligned to the slices" : "");
+                   ps.forward_aligned_tiles ? ", forward tiles aligned to the slices" : "",
+                   ps.backward_aligned_tiles ? ", backward tiles aligned to the slices" : "");
       const double fwd_ms = time_ms([&] { magi::cuda::forward(*plan, fa, options, stream); }, reps, warm_ms, stream);
       const double bwd_ms =
           forward_only ? 0.0
@@ -346,7 +351,13 @@ int main(int argc, char** argv) {
       if (deterministic_too && !forward_only) {
         magi::cuda::Options det = options;
         det.deterministic = true;
-        const double det_ms = time_ms([&] { magi::cuda::backward(*plan, ba, det, stream); }, reps, warm_ms, stream);
+        // The API's deterministic plans: on the global grid unless told otherwise (api_engine.cpp).
+        magi::cuda::PlanTuning det_tuning = tuning;
+        if (det_tuning.forward_aligned_tiles == -1) det_tuning.forward_aligned_tiles = 0;
+        if (det_tuning.backward_aligned_tiles == -1) det_tuning.backward_aligned_tiles = 0;
+        const auto det_plan = magi::cuda::make_plan(c.mask, heads, kv_heads, d, 0, det_tuning);
+        const double det_ms =
+            time_ms([&] { magi::cuda::backward(*det_plan, ba, det, stream); }, reps, warm_ms, stream);
         const double det_tf = magi::flops_backward(area, heads, d) / (det_ms * 1e-3) / 1e12;
         std::printf("%s_det,%s,%d,%d,%.1f,%.1f,%.3f,%.3f\n", impl.c_str(), c.name.c_str(), total, d, fwd_tf, det_tf,
                     fwd_ms, det_ms);

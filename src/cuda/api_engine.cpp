@@ -81,10 +81,15 @@ class CudaEngine final : public Engine {
       case env::KernelFamily::Auto: break;
     }
     tuning.backward_cat_gqa = env::get_bool("MAGI_ATTENTION_CATGQA");
+    // The deterministic mode keeps its bits whether MAGI_ATTENTION_AUTO_RANGE_MERGE merges the slices or not: the
+    // merges at kTileMultiple leave the work items alone on the global grid only (its tiles divide that length; tiles
+    // aligned to the slices follow the merged slices' starts).
+    if (call.deterministic) tuning.forward_aligned_tiles = tuning.backward_aligned_tiles = 0;
     return cached_plan(
         plans_, mask, call, device,
         [&](const Mask& planned) { return cuda::make_plan(planned, s.hq, s.hkv, s.d, device, tuning); },
-        static_cast<int32_t>(tuning.forward_family) * 2 + (tuning.backward_cat_gqa ? 1 : 0));
+        (static_cast<int32_t>(tuning.forward_family) * 2 + (tuning.backward_cat_gqa ? 1 : 0)) * 2 +
+            (call.deterministic ? 1 : 0));
   }
 
   mutable LruCache<PlanKey, cuda::Plan> plans_{kPlanCacheCapacity};

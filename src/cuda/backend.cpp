@@ -429,7 +429,7 @@ void backward(const Plan& plan, const BackwardArgs& a, const Options& o, cudaStr
   dkdv.cat_group = cat_group;
   const size_t dq_elements = static_cast<size_t>(plan.tq) * plan.hq * plan.d;
   const bool dq_in_place = layout.dq_in_place;
-  dkdv.list = cat_group > 1 ? plan.dkdv_cat : plan.dkdv;
+  dkdv.list = cat_group > 1 ? plan.dkdv_cat : sm90_dkdv ? plan.dkdv : plan.dkdv_grid;
   const int dkdv_blocks = dkdv.list.num_tiles * plan.hkv;
   dq.accumulate_dq = a.accumulate_dq;
   if (fused_dq) {

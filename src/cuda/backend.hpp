@@ -73,11 +73,16 @@ struct PlanTuning {
   // The Hopper forward's q tiles aligned to the slices (tiling::by_q_tile_aligned; sm90::forward_takes_aligned_tiles):
   // -1 = where they compute clearly fewer cells than the global grid, 0 = never, 1 = wherever the tile takes them.
   int32_t forward_aligned_tiles = -1;
+  // The Hopper backward's k tiles aligned to the slices (tiling::by_k_tile_aligned; up to head-dim tile 256): -1 = where
+  // they compute clearly fewer cells, 0 = never, 1 = always.
+  int32_t backward_aligned_tiles = -1;
 };
 
-// A length that every tile of every plan divides (both families, every head dim and tile choice; plan.cpp checks
+// A length that every tile of the global grid divides (both families, every head dim and tile choice; plan.cpp checks
 // it against the tile shapes): slices merged only at its multiples leave the work lists, and so the results,
-// bitwise unchanged (deterministic-mode MAGI_ATTENTION_AUTO_RANGE_MERGE; MergeRule in magi/mask.hpp).
+// bitwise unchanged (deterministic-mode MAGI_ATTENTION_AUTO_RANGE_MERGE; MergeRule in magi/mask.hpp). Tiles aligned to
+// the slices follow the merged slices' starts instead: the API plans the deterministic mode without them
+// (api_engine.cpp).
 inline constexpr int32_t kTileMultiple = 384;  // 128-row tiles and the Hopper forward's 192-row ones (D 64)
 
 // Builds the work lists on the host and uploads them to `device` (synchronous; done once per mask and
@@ -107,6 +112,7 @@ struct PlanStats {
   int64_t forward_pairs = 0;       // pairs of works (tile, q head) of the Hopper forward's cluster kernel (0: none)
   bool forward_pairs_of_heads = false;  // ... pairing the q heads of a kv head (else q tiles)
   bool forward_aligned_tiles = false;   // the forward's q tiles follow the slices (PlanTuning::forward_aligned_tiles)
+  bool backward_aligned_tiles = false;  // the Hopper dk/dv kernel's k tiles likewise
   int64_t forward_items = 0, dkdv_items = 0, dq_items = 0;
   int64_t forward_tiles = 0, dkdv_tiles = 0, dq_tiles = 0;
   int64_t device_bytes = 0;

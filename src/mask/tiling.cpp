@@ -124,25 +124,38 @@ TileLists by_q_tile(const Mask& mask, int32_t tile_q, int32_t tile_k) {
   return build<QMajor>(mask, mask.total_q, tile_q, tile_k);
 }
 
-TileLists by_q_tile_aligned(const Mask& mask, int32_t tile_q, int32_t tile_k, int32_t unit) {
-  if (unit <= 0 || tile_q % unit != 0 || tile_k % unit != 0)
-    throw InvalidArgument("tiling: tiles " + std::to_string(tile_q) + " x " + std::to_string(tile_k) +
+namespace {
+
+template <class Axis>
+TileLists build_aligned(const Mask& mask, int32_t total_major, int32_t tile_major, int32_t tile_minor, int32_t unit) {
+  if (unit <= 0 || tile_major % unit != 0 || tile_minor % unit != 0)
+    throw InvalidArgument("tiling: tiles " + std::to_string(tile_major) + " x " + std::to_string(tile_minor) +
                           " are not multiples of the unit " + std::to_string(unit));
   std::vector<int32_t> cuts{0};
   for (const Slice& s : mask.slices) {
-    const Range rows = QMajor::non_empty(s);
+    const Range rows = Axis::non_empty(s);
     if (!rows.empty()) cuts.push_back(rows.start / unit * unit);
   }
   std::sort(cuts.begin(), cuts.end());
   cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
   std::vector<int32_t> starts;
   for (size_t i = 0; i < cuts.size(); ++i) {
-    const int32_t end = i + 1 < cuts.size() ? cuts[i + 1] : mask.total_q;
-    for (int64_t at = cuts[i]; at < end; at += tile_q) starts.push_back(static_cast<int32_t>(at));
+    const int32_t end = i + 1 < cuts.size() ? cuts[i + 1] : total_major;
+    for (int64_t at = cuts[i]; at < end; at += tile_major) starts.push_back(static_cast<int32_t>(at));
   }
-  starts.push_back(mask.total_q);
-  if (mask.total_q == 0) starts = {0};
-  return build<QMajor>(mask, mask.total_q, tile_q, tile_k, std::move(starts), unit);
+  starts.push_back(total_major);
+  if (total_major == 0) starts = {0};
+  return build<Axis>(mask, total_major, tile_major, tile_minor, std::move(starts), unit);
+}
+
+}  // namespace
+
+TileLists by_q_tile_aligned(const Mask& mask, int32_t tile_q, int32_t tile_k, int32_t unit) {
+  return build_aligned<QMajor>(mask, mask.total_q, tile_q, tile_k, unit);
+}
+
+TileLists by_k_tile_aligned(const Mask& mask, int32_t tile_k, int32_t tile_q, int32_t unit) {
+  return build_aligned<KMajor>(mask, mask.total_k, tile_k, tile_q, unit);
 }
 
 TileLists by_k_tile(const Mask& mask, int32_t tile_k, int32_t tile_q) {

@@ -26,7 +26,8 @@ struct TileLists {
   std::vector<int64_t> offsets;
   std::vector<TileWork> items;
 
-  // Tiles aligned to the slices (by_q_tile_aligned): tile t covers major positions [starts[t], starts[t + 1]) and
+  // Tiles aligned to the slices (by_q_tile_aligned, by_k_tile_aligned): tile t covers major positions
+  // [starts[t], starts[t + 1]) and
   // each item's minor chunk starts at a multiple of `unit`; empty: the uniform grid above.
   std::vector<int32_t> starts;
   int32_t unit = 0;
@@ -55,5 +56,8 @@ TileLists by_q_tile_aligned(const Mask& mask, int32_t tile_q, int32_t tile_k, in
 // Major axis k: the transpose (tile over keys, chunks of at most tile_q rows cut at multiples of tile_q,
 // keys trimmed likewise), for dk/dv accumulation.
 TileLists by_k_tile(const Mask& mask, int32_t tile_k, int32_t tile_q);
+
+// Its aligned form (as by_q_tile_aligned, the axes swapped): the k axis cut at every slice's first key.
+TileLists by_k_tile_aligned(const Mask& mask, int32_t tile_k, int32_t tile_q, int32_t unit);
 
 }  // namespace magi::tiling

@@ -658,11 +658,13 @@ TEST(CudaBackend, ForwardPairsMatchReferenceAndSingleTiles) {
   EXPECT_THROW(test_plan(masks::full(4096, 4096), 2, 2, 128, bad), InvalidArgument);
 }
 
-// The Hopper forward's q tiles aligned to the slices (tiling::by_q_tile_aligned): documents of any length (tiles of 64
-// rows between them, a last tile past tq), empty rows between slices, causal slices whose first rows keep nothing,
-// q-overlap; bf16 / fp16, GQA, softcap, sinks, fp32 out (the general epilogue), D 128 and 256; against the reference
-// (forward and backward), and an SM margin and a CUDA graph replay bitwise equal to the plain launch.
-TEST(CudaBackend, ForwardAlignedTilesMatchReference) {
+// The Hopper kernels' tiles aligned to the slices (tiling::by_q_tile_aligned for the forward's q tiles,
+// by_k_tile_aligned for the dk/dv kernel's k tiles): documents of any length (tiles of 64 rows or keys between them, a
+// last tile past the tensor), empty rows between slices, causal slices whose first rows keep nothing, q-overlap; bf16 /
+// fp16, GQA, softcap, sinks, fp32 outputs (the general epilogue), D 128 and 256; against the reference (forward and
+// backward, the deterministic mode too), and an SM margin and a CUDA graph replay of the forward bitwise equal to the
+// plain launch.
+TEST(CudaBackend, AlignedTilesMatchReference) {
   if (!testing_sm90()) GTEST_SKIP() << "no Hopper forward on this device";
   const uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
@@ -691,7 +693,7 @@ TEST(CudaBackend, ForwardAlignedTilesMatchReference) {
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   int index = 0;
-  for (const int32_t d : {128, 256}) {
+  for (const int32_t d : {64, 128, 256}) {  // (at D 64 the backward's tiles only)
     if (!cuda::head_dim_supported(d) || cuda::stats(*test_plan(masks::full(64, 64), 1, 1, d)).padded_head_dim != d)
       continue;
     for (const auto& [name, mask] : cases) {
@@ -700,12 +702,15 @@ TEST(CudaBackend, ForwardAlignedTilesMatchReference) {
       if (index % 4 == 2) c.sink_layout = SinkLayout::SH;
       if (index % 5 == 3) c.fp32_outputs = true;
       cuda::PlanTuning aligned;
-      aligned.forward_aligned_tiles = 1;
+      aligned.forward_aligned_tiles = aligned.backward_aligned_tiles = 1;
       aligned.forward_tile_q = 128;
       const std::string context = name + ", " + c.describe() + ", seed " + std::to_string(seed);
       const auto plan = test_plan(mask, c.heads_q, c.heads_kv, d, aligned);
-      ASSERT_TRUE(cuda::stats(*plan).forward_aligned_tiles) << context;
+      ASSERT_EQ(cuda::stats(*plan).forward_aligned_tiles, d != 64) << context;
+      ASSERT_TRUE(cuda::stats(*plan).backward_aligned_tiles) << context;
       EXPECT_TRUE(check_cuda_case(mask, c, seed + index, name + ", aligned tiles", false, aligned));
+      if (index % 3 == 2)
+        EXPECT_TRUE(check_cuda_case(mask, c, seed + index, name + ", aligned tiles", true, aligned));
       CaseData data = make_case(mask, c, seed + index);
       DeviceCase dev(data, c);
       const cuda::Options o = cuda_options(c);
@@ -732,6 +737,24 @@ TEST(CudaBackend, ForwardAlignedTilesMatchReference) {
           if (what == "out" || what == "lse" || what == "max_logits") r.emplace_back(what, std::move(t));
         runs.emplace_back(how, std::move(r));
       };
+      if (d == 64) {  // the backward's tiles: an SM margin against none
+        auto backward_outputs = [&](const cuda::Options& options) {
+          dev.poison();
+          cuda::forward(*plan, dev.forward_args(), o, stream);
+          cuda::backward(*plan, dev.backward_args(), options, stream);
+          EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+          return dev.results();
+        };
+        cuda::Options margin = o;
+        margin.sm_margin = 8;
+        const auto plain = backward_outputs(o), with_margin = backward_outputs(margin);
+        for (size_t j = 0; j < plain.size(); ++j)
+          if (plain[j].first != "dq" && plain[j].first != "dsink")  // (their adds run in any order)
+            EXPECT_TRUE(check_bitwise_equal(plain[j].first, plain[j].second, with_margin[j].second,
+                                            "backward with an SM margin, " + context));
+        ++index;
+        continue;
+      }
       run("plain", o, false);
       cuda::Options margin = o;
       margin.sm_margin = 8;
@@ -750,11 +773,17 @@ TEST(CudaBackend, ForwardAlignedTilesMatchReference) {
   cuda::PlanTuning tile128;
   tile128.forward_tile_q = 128;
   if (cuda::head_dim_supported(128)) {
-    EXPECT_TRUE(cuda::stats(*test_plan(masks::varlen_causal(cu_seqlens_of({768, 576, 768, 256, 1792})), 2, 2, 128, tile128))
-                    .forward_aligned_tiles);
-    EXPECT_FALSE(cuda::stats(*test_plan(masks::causal(4096, 4096), 2, 2, 128)).forward_aligned_tiles);
+    const Mask docs = masks::varlen_causal(cu_seqlens_of({768, 576, 768, 256, 1792}));
+    EXPECT_TRUE(cuda::stats(*test_plan(docs, 2, 2, 128, tile128)).forward_aligned_tiles);
+    EXPECT_TRUE(cuda::stats(*test_plan(docs, 2, 2, 128)).backward_aligned_tiles);
+    const cuda::PlanStats causal = cuda::stats(*test_plan(masks::causal(4096, 4096), 2, 2, 128));
+    EXPECT_FALSE(causal.forward_aligned_tiles);
+    EXPECT_FALSE(causal.backward_aligned_tiles);
     cuda::PlanTuning bad;
     bad.forward_aligned_tiles = 2;
+    EXPECT_THROW(test_plan(masks::full(256, 256), 2, 2, 128, bad), InvalidArgument);
+    bad.forward_aligned_tiles = -1;
+    bad.backward_aligned_tiles = -2;
     EXPECT_THROW(test_plan(masks::full(256, 256), 2, 2, 128, bad), InvalidArgument);
   }
 }
@@ -1134,8 +1163,12 @@ TEST(CudaBackend, AutoRangeMergeKeepsDeterministicBits) {
                                   std::to_string(merged.slices.size()) + " slices), " + c.describe() + ", seed " +
                                   std::to_string(seed);
       std::vector<std::vector<std::pair<std::string, HostTensor>>> results;
+      // The global grid: its tiles divide the merge multiple (tiles aligned to the slices may not; the API plans
+      // those merges without them).
+      cuda::PlanTuning grid;
+      grid.forward_aligned_tiles = grid.backward_aligned_tiles = 0;
       for (const Mask* m : {&mask, &merged}) {
-        auto plan = test_plan(*m, c.heads_q, c.heads_kv, d);
+        auto plan = test_plan(*m, c.heads_q, c.heads_kv, d, grid);
         dev.poison();
         cuda::forward(*plan, dev.forward_args(), cuda_options(c, true), nullptr);
         cuda::backward(*plan, dev.backward_args(), cuda_options(c, true), nullptr);

@@ -43,7 +43,6 @@ void check_lists(const Mask& mask, const TileLists& lists, bool q_major, const s
   if (aligned) {
     // Tiles partition the rows, start at multiples of the unit, at most tile_major long, whole units but the last;
     // every slice's first kept row (rounded down to the unit) starts one.
-    ASSERT_TRUE(q_major) << where;
     ASSERT_EQ(lists.starts.size(), static_cast<size_t>(lists.num_tiles()) + 1) << where;
     ASSERT_EQ(lists.starts.front(), 0) << where;
     ASSERT_EQ(lists.starts.back(), total_major) << where;
@@ -55,9 +54,10 @@ void check_lists(const Mask& mask, const TileLists& lists, bool q_major, const s
       if (t + 1 < lists.num_tiles()) EXPECT_EQ(r.size() % lists.unit, 0) << where << " tile " << t;
     }
     for (const Slice& s : mask.slices) {
-      int32_t first = s.q.start;
-      while (first < s.q.end && kept_keys(s, first).empty()) ++first;
-      if (first == s.q.end) continue;
+      const Range along = q_major ? s.q : s.k;
+      int32_t first = along.start;
+      while (first < along.end && (q_major ? kept_keys(s, first) : kept_queries(s, first)).empty()) ++first;
+      if (first == along.end) continue;
       EXPECT_TRUE(std::binary_search(lists.starts.begin(), lists.starts.end(), first / lists.unit * lists.unit))
           << where << ": no tile starts at slice rows " << first;
     }
@@ -126,6 +126,8 @@ TEST(Tiling, RandomMasksMatchBruteForce) {
     const int32_t unit = std::uniform_int_distribution<int32_t>(1, 6)(rng);
     check_lists(mask, by_q_tile_aligned(mask, unit * (1 + trial % 3), unit * (1 + trial / 3 % 3), unit), true,
                 where + " by_q aligned, unit " + std::to_string(unit));
+    check_lists(mask, by_k_tile_aligned(mask, unit * (1 + trial % 3), unit * (1 + trial / 3 % 3), unit), false,
+                where + " by_k aligned, unit " + std::to_string(unit));
     if (HasFatalFailure()) return;
   }
 }

@@ -172,7 +172,7 @@ HostList convert(const Mask& mask, const tiling::TileLists& lists, bool q_major)
     if (!lists.starts.empty()) {  // DeviceList::tile_unit's encoding: a tile of `unit` rows is short
       const Range r = lists.tile(t);
       const bool last = t + 1 == tiles, whole = r.size() == lists.tile_major;
-      if (!q_major || r.start % lists.unit != 0 || (!last && !whole && r.size() != lists.unit))
+      if (r.start % lists.unit != 0 || (!last && !whole && r.size() != lists.unit))
         throw Error("cuda plan: aligned tile [" + std::to_string(r.start) + ", " + std::to_string(r.end) +
                     ") is not " + std::to_string(lists.tile_major) + " or " + std::to_string(lists.unit) + " rows");
       tile = r.start / lists.unit * 2 + (!whole && r.size() <= lists.unit ? 1 : 0);
@@ -471,7 +471,7 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   if (sm90 && tuning.forward_aligned_tiles != 0 && sm90::forward_takes_aligned_tiles(plan->padded_d, fwd_q)) {
     tiling::TileLists aligned = tiling::by_q_tile_aligned(mask, fwd_q, fwd_tiles.tile_minor, sm90::forward_tile_unit);
     if (tuning.forward_aligned_tiles == 1 ||
-        sm90::prefer_aligned_forward_tiles(static_cast<double>(fwd_tiles.computed_cells()),
+        sm90::prefer_aligned_tiles(static_cast<double>(fwd_tiles.computed_cells()),
                                            static_cast<double>(aligned.computed_cells())))
       fwd_tiles = std::move(aligned);
   }
@@ -554,6 +554,25 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   const int dkdv_k = plan->bwd_family == KernelFamily::Sm90 ? sm90::backward_tile_k(plan->padded_d)
                                                             : detail::dkdv_tile_k(plan->padded_d);
   HostList dkdv = convert(mask, tiling::by_k_tile(mask, dkdv_k, detail::kDkdvTileQ), false);
+  if (tuning.backward_aligned_tiles < -1 || tuning.backward_aligned_tiles > 1)
+    throw InvalidArgument("cuda plan: backward_aligned_tiles " + std::to_string(tuning.backward_aligned_tiles) +
+                          " is not one of -1 (the planner's choice), 0 (never), 1 (wherever the tile takes them)");
+  // The Hopper dk/dv kernel's k tiles aligned to the slices where they compute fewer cells; the global grid's list
+  // stays for the portable kernel, which runs a call whose addresses the Hopper one cannot load.
+  HostList dkdv_grid;
+  if (plan->bwd_family == KernelFamily::Sm90 && tuning.backward_aligned_tiles != 0 &&
+      sm90::backward_takes_aligned_tiles(plan->padded_d)) {
+    const tiling::TileLists grid = tiling::by_k_tile(mask, dkdv_k, detail::kDkdvTileQ);
+    const tiling::TileLists aligned =
+        tiling::by_k_tile_aligned(mask, dkdv_k, detail::kDkdvTileQ, sm90::backward_tile_unit);
+    if (tuning.backward_aligned_tiles == 1 ||
+        sm90::prefer_aligned_tiles(static_cast<double>(grid.computed_cells()),
+                                   static_cast<double>(aligned.computed_cells()))) {
+      plan->dkdv_tile_unit = aligned.unit;
+      dkdv_grid = std::move(dkdv);
+      dkdv = convert(mask, aligned, false);
+    }
+  }
   // The dk/dv kernel (one block per SM or cluster) in passes of kv heads sharing their group's Q, dO and fp32 dq
   // accumulator in L2: varlen causal backward +7% (H100). (Counting SMs, not clusters, the Hopper D 512 backward took
   // every full-mask tile for heavy and ran all heads at once: 67% of DRAM's bandwidth, 141 bwd TFLOP/s.)
@@ -562,6 +581,8 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
       plan->bwd_family == KernelFamily::Sm90 ? sms / sm90::backward_cluster_size(plan->padded_d) : sms;
   const PassOrder dkdv_passes = order_in_passes(dkdv, plan->hkv, group_bytes, l2_bytes, dkdv_slots);
   rank_dq_adds(dkdv, detail::kDkdvTileQ);
+  const PassOrder dkdv_grid_passes =
+      dkdv_grid.tiles.empty() ? PassOrder{} : order_in_passes(dkdv_grid, plan->hkv, group_bytes, l2_bytes, sms);
   // Concatenated heads: a 64-row chunk holds 64 / group tokens of every q head of the group.
   const int32_t group = plan->hq / plan->hkv;
   HostList dkdv_cat;
@@ -609,6 +630,7 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   const Offsets o_fwd_pairs{append(fwd_pairs.tiles.data(), fwd_pairs.tiles.size() * sizeof(detail::TileInfo)),
                             o_fwd.items};  // the fwd list's items
   const Offsets o_dkdv = append_list(dkdv);
+  const Offsets o_dkdv_grid = append_list(dkdv_grid);
   const Offsets o_dq = dq_shared ? o_fwd : append_list(dq_own);
   const Offsets o_dkdv_cat = append_list(dkdv_cat);
   const Offsets o_dq_sm90 = append_list(dq_sm90);
@@ -633,6 +655,8 @@ std::shared_ptr<Plan> make_plan(const Mask& mask, int32_t heads_q, int32_t heads
   plan->fwd.tile_unit = plan->fwd_tile_unit;
   plan->fwd_pairs = plan->fwd_pairs_of_heads ? plan->fwd : make_list(fwd_pairs, o_fwd_pairs, fwd_pair_passes);
   plan->dkdv = make_list(dkdv, o_dkdv, dkdv_passes);
+  plan->dkdv.tile_unit = plan->dkdv_tile_unit;
+  plan->dkdv_grid = plan->dkdv_tile_unit == 0 ? plan->dkdv : make_list(dkdv_grid, o_dkdv_grid, dkdv_grid_passes);
   plan->dq = make_list(dq, o_dq, {plan->hq, 0});
   if (plan->bwd_cat_group > 1) plan->dkdv_cat = make_list(dkdv_cat, o_dkdv_cat, dkdv_cat_passes);
   plan->dq_sm90 = make_list(dq_sm90, o_dq_sm90, dq_sm90_passes);
@@ -659,6 +683,7 @@ PlanStats stats(const Plan& plan) {
                         : int64_t{plan.fwd_pairs.num_tiles} / 2 * plan.hq;
   s.forward_pairs_of_heads = plan.fwd_pairs_of_heads;
   s.forward_aligned_tiles = plan.fwd_tile_unit != 0;
+  s.backward_aligned_tiles = plan.dkdv_tile_unit != 0;
   s.forward_items = plan.fwd_items;
   s.dkdv_items = plan.dkdv_items;
   s.dq_items = plan.dq_items;

@@ -28,7 +28,9 @@ struct Plan {
   detail::DeviceList fwd, dkdv, dq;
   detail::DeviceList fwd_pairs;  // the forward's pairs of works (FwdParams::pairs); num_tiles 0: none
   bool fwd_pairs_of_heads = false;
-  int32_t fwd_tile_unit = 0;  // the forward's tiles aligned to the slices (DeviceList::tile_unit); 0: uniform  // ... as pairs of q heads (FwdParams::pairs_of_heads)
+  int32_t fwd_tile_unit = 0;  // the forward's tiles aligned to the slices (DeviceList::tile_unit); 0: uniform
+  int32_t dkdv_tile_unit = 0;  // the Hopper dk/dv kernel's likewise
+  detail::DeviceList dkdv_grid;  // the dkdv list on the global grid (the portable kernel's; dkdv itself if uniform)  // ... as pairs of q heads (FwdParams::pairs_of_heads)
   int64_t fwd_items = 0, dkdv_items = 0, dq_items = 0;
   // Concatenated heads (PlanTuning::backward_cat_gqa): the Hopper dk/dv kernel's list over chunks of 64 / group
   // tokens, used when that kernel adds dQ itself (else the dkdv list); group 1: none.

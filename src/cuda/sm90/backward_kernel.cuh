@@ -291,8 +291,12 @@ struct BackwardKernel {
       const TileInfo info = work.info;
       if (info.count == 0) continue;
       const int kv_head = at.head;
-      Tensor gK = local_tile(mK(_, _, kv_head), Shape<Int<kN>, Int<kD>>{}, make_coord(info.tile, part));
-      Tensor gV = local_tile(mV(_, _, kv_head), Shape<Int<kN>, Int<kD>>{}, make_coord(info.tile, part));
+      // The tile's keys from their first (DeviceList::tile_unit: on either grid).
+      const int k_start = detail::tile_rows(p.list, info.tile, kN).start;
+      Tensor gK = local_tile(domain_offset(make_coord(k_start, 0), mK(_, _, kv_head)), Shape<Int<kN>, Int<kD>>{},
+                             make_coord(0, part));
+      Tensor gV = local_tile(domain_offset(make_coord(k_start, 0), mV(_, _, kv_head)), Shape<Int<kN>, Int<kD>>{},
+                             make_coord(0, part));
       auto [tKg, tKs] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
       auto [tVg, tVs] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
       // K and V go out after the work's first chunk: that chunk's stage is free while the consumers still run the
@@ -364,7 +368,8 @@ struct BackwardKernel {
       if (linear >= params.num_work) break;
       const WorkCoords at = detail::work_coords(linear, p.hkv, p.list);
       const TileInfo info = p.list.tiles[at.tile_index];
-      const int k_base = info.tile * kN;
+      const detail::TileRows keys = detail::tile_rows(p.list, info.tile, kN);
+      const int k_base = keys.start;
       begin();
       if (info.count > 0) {
         shared.kv_full.wait(kv_phase);
@@ -385,7 +390,7 @@ struct BackwardKernel {
         }
         if (!chunk_frees_kv) shared.kv_empty.arrive();
       }
-      end(at.head, k_base);
+      end(at.head, k_base, min(p.tk, keys.end));
     }
   }
 
@@ -394,21 +399,21 @@ struct BackwardKernel {
   // (store_row_blocks, as the portable family) when dk and dv are 16-byte aligned, else element pairs.
   template <class Acc>
   static __device__ __forceinline__ void store_key_rows(const BwdParams& p, void* out, const Acc& acc, bool fp32,
-                                                        int kv_head, int k_base, int key_local, int lane,
-                                                        int col0 = 0) {
+                                                        int kv_head, int k_base, int k_end, int key_local,
+                                                        int lane, int col0 = 0) {
     if (p.vector_stores) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int key = k_base + key_local + 8 * r;
         const int64_t row = (int64_t{key} * p.hkv + kv_head) * p.d + col0;
-        detail::store_row_blocks<T>(out, row, acc, r, 1.0f, p.d - col0, fp32, key < p.tk, lane);
+        detail::store_row_blocks<T>(out, row, acc, r, 1.0f, p.d - col0, fp32, key < k_end, lane);
       }
       return;
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int key = k_base + key_local + 8 * r;
-      if (key >= p.tk) continue;
+      if (key >= k_end) continue;
       const int64_t base = (int64_t{key} * p.hkv + kv_head) * p.d;
 #pragma unroll
       for (int nb = 0; nb < kD / 8; ++nb) {
@@ -623,11 +628,11 @@ struct BackwardKernel {
       ++chunks;
     };
     // dK (the cells' dS already carries the softmax scale) and dV.
-    auto end = [&](int kv_head, int k_base) {
+    auto end = [&](int kv_head, int k_base, int k_end) {
       auto& dk = *reinterpret_cast<float(*)[kD / 8][4]>(raw_pointer_cast(tdKrdK.data()));
       auto& dv = *reinterpret_cast<float(*)[kD / 8][4]>(raw_pointer_cast(tdVrdV.data()));
-      store_key_rows(p, p.dk, dk, p.grad_fp32, kv_head, k_base, key_local, lane);
-      store_key_rows(p, p.dv, dv, p.dv_fp32, kv_head, k_base, key_local, lane);
+      store_key_rows(p, p.dk, dk, p.grad_fp32, kv_head, k_base, k_end, key_local, lane);
+      store_key_rows(p, p.dv, dv, p.dv_fp32, kv_head, k_base, k_end, key_local, lane);
     };
     for_each_chunk<true>(params, shared, pipeline, begin, chunk, end);
   }
@@ -913,9 +918,9 @@ struct BackwardKernel {
       }
     };
     // dV (role 0) or dK (role 1: the cells' dS already carries the softmax scale).
-    auto end = [&](int kv_head, int k_base) {
+    auto end = [&](int kv_head, int k_base, int k_end) {
       auto& acc = *reinterpret_cast<float(*)[kD / 8][4]>(raw_pointer_cast(tKVrAcc.data()));
-      store_key_rows(p, role == 0 ? p.dv : p.dk, acc, role == 0 ? p.dv_fp32 : p.grad_fp32, kv_head, k_base,
+      store_key_rows(p, role == 0 ? p.dv : p.dk, acc, role == 0 ? p.dv_fp32 : p.grad_fp32, kv_head, k_base, k_end,
                      key_local, lane, col0);
     };
     for_each_chunk<false>(params, shared, pipeline, begin, chunk, end);

@@ -135,11 +135,15 @@ constexpr int forward_tile_unit = 64;
 constexpr bool forward_takes_aligned_tiles(int padded_head_dim, int tile_q) {
   return tile_q == 128 && (padded_head_dim == 128 || padded_head_dim == 256);
 }
+// The backward's k tiles likewise (tiling::by_k_tile_aligned), up to tile 256: 128 or 64 keys from multiples of 64
+// (its q chunks are 64 rows on either grid).
+constexpr int backward_tile_unit = 64;
+constexpr bool backward_takes_aligned_tiles(int padded_head_dim) { return padded_head_dim <= 256; }
 // Aligned tiles where the global grid computes more than this many times their cells (they cost a little more per
 // tile: partial tiles, and every item of a partial tile masked).
-constexpr double forward_aligned_tile_gain = 1.02;
-constexpr bool prefer_aligned_forward_tiles(double grid_cells, double aligned_cells) {
-  return grid_cells > forward_aligned_tile_gain * aligned_cells;
+constexpr double aligned_tile_gain = 1.02;
+constexpr bool prefer_aligned_tiles(double grid_cells, double aligned_cells) {
+  return grid_cells > aligned_tile_gain * aligned_cells;
 }
 constexpr int forward_pair_min_keys = 2048;
 constexpr int forward_out_tile_bytes(int padded_head_dim, int tile_q) {
