@@ -68,7 +68,7 @@ struct PlanTuning {
   bool backward_cat_gqa = false;
   // The Hopper forward's pairs of works on clusters (sm90::forward_takes_pairs: q heads of one kv head, else q tiles
   // reading the same K / V tiles): -1 = where works are long (and most tiles pair up), 0 = never, 1 = wherever the
-  // tile takes them.
+  // tile takes them. Pairs are taken on the global grid only (not with forward_aligned_tiles).
   int32_t forward_pairs = -1;
   // The Hopper forward's q tiles aligned to the slices (tiling::by_q_tile_aligned; sm90::forward_takes_aligned_tiles):
   // -1 = where they compute clearly fewer cells than the global grid, 0 = never, 1 = wherever the tile takes them.

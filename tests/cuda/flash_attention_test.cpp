@@ -594,6 +594,7 @@ TEST(CudaBackend, ForwardPairsMatchReferenceAndSingleTiles) {
       pairs.forward_pairs = 1;
       singles.forward_pairs = 0;
       pairs.forward_tile_q = singles.forward_tile_q = 128;  // (short documents would take 64-row tiles: no pairs)
+      pairs.forward_aligned_tiles = singles.forward_aligned_tiles = 0;  // (pairs are taken on the global grid only)
       const auto paired = test_plan(mask, heads_q, heads_kv, 128, pairs);
       ASSERT_GT(cuda::stats(*paired).forward_pairs, 0) << context;
       EXPECT_EQ(cuda::stats(*paired).forward_pairs_of_heads, heads_q / heads_kv % 2 == 0) << context;
